@@ -1,0 +1,270 @@
+"""Data preparation engines: every loader returns a table that conforms to ``schemas.artifacts.PROMPTS``.
+
+Sources: a synthetic addition task (the tiny kit's verifiable task), GSM8K jsonl files and
+verl-format parquet files. Bad input raises one ``DatasetError`` naming the file and the line (or row).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from schemas.artifacts import PROMPTS, conform
+from schemas.config import KitConfig
+
+ADDITION_SOURCE = "synthetic/addition"
+GSM8K_SOURCE = "openai/gsm8k"
+# The instruction verl's gsm8k preprocessing appends, so rewards and prompts match verl's recipes.
+GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
+VERL_REQUIRED_COLUMNS = ("data_source", "prompt", "reward_model")
+SOURCES = ("synthetic", "gsm8k", "verl_parquet")
+
+
+class DatasetError(ValueError):
+    """Unusable input data: the message names the file and, where there is one, the line or row."""
+
+
+def _to_table(rows: list[dict[str, Any]]) -> pa.Table:
+    # Building against the schema directly keeps empty tables and null messages typed.
+    return conform(pa.Table.from_pylist(rows, schema=PROMPTS), PROMPTS)
+
+
+def _json(obj: Any) -> str:
+    # default=str keeps exotic parquet values (dates, bytes, decimals) instead of failing the load.
+    return json.dumps(obj, ensure_ascii=False, sort_keys=True, default=str)
+
+
+# ---------------------------------------------------------------- synthetic addition
+
+
+def addition_problem(a: int, b: int) -> tuple[str, str]:
+    """One addition problem: (prompt, answer), e.g. ``("What is 23+58? ", "81")``."""
+    return f"What is {a}+{b}? ", str(a + b)
+
+
+def _addition_table(pairs: Sequence[tuple[int, int]], split: str) -> pa.Table:
+    rows = []
+    for i, (a, b) in enumerate(pairs):
+        prompt, answer = addition_problem(a, b)
+        rows.append(
+            {
+                "prompt_id": f"addition-{split}-{i}",
+                "prompt": prompt,
+                "messages": None,  # a plain-text task: the tiny kit has no chat template
+                "data_source": ADDITION_SOURCE,
+                "ground_truth": answer,
+                "extra_info": _json({"split": split, "index": i, "a": a, "b": b}),
+            }
+        )
+    return _to_table(rows)
+
+
+def make_addition_splits(
+    digits: int, train_size: int, test_size: int, seed: int
+) -> tuple[pa.Table, pa.Table]:
+    """Disjoint, deterministic train/test splits of ``a+b`` with operands uniform in ``[0, 10**digits)``."""
+    if digits < 1:
+        raise ValueError(f"digits must be >= 1, got {digits}")
+    if train_size < 0 or test_size < 0:
+        raise ValueError(f"sizes must be >= 0, got train_size={train_size}, test_size={test_size}")
+    base = 10**digits
+    total = base * base
+    wanted = train_size + test_size
+    if wanted > total:
+        raise ValueError(
+            f"train_size={train_size} + test_size={test_size} = {wanted} distinct (a, b) pairs requested, "
+            f"but only {total} exist for digits={digits}"
+        )
+    # Sampling pair indices without replacement makes the splits disjoint by construction; range() is lazy.
+    picks = random.Random(seed).sample(range(total), wanted)
+    pairs = [divmod(k, base) for k in picks]
+    return _addition_table(pairs[:train_size], "train"), _addition_table(pairs[train_size:], "test")
+
+
+# ---------------------------------------------------------------- GSM8K
+
+
+def _check_file(path: str | Path) -> Path:
+    p = Path(path)
+    if not p.exists():
+        raise DatasetError(f"{p}: file does not exist")
+    if not p.is_file():
+        raise DatasetError(f"{p}: not a file")
+    if p.stat().st_size == 0:
+        raise DatasetError(f"{p}: file is empty")
+    return p
+
+
+def gsm8k_ground_truth(answer: str) -> str | None:
+    """The final answer after ``####`` with thousands separators removed, or None without a marker."""
+    if "####" not in answer:
+        return None
+    return answer.split("####")[-1].replace(",", "").strip()
+
+
+def load_gsm8k(path: str, split: str | None = None) -> pa.Table:
+    """GSM8K jsonl rows ``{"question", "answer"}`` -> prompts; ``split`` defaults to the file's stem."""
+    p = _check_file(path)
+    split = split or p.stem
+    rows = []
+    try:
+        lines = p.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as err:
+        raise DatasetError(f"{p}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue  # blank lines (a trailing newline, say) are not rows
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise DatasetError(f"{p}:{lineno}: invalid JSON ({err.msg} at column {err.colno})") from None
+        if not isinstance(obj, dict):
+            raise DatasetError(f"{p}:{lineno}: expected a JSON object, got {type(obj).__name__}")
+        for key in ("question", "answer"):
+            if not isinstance(obj.get(key), str) or not obj[key].strip():
+                raise DatasetError(f"{p}:{lineno}: row has no {key!r} (a non-empty string is required)")
+        truth = gsm8k_ground_truth(obj["answer"])
+        if truth is None:
+            raise DatasetError(f"{p}:{lineno}: answer has no '####' final-answer marker")
+        if not truth:
+            raise DatasetError(f"{p}:{lineno}: answer has nothing after '####'")
+        index = len(rows)
+        prompt = f"{obj['question']} {GSM8K_INSTRUCTION}"
+        rows.append(
+            {
+                "prompt_id": f"gsm8k-{split}-{index}",
+                "prompt": prompt,
+                "messages": [{"role": "user", "content": prompt}],
+                "data_source": GSM8K_SOURCE,
+                "ground_truth": truth,
+                "extra_info": _json(
+                    {"split": split, "index": index, "question": obj["question"], "answer": obj["answer"]}
+                ),
+            }
+        )
+    if not rows:
+        raise DatasetError(f"{p}: file is empty (no rows)")
+    return _to_table(rows)
+
+
+# ---------------------------------------------------------------- verl-format parquet
+
+
+def render_messages(messages: Sequence[dict[str, Any]], tokenizer: Any = None) -> str:
+    """Chat messages -> prompt text: the tokenizer's chat template when it has one, else ``role: content`` lines."""
+    if tokenizer is not None and getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+    return "\n".join(f"{m['role']}: {m['content']}" for m in messages)
+
+
+def _messages(value: Any, where: str) -> list[dict[str, str]]:
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]  # some exports keep a bare string prompt
+    if value is None or not isinstance(value, list | tuple) or not value:
+        raise DatasetError(f"{where}: 'prompt' must be a non-empty list of chat messages")
+    out = []
+    for m in value:
+        if (
+            not isinstance(m, dict)
+            or not isinstance(m.get("role"), str)
+            or not isinstance(m.get("content"), str)
+        ):
+            raise DatasetError(f"{where}: every 'prompt' message needs string 'role' and 'content'")
+        out.append({"role": m["role"], "content": m["content"]})
+    return out
+
+
+def _as_dict(value: Any, where: str, column: str) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if isinstance(value, str):  # extra_info stored as a JSON string
+        try:
+            value = json.loads(value) if value.strip() else {}
+        except json.JSONDecodeError as err:
+            raise DatasetError(f"{where}: {column!r} is not valid JSON ({err.msg})") from None
+    if isinstance(value, list) and all(isinstance(kv, tuple) and len(kv) == 2 for kv in value):
+        value = dict(value)  # Arrow map columns come back as (key, value) pairs
+    if not isinstance(value, dict):
+        raise DatasetError(f"{where}: {column!r} must be a struct/dict, got {type(value).__name__}")
+    return value
+
+
+def load_verl_parquet(path: str, split: str | None = None) -> pa.Table:
+    """A verl RL parquet (data_source, prompt, ability, reward_model, extra_info) -> prompts."""
+    p = _check_file(path)
+    split = split or p.stem
+    try:
+        table = pq.read_table(p)
+    except (pa.ArrowException, OSError) as err:
+        raise DatasetError(f"{p}: not a readable parquet file ({err})") from None
+    missing = [c for c in VERL_REQUIRED_COLUMNS if c not in table.column_names]
+    if missing:
+        raise DatasetError(f"{p}: missing columns {missing} (has {table.column_names})")
+    if table.num_rows == 0:
+        raise DatasetError(f"{p}: file is empty (no rows)")
+    known = {"data_source", "prompt", "ability", "reward_model", "extra_info"}
+    rows = []
+    for index, rec in enumerate(table.to_pylist()):
+        where = f"{p}: row {index}"
+        source = rec["data_source"]
+        if not isinstance(source, str) or not source:
+            raise DatasetError(f"{where}: 'data_source' must be a non-empty string")
+        messages = _messages(rec["prompt"], where)
+        reward_model = _as_dict(rec["reward_model"], where, "reward_model")
+        truth = reward_model.get("ground_truth")
+        if truth is None:
+            raise DatasetError(f"{where}: 'reward_model' has no 'ground_truth'")
+        extra = _as_dict(rec.get("extra_info"), where, "extra_info")
+        # Everything verl carries beside the prompt (ability, reward style, extra columns) stays in extra_info.
+        if rec.get("ability") is not None:
+            extra.setdefault("ability", rec["ability"])
+        if reward_model.get("style") is not None:
+            extra.setdefault("reward_style", reward_model["style"])
+        for col in table.column_names:
+            if col not in known:
+                extra.setdefault(col, rec[col])
+        rows.append(
+            {
+                "prompt_id": f"verl-{split}-{index}",
+                "prompt": render_messages(messages),
+                "messages": messages,
+                "data_source": source,
+                "ground_truth": truth if isinstance(truth, str) else _json(truth),
+                "extra_info": _json(extra),
+            }
+        )
+    return _to_table(rows)
+
+
+# ---------------------------------------------------------------- dispatcher
+
+
+def load_prompts(source: str, path: str | None, **kw: Any) -> pa.Table:
+    """Load prompts by ``data.source``.
+
+    ``synthetic`` takes ``split`` ("train"/"test", default "train") and ``digits``/``train_size``/
+    ``test_size``/``seed`` (defaults from ``KitConfig``); the file sources take ``split`` for prompt ids.
+    """
+    if source == "synthetic":
+        kit = KitConfig()
+        split = kw.pop("split", "train")
+        if split not in ("train", "test"):
+            raise DatasetError(f"synthetic split must be 'train' or 'test', got {split!r}")
+        params = {k: kw.pop(k, getattr(kit, k)) for k in ("digits", "train_size", "test_size", "seed")}
+        if kw:
+            raise TypeError(f"unexpected arguments for the synthetic source: {sorted(kw)}")
+        train, test = make_addition_splits(**params)
+        return train if split == "train" else test
+    if source not in SOURCES:
+        raise DatasetError(f"unknown data source {source!r}; valid: {', '.join(SOURCES)}")
+    if not path:
+        raise DatasetError(f"data source {source!r} needs a path")
+    if source == "gsm8k":
+        return load_gsm8k(path, **kw)
+    return load_verl_parquet(path, **kw)

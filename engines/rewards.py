@@ -1,0 +1,421 @@
+"""Rule-based reward functions, chosen by ``data_source``, and a sandboxed batch scorer.
+
+A reward function is ``fn(response_text, ground_truth, extra_info) -> float``. ``score_batch`` runs
+them in a long-lived child process so that a function which raises, hangs or kills its process
+costs only its own sample (score 0.0, error recorded), never the batch.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import importlib
+import importlib.util
+import json
+import math
+import multiprocessing as mp
+import os
+import re
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
+from typing import Any
+
+RewardFn = Callable[[str, str, dict], float]
+
+REWARD_FNS: dict[str, RewardFn] = {}
+
+# data_source -> reward function name; gsm8k's entry is resolved by method (strict / flexible).
+DATA_SOURCE_FNS: dict[str, str] = {
+    "synthetic/addition": "exact_match",
+    "openai/gsm8k": "gsm8k_{method}",
+}
+GSM8K_METHODS = ("strict", "flexible")
+
+
+def register_reward_fn(name: str) -> Callable[[RewardFn], RewardFn]:
+    """Decorator: register ``fn`` under ``name``. It must be a module-level function so the scorer can import it."""
+
+    def deco(fn: RewardFn) -> RewardFn:
+        REWARD_FNS[name] = fn
+        return fn
+
+    return deco
+
+
+def default_reward_fn(data_source: str, method: str = "strict") -> str:
+    """The registered reward function name for a ``data_source`` (``method`` picks the gsm8k variant)."""
+    if method not in GSM8K_METHODS:
+        raise ValueError(f"unknown gsm8k method {method!r}; valid: {', '.join(GSM8K_METHODS)}")
+    try:
+        return DATA_SOURCE_FNS[data_source].format(method=method)
+    except KeyError:
+        raise ValueError(
+            f"no reward function for data_source {data_source!r} (known: {', '.join(sorted(DATA_SOURCE_FNS))}); "
+            f"set reward.function to one of: {', '.join(sorted(REWARD_FNS))}"
+        ) from None
+
+
+# ---------------------------------------------------------------- reward functions
+
+# Generated text may still carry end-of-sequence markers when decoded without skipping special tokens.
+_EOS_MARKERS = ("<eos>", "</s>", "<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end_of_text|>")
+
+
+@register_reward_fn("exact_match")
+def exact_match(response_text: str, ground_truth: str, extra_info: dict) -> float:
+    """1.0 when the response's first token (cut at the first eos marker or whitespace) equals the ground truth."""
+    text = response_text.strip()
+    markers = _EOS_MARKERS + ((extra_info["eos_token"],) if extra_info.get("eos_token") else ())
+    for marker in markers:
+        text = text.split(marker, 1)[0]
+    parts = text.split(None, 1)
+    answer = parts[0] if parts else ""
+    return 1.0 if answer == ground_truth.strip() else 0.0
+
+
+# Like verl, only the tail is searched: answers come last, and regexes on huge strings are slow.
+_GSM8K_CLIP_CHARS = 300
+_NUMBER = r"-?\$?\d[\d,]*(?:\.\d+)?"
+_STRICT = re.compile(r"####\s*\$?\s*(" + _NUMBER + ")")
+_FLEXIBLE = re.compile(_NUMBER)
+
+
+def _clean_number(s: str) -> str:
+    return s.replace(",", "").replace("$", "").strip()
+
+
+def extract_gsm8k_answer(text: str, method: str = "strict") -> str | None:
+    """The final answer in ``text``: the last ``#### <number>`` (strict) or the last number (flexible)."""
+    if method not in GSM8K_METHODS:
+        raise ValueError(f"unknown gsm8k method {method!r}; valid: {', '.join(GSM8K_METHODS)}")
+    tail = text[-_GSM8K_CLIP_CHARS:]
+    found = (_STRICT if method == "strict" else _FLEXIBLE).findall(tail)
+    return _clean_number(found[-1]) if found else None
+
+
+def _same_number(answer: str | None, ground_truth: str) -> bool:
+    if answer is None:
+        return False
+    truth = _clean_number(ground_truth)
+    if answer == truth:
+        return True
+    try:  # "72.00" and "72" are the same answer
+        return Decimal(answer) == Decimal(truth)
+    except InvalidOperation:
+        return False
+
+
+@register_reward_fn("gsm8k_strict")
+def gsm8k_strict(response_text: str, ground_truth: str, extra_info: dict) -> float:
+    """verl's gsm8k reward: 1.0 when the last ``#### <number>`` equals the ground truth, else 0.0."""
+    return 1.0 if _same_number(extract_gsm8k_answer(response_text, "strict"), ground_truth) else 0.0
+
+
+@register_reward_fn("gsm8k_flexible")
+def gsm8k_flexible(response_text: str, ground_truth: str, extra_info: dict) -> float:
+    """1.0 when the last number in the response equals the ground truth, else 0.0."""
+    return 1.0 if _same_number(extract_gsm8k_answer(response_text, "flexible"), ground_truth) else 0.0
+
+
+# ---------------------------------------------------------------- the sandboxed scorer
+
+
+@dataclass(frozen=True)
+class RewardResult:
+    score: float
+    reward_fn: str
+    error: str | None = None
+
+
+# A function reference the child can import: (module name, qualified name, source file or None).
+_Ref = tuple[str, str, str | None]
+_MARGIN_S = 2.0  # grace beyond timeout_s before the parent declares the child stuck
+_CHUNK = 512  # samples per message to the child: few IPC round trips for thousands of samples
+_FLUSH_S = 0.1  # the child sends finished results at least this often, so a crash loses little work
+_START_TIMEOUT_S = 120.0
+
+
+class _RewardTimeout(BaseException):
+    """Raised by SIGALRM; a BaseException so that ``except Exception`` in a reward function can't swallow it."""
+
+
+def _on_alarm(signum: int, frame: Any) -> None:
+    raise _RewardTimeout
+
+
+def _load_ref(ref: _Ref) -> RewardFn:
+    module_name, qualname, file = ref
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError:
+        if not file:
+            raise
+        # Modules outside sys.path (e.g. pytest test files) are loaded from their file.
+        spec = importlib.util.spec_from_file_location(module_name, file)
+        if spec is None or spec.loader is None:
+            raise
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module
+        spec.loader.exec_module(module)
+    obj: Any = module
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise TypeError(f"{module_name}:{qualname} is not callable")
+    return obj
+
+
+def _score_one(
+    fn: RewardFn, response: str, truth: str, extra: Any, timeout_s: float
+) -> tuple[float, str | None]:
+    try:
+        # Re-installed every call: a reward function may have replaced the handler.
+        signal.signal(signal.SIGALRM, _on_alarm)
+        signal.setitimer(signal.ITIMER_REAL, timeout_s)
+        try:
+            info = json.loads(extra) if isinstance(extra, str) else (extra or {})
+            if not isinstance(info, dict):
+                raise ValueError(f"extra_info must be a JSON object, got {type(info).__name__}")
+            value = fn(response, truth, info)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+        if isinstance(value, dict):  # verl-style functions may return {"score": ..., ...}
+            value = value["score"]
+        score = float(value)
+        if not math.isfinite(score):
+            raise ValueError(f"reward is not finite: {score}")
+        return score, None
+    except _RewardTimeout:
+        return 0.0, f"timeout after {timeout_s}s"
+    except BaseException as err:  # SystemExit and friends from a reward function are that sample's failure
+        return 0.0, f"{type(err).__name__}: {err}"
+
+
+def _child_main(conn: Any, progress: Any) -> None:
+    """The scorer process: score chunks of samples, bumping ``progress`` after each so the parent can watch."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when scoring stops
+    fns: dict[_Ref, RewardFn | BaseException] = {}
+    conn.send("ready")
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return  # the parent went away
+        if msg is None:
+            return
+        refs, tasks, timeout_s = msg
+        out: list[tuple[float, str | None]] = []
+        last_flush = time.monotonic()
+        for i, (ref_index, response, truth, extra) in enumerate(tasks):
+            ref = refs[ref_index]
+            if ref not in fns:
+                # Imported outside the timer (a half-imported module would poison later samples); the
+                # parent's per-sample deadline still bounds it.
+                try:
+                    fns[ref] = _load_ref(ref)
+                except BaseException as err:
+                    fns[ref] = err
+            fn = fns[ref]
+            if isinstance(fn, BaseException):
+                out.append((0.0, f"{type(fn).__name__}: cannot load reward function {ref[0]}:{ref[1]}: {fn}"))
+            else:
+                out.append(_score_one(fn, response, truth, extra, timeout_s))
+            progress.value = i + 1
+            if time.monotonic() - last_flush > _FLUSH_S:
+                conn.send(out)
+                out, last_flush = [], time.monotonic()
+        conn.send(out)
+
+
+class _Worker:
+    """One long-lived scorer child process, restarted when it dies or stops answering."""
+
+    def __init__(self) -> None:
+        self.proc: Any = None
+        self.conn: Any = None
+        self.progress: Any = None
+        self.owner = os.getpid()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.owner == os.getpid() and self.proc.is_alive()
+
+    def start(self) -> None:
+        self.stop()
+        ctx = mp.get_context("spawn")  # spawn: no inherited locks, CUDA state or threads from the trainer
+        parent_conn, child_conn = ctx.Pipe(duplex=True)
+        progress = ctx.RawValue(ctypes.c_long, 0)
+        proc = ctx.Process(
+            target=_child_main, args=(child_conn, progress), name="rlstage-reward-scorer", daemon=True
+        )
+        try:
+            proc.start()
+        finally:
+            child_conn.close()
+        self.proc, self.conn, self.progress, self.owner = proc, parent_conn, progress, os.getpid()
+        if not self.conn.poll(_START_TIMEOUT_S):
+            self.stop()
+            raise RuntimeError(f"reward scorer process did not start within {_START_TIMEOUT_S}s")
+        try:
+            self.conn.recv()
+        except EOFError:
+            proc.join(5)
+            self.stop()
+            raise RuntimeError(
+                f"reward scorer process died on startup (exit code {proc.exitcode}); under the spawn "
+                "start method the main module must guard its entry point with if __name__ == '__main__'"
+            ) from None
+
+    def stop(self) -> None:
+        if self.proc is not None and self.owner == os.getpid():
+            if self.proc.is_alive():
+                try:
+                    self.conn.send(None)
+                except OSError:
+                    pass
+                self.proc.join(0.5)
+            if self.proc.is_alive():
+                self.proc.kill()
+                self.proc.join(5)
+            if self.conn is not None:
+                self.conn.close()
+        # After a fork the handles belong to the parent's child: forget them without touching it.
+        self.proc = self.conn = self.progress = None
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
+        self.stop()
+
+    def run_chunk(
+        self, refs: list[_Ref], tasks: list[tuple], timeout_s: float
+    ) -> tuple[list[tuple[float, str | None]], int | None, str]:
+        """Score ``tasks`` in order until done or the child fails.
+
+        Returns the results received (a prefix of ``tasks``) and, if the child failed, the index of the
+        sample it was on and what happened; samples between the two were finished but lost with the child.
+        """
+        if not self.alive():
+            self.start()
+        self.progress.value = 0
+        try:
+            self.conn.send((refs, tasks, timeout_s))
+        except OSError:  # it died between chunks (killed from outside, say): one fresh start, then give up
+            self.start()
+            self.progress.value = 0
+            self.conn.send((refs, tasks, timeout_s))
+        results: list[tuple[float, str | None]] = []
+        seen, seen_at = 0, time.monotonic()
+        limit = timeout_s + _MARGIN_S
+        while len(results) < len(tasks):
+            if self.conn.poll(0.05):
+                try:
+                    results.extend(self.conn.recv())
+                    continue
+                except (EOFError, OSError):
+                    self.proc.join(1.0)  # the pipe closed: let the exit land instead of spinning on poll
+            done = self.progress.value
+            now = time.monotonic()
+            if done != seen:
+                seen, seen_at = done, now
+            if not self.proc.is_alive():
+                failure = f"reward scorer process died (exit code {self.proc.exitcode})"
+            elif now - seen_at > limit:
+                failure = f"timeout after {timeout_s}s (scorer process unresponsive for {limit:.1f}s, killed)"
+            else:
+                continue
+            self.kill()
+            # Only the sample it was on is blamed (the last one if it died after finishing them all).
+            return results, min(done, len(tasks) - 1), failure
+        return results, None, ""
+
+
+_POOL_LOCK = threading.Lock()
+_POOL: list[_Worker] = []
+
+
+def _ref_for(name: str) -> _Ref:
+    if ":" in name:  # an import path "pkg.module:function" or "/path/to/file.py:function"
+        target, qualname = name.rsplit(":", 1)
+        if target.endswith(".py"):
+            stem = os.path.splitext(os.path.basename(target))[0]
+            return (f"_rlstage_reward_{stem}", qualname, os.path.abspath(target))
+        return (target, qualname, None)
+    fn = REWARD_FNS.get(name)
+    if fn is None:
+        raise ValueError(f"unknown reward function {name!r}; valid: {', '.join(sorted(REWARD_FNS))}")
+    module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
+    if not module or "<" in qualname:
+        raise ValueError(
+            f"reward function {name!r} ({qualname}) is not a module-level function, so the scorer "
+            "process cannot import it"
+        )
+    return (module, qualname, getattr(sys.modules.get(module), "__file__", None))
+
+
+def score_batch(
+    rows: list[dict],
+    *,
+    timeout_s: float,
+    function: str | None = None,
+    gsm8k_method: str = "strict",
+) -> list[RewardResult]:
+    """Score rows ``{response_text, ground_truth, data_source, extra_info}`` in order.
+
+    ``function`` forces one reward function (a registered name or an import path ``module:function``);
+    otherwise each row's ``data_source`` picks it. Every sample is bounded by ``timeout_s``; a sample
+    whose function raises, hangs or crashes the scorer scores 0.0 with its error recorded.
+    """
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+    timeout_s = float(timeout_s)
+    if function is not None:
+        refs_by_name = {function: _ref_for(function)}
+        names = [function] * len(rows)
+        if ":" in function:  # fail fast on a typo rather than once per sample
+            _load_ref(refs_by_name[function])
+    else:
+        names = [default_reward_fn(row.get("data_source"), gsm8k_method) for row in rows]
+        refs_by_name = {n: _ref_for(n) for n in dict.fromkeys(names)}
+    refs = list(refs_by_name.values())
+    index_of = {n: refs.index(r) for n, r in refs_by_name.items()}
+    tasks = [
+        (index_of[n], row.get("response_text") or "", row.get("ground_truth") or "", row.get("extra_info"))
+        for n, row in zip(names, rows, strict=True)
+    ]
+    scored: list[tuple[float, str | None]] = []
+    blamed: dict[int, str] = {}  # row index -> why the scorer process failed on it
+    with _POOL_LOCK:
+        if not _POOL:
+            _POOL.append(_Worker())
+        worker = _POOL[0]
+        pos = 0
+        while pos < len(tasks):
+            if pos in blamed:
+                scored.append((0.0, blamed[pos]))
+                pos += 1
+                continue
+            # A chunk stops short of the next blamed sample so that it is never run twice.
+            end = min([pos + _CHUNK, len(tasks)] + [i for i in blamed if i > pos])
+            results, failed_at, failure = worker.run_chunk(refs, tasks[pos:end], timeout_s)
+            if failed_at is not None:
+                blamed[pos + failed_at] = failure
+            scored.extend(results)
+            pos += len(results)
+    return [RewardResult(score, name, error) for (score, error), name in zip(scored, names, strict=True)]
+
+
+def shutdown_scorer() -> None:
+    """Stop the scorer process (the next ``score_batch`` starts a fresh one)."""
+    with _POOL_LOCK:
+        for worker in _POOL:
+            worker.stop()
+        _POOL.clear()
+
+
+atexit.register(shutdown_scorer)

@@ -1,0 +1,94 @@
+"""Rollout engines: turn prompts into sampled responses with the sampler's log-probs.
+
+``HFRolloutEngine`` is the dependency-free engine (batched ``generate``); a vLLM engine plugs in
+behind the same ``generate`` signature.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import GenerationConfig
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 8
+    seed: int = 0
+
+
+@dataclass
+class Completion:
+    prompt_index: int
+    sample_index: int
+    prompt_ids: list[int]
+    response_ids: list[int]
+    log_probs: list[float]
+    text: str
+    finish_reason: str  # "stop" when the eos token was sampled, else "length"
+
+
+class HFRolloutEngine:
+    """Batched Hugging Face ``generate`` over a model owned by the caller (shared with the trainer)."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer, batch_size: int = 512) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.batch_size = batch_size
+
+    @torch.no_grad()
+    def generate(self, prompts: list[str], params: SamplingParams) -> list[Completion]:
+        tok = self.tokenizer
+        encoded = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        jobs = [(i, k) for i in range(len(prompts)) for k in range(params.n)]
+        greedy = params.temperature == 0
+        gen_cfg = GenerationConfig(
+            do_sample=not greedy,
+            temperature=None if greedy else params.temperature,
+            top_p=None if greedy else params.top_p,
+            top_k=None if greedy or params.top_k == 0 else params.top_k,
+            max_new_tokens=params.max_new_tokens,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+            return_dict_in_generate=True,
+            output_logits=True,
+        )
+        was_training = self.model.training
+        self.model.eval()
+        out: list[Completion] = []
+        for b, start in enumerate(range(0, len(jobs), self.batch_size)):
+            chunk = jobs[start : start + self.batch_size]
+            batch = tok.pad({"input_ids": [encoded[i] for i, _ in chunk]}, padding=True, return_tensors="pt")
+            # One seed per batch: the same config and model give the same samples on a rerun.
+            torch.manual_seed(params.seed * 1_000_003 + b)
+            res = self.model.generate(**batch, generation_config=gen_cfg)
+            P = batch["input_ids"].shape[1]
+            seqs = res.sequences[:, P:]
+            logits = torch.stack(res.logits, dim=1).float()
+            if not greedy:
+                logits = logits / params.temperature
+            logp = torch.log_softmax(logits, -1).gather(-1, seqs.unsqueeze(-1)).squeeze(-1)
+            for row, (i, k) in enumerate(chunk):
+                ids = seqs[row].tolist()
+                finish = "length"
+                if tok.eos_token_id in ids:
+                    ids = ids[: ids.index(tok.eos_token_id) + 1]
+                    finish = "stop"
+                out.append(
+                    Completion(
+                        prompt_index=i,
+                        sample_index=k,
+                        prompt_ids=encoded[i],
+                        response_ids=ids,
+                        log_probs=logp[row, : len(ids)].tolist(),
+                        text=tok.decode(ids, skip_special_tokens=True),
+                        finish_reason=finish,
+                    )
+                )
+        self.model.train(was_training)
+        return out

@@ -1,0 +1,214 @@
+"""The training flows: one iteration (a chain of stage tasks on Ray) and a training run of N.
+
+A run continues where it stopped: every stage whose output is committed for the same inputs
+and config is skipped, so rerunning the flow (or the nightly deployment) never repeats work.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+
+from prefect import flow, get_run_logger
+from prefect.context import get_run_context
+from prefect_ray import RayTaskRunner
+
+from infra.env import apply_defaults
+from infra.ray_runtime import RAY_NAMESPACE, ensure_ray
+from infra.store import ArtifactStore
+from infra.tracking import Tracker
+from schemas.config import ConfigError, RunConfig, load_config
+from schemas.manifest import Manifest, PolicyRef
+from tasks import stages
+from tasks.kit import initial_policy, sft_warm_start
+from tasks.runtime import policy_ref_from, store_for
+
+# Fields that may differ between invocations of one run: where and how it executes, and how long.
+RUN_MUTABLE = ("run_name", "store", "ray", "tracking", "trainer.iterations")
+
+
+@dataclass
+class IterationOutcome:
+    iteration: int
+    results: dict[str, stages.StageResult] = field(default_factory=dict)
+    wall_s: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def executed(self) -> list[str]:
+        return [s for s, r in self.results.items() if r.executed]
+
+    def metrics(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for r in self.results.values():
+            out.update(r.metrics)
+        for stage, wall in self.wall_s.items():
+            out[f"timing_s/{stage}"] = wall
+        total = sum(self.wall_s.values())
+        if total > 0:
+            out["timing_s/iteration"] = total
+            compute = sum(r.seconds for r in self.results.values() if r.executed)
+            if compute > 0:
+                out["timing_s/orchestration_share"] = max(0.0, 1 - compute / total)
+            if "rollout/tokens" in out:
+                out["perf/throughput"] = out["rollout/tokens"] / total
+        return out
+
+
+def _emit(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _run_stage(outcome: IterationOutcome, label: str, task_fn, cfg: RunConfig, stage: str, *args) -> stages.StageResult:
+    t0 = time.perf_counter()
+    _emit(f"  {label} {stage:<9} ...")
+    result = stages.submit_stage(task_fn, cfg, stage, *args).result()
+    wall = time.perf_counter() - t0
+    outcome.results[stage] = result
+    outcome.wall_s[stage] = wall
+    state = "done" if result.executed else "skipped (committed)"
+    _emit(f"  {label} {stage:<9} {state} in {wall:.2f}s")
+    return result
+
+
+@flow(name="rlstage-iteration")
+def iteration_flow(cfg: RunConfig, iteration: int, prompts: Manifest, policy: PolicyRef) -> IterationOutcome:
+    """rollout -> reward -> advantage -> update -> eval for one iteration; iteration 0 only evaluates."""
+    out = IterationOutcome(iteration)
+    label = f"[iter {iteration:>3}]"
+    if iteration > 0:
+        ro = _run_stage(out, label, stages.rollout, cfg, "rollout", iteration, prompts, policy)
+        rw = _run_stage(out, label, stages.reward, cfg, "reward", iteration, ro.manifest)
+        adv = _run_stage(out, label, stages.advantage, cfg, "advantage", iteration, ro.manifest, rw.manifest, policy)
+        up = _run_stage(out, label, stages.update, cfg, "update", iteration, adv.manifest, policy)
+        policy = policy_ref_from(up.manifest)
+    last = iteration == cfg.trainer.iterations
+    if iteration == 0 or iteration % cfg.trainer.eval_every == 0 or last:
+        _run_stage(out, label, stages.evaluate, cfg, "eval", iteration, prompts, policy)
+    return out
+
+
+def _identity(cfg: RunConfig) -> dict:
+    dump = cfg.model_dump(mode="json")
+    for path in RUN_MUTABLE:
+        node = dump
+        *parents, leaf = path.split(".")
+        for p in parents:
+            node = node[p]
+        node.pop(leaf, None)
+    return dump
+
+
+def _diff(a: dict, b: dict, prefix: str = "") -> list[str]:
+    out = []
+    for k in sorted(set(a) | set(b)):
+        va, vb = a.get(k), b.get(k)
+        if isinstance(va, dict) and isinstance(vb, dict):
+            out += _diff(va, vb, f"{prefix}{k}.")
+        elif va != vb:
+            out.append(f"{prefix}{k}: stored {va!r}, given {vb!r}")
+    return out
+
+
+def record_run_config(store: ArtifactStore, cfg: RunConfig) -> None:
+    """Store the resolved config with the run; refuse a later invocation whose config conflicts."""
+    stored = store.get_json(cfg.run_name, "run.json")
+    if stored is None:
+        store.put_json(cfg.run_name, "run.json", {"config": cfg.model_dump(mode="json"), "identity": _identity(cfg)})
+        return
+    diff = _diff(stored["identity"], _identity(cfg))
+    if diff:
+        raise ConfigError(
+            f"config error: run {cfg.run_name!r} exists with another config ({diff[0]}"
+            f"{f' and {len(diff) - 1} more' if len(diff) > 1 else ''}); use a new run_name or replay a stage"
+        )
+
+
+def stored_config(store: ArtifactStore, run_name: str) -> RunConfig:
+    stored = store.get_json(run_name, "run.json")
+    if stored is None:
+        raise ConfigError(f"config error: run {run_name!r} does not exist under {store.root}")
+    return RunConfig.model_validate(stored["config"])
+
+
+def _flow_run_id() -> str:
+    try:
+        return str(get_run_context().flow_run.id)
+    except Exception:  # outside a flow run (plain function call)
+        return ""
+
+
+def run_training(cfg: RunConfig, first: int = 1, last: int | None = None) -> dict:
+    """Run iterations ``first..last`` (default: all) of ``cfg``'s run, skipping committed stages."""
+    apply_defaults()
+    last = cfg.trainer.iterations if last is None else last
+    store = store_for(cfg)
+    store.check_writable()
+    record_run_config(store, cfg)
+    ensure_ray(cfg)
+    tracker = Tracker(cfg, tags={"rlstage.artifact_root": store.root, "prefect.flow_run_id": _flow_run_id()})
+    runner = RayTaskRunner(address=cfg.ray.address, init_kwargs={"namespace": RAY_NAMESPACE})
+    one_iteration = iteration_flow.with_options(task_runner=runner, flow_run_name=f"{cfg.run_name}-iter-{{iteration}}")
+    _emit(f"rlstage: run {cfg.run_name!r}, iterations {first}..{last}, artifacts under {store.root}/{cfg.run_name}")
+    status = "FAILED"
+    try:
+        prep = stages.submit_stage(stages.data_prep, cfg, "data_prep").result()
+        sft = None
+        if cfg.model.path is None:
+            _emit("  [kit] SFT warm start of the tiny model (reused when already committed) ...")
+            sft = sft_warm_start.submit(cfg).result()
+            _emit(f"  [kit] SFT checkpoint {sft.artifact_id[:8]}: held-out accuracy {sft.meta['metrics']['sft/test_accuracy']:.3f}")
+        policy = initial_policy(cfg, sft)
+        if first > 1:
+            prev = store.manifest(cfg.run_name, first - 1, "update")
+            if prev is None:
+                raise ConfigError(f"config error: run {cfg.run_name!r} has no committed update for iteration {first - 1}")
+            policy = policy_ref_from(prev)
+        history: list[dict] = []
+        for it in range(0 if first == 1 else first, last + 1):
+            t0 = time.perf_counter()
+            outcome = one_iteration(cfg, it, prep.manifest, policy)
+            if "update" in outcome.results:
+                policy = policy_ref_from(outcome.results["update"].manifest)
+            metrics = outcome.metrics()
+            tracker.log_metrics(it, metrics)
+            if "rollout" in outcome.results and outcome.results["rollout"].executed:
+                _log_rollout_sample(cfg, tracker, it, outcome)
+            history.append({"iteration": it, "executed": outcome.executed, **metrics})
+            acc = metrics.get("val/accuracy")
+            score = metrics.get("critic/score/mean")
+            _emit(
+                f"iteration {it:>3}: "
+                + (f"train reward {score:.3f} | " if score is not None else "")
+                + (f"held-out accuracy {acc:.3f} | " if acc is not None else "")
+                + f"{time.perf_counter() - t0:.1f}s, executed {len(outcome.executed)} stage(s)"
+            )
+        status = "FINISHED"
+        return {"run": cfg.run_name, "store": store.root, "mlflow": tracker.run_url, "history": history}
+    finally:
+        tracker.finish(status)
+
+
+def _log_rollout_sample(cfg: RunConfig, tracker: Tracker, it: int, outcome: IterationOutcome) -> None:
+    n = cfg.tracking.rollout_sample_rows
+    if n == 0:
+        return
+    store = store_for(cfg)
+    ro = store.read_table(outcome.results["rollout"].manifest, "rollouts.parquet").slice(0, n)
+    rw = store.read_table(outcome.results["reward"].manifest, "rewards.parquet").slice(0, n)
+    tracker.log_table(
+        {
+            "prompt": ro.column("prompt").to_pylist(),
+            "response": ro.column("response_text").to_pylist(),
+            "reward": rw.column("score").to_pylist(),
+        },
+        f"rollouts/iter-{it:06d}.json",
+    )
+
+
+@flow(name="rlstage-train")
+def train(config_path: str | None = None, overrides: list[str] | None = None) -> dict:
+    """A training run: data prep, SFT warm start (tiny kit), then N iterations on Ray."""
+    cfg = load_config(config_path, overrides or [])
+    get_run_logger().info("training run %s", cfg.run_name)
+    return run_training(cfg)

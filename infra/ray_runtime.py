@@ -1,0 +1,32 @@
+"""Starting or joining Ray, bound to loopback when local."""
+
+from __future__ import annotations
+
+import ray
+
+from infra.env import apply_defaults
+from schemas.config import RunConfig
+
+RAY_NAMESPACE = "rlstage"
+
+
+def ensure_ray(cfg: RunConfig) -> None:
+    """Join ``ray.address`` or start a local single-node Ray on 127.0.0.1.
+
+    Must run after ``PREFECT_API_URL`` is set: Ray workers inherit the environment, and without
+    it each worker would start its own temporary Prefect server.
+    """
+    if ray.is_initialized():
+        return
+    apply_defaults()
+    if cfg.ray.address:
+        ray.init(address=cfg.ray.address, namespace=RAY_NAMESPACE, log_to_driver=False)
+        return
+    ray.init(
+        num_cpus=cfg.ray.num_cpus,
+        include_dashboard=False,
+        object_store_memory=cfg.ray.object_store_memory_mb << 20,
+        namespace=RAY_NAMESPACE,
+        node_ip_address="127.0.0.1",
+        log_to_driver=False,
+    )

@@ -1,0 +1,102 @@
+"""MLflow tracking: one MLflow run per training run, resumed by later continuations."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from infra.env import apply_defaults
+from schemas.config import RunConfig
+
+MAX_PARAM_CHARS = 500  # MLflow rejects longer parameter values
+RUN_NAME_TAG = "rlstage.run_name"
+_BAD_METRIC_CHARS = re.compile(r"[^\w.\- :/]")
+
+
+def tracking_uri_for(cfg: RunConfig) -> str:
+    """``tracking.tracking_uri``, else ``MLFLOW_TRACKING_URI``, else SQLite under a local store root."""
+    if cfg.tracking.tracking_uri:
+        return cfg.tracking.tracking_uri
+    if os.environ.get("MLFLOW_TRACKING_URI"):
+        return os.environ["MLFLOW_TRACKING_URI"]
+    root = cfg.store.root
+    if "://" in root and not root.startswith("file://"):
+        return f"sqlite:///{Path('mlflow.db').resolve()}"
+    local = Path(root.removeprefix("file://")).expanduser().resolve()
+    local.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{local / 'mlflow.db'}"
+
+
+def flatten(tree: Any, prefix: str = "") -> dict[str, str]:
+    out: dict[str, str] = {}
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            out.update(flatten(v, f"{prefix}{k}." if prefix or k else k))
+        return out
+    value = str(tree)
+    out[prefix.rstrip(".")] = value if len(value) <= MAX_PARAM_CHARS else value[: MAX_PARAM_CHARS - 3] + "..."
+    return out
+
+
+def metric_name(name: str) -> str:
+    """verl's metric names, made legal for MLflow ('@' is not allowed: mean@4 -> mean_at_4)."""
+    return _BAD_METRIC_CHARS.sub("_", name.replace("@", "_at_"))
+
+
+class Tracker:
+    def __init__(self, cfg: RunConfig, tags: dict[str, str] | None = None) -> None:
+        apply_defaults()
+        import mlflow
+        from mlflow.tracking import MlflowClient
+
+        self.uri = tracking_uri_for(cfg)
+        mlflow.set_tracking_uri(self.uri)
+        self.client = MlflowClient(self.uri)
+        exp = self.client.get_experiment_by_name(cfg.tracking.experiment)
+        if exp is None:
+            location = None
+            if "://" not in cfg.store.root:
+                location = (Path(cfg.store.root).expanduser().resolve() / "mlflow-artifacts").as_uri()
+            exp_id = self.client.create_experiment(cfg.tracking.experiment, artifact_location=location)
+        else:
+            exp_id = exp.experiment_id
+        self.experiment_id = exp_id
+        found = self.client.search_runs([exp_id], filter_string=f"tags.`{RUN_NAME_TAG}` = '{cfg.run_name}'", max_results=1)
+        if found:
+            self.run_id = found[0].info.run_id
+            self.client.update_run(self.run_id, status="RUNNING")
+        else:
+            run = self.client.create_run(exp_id, run_name=cfg.run_name, tags={RUN_NAME_TAG: cfg.run_name})
+            self.run_id = run.info.run_id
+            from mlflow.entities import Param
+
+            params = [Param(k, v) for k, v in sorted(flatten(cfg.model_dump(mode="json")).items())]
+            for i in range(0, len(params), 100):
+                self.client.log_batch(self.run_id, params=params[i : i + 100])
+        for k, v in (tags or {}).items():
+            self.client.set_tag(self.run_id, k, v)
+
+    def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        import time
+
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        batch = [Metric(metric_name(k), float(v), now, step) for k, v in sorted(metrics.items())]
+        for i in range(0, len(batch), 500):
+            self.client.log_batch(self.run_id, metrics=batch[i : i + 500])
+
+    def log_table(self, rows: dict[str, list], artifact_file: str) -> None:
+        self.client.log_table(self.run_id, data=rows, artifact_file=artifact_file)
+
+    def log_text(self, text: str, artifact_file: str) -> None:
+        self.client.log_text(self.run_id, text, artifact_file)
+
+    def finish(self, status: str = "FINISHED") -> None:
+        self.client.set_terminated(self.run_id, status=status)
+
+    @property
+    def run_url(self) -> str:
+        return f"{self.uri} (experiment {self.experiment_id}, run {self.run_id})"

@@ -1,0 +1,112 @@
+"""Arrow schemas of every stage's artifact: the contracts stages talk through.
+
+Per-token columns are lists aligned with ``response_ids`` (one entry per response token).
+``response_mask`` is 1 on tokens the policy generated and 0 elsewhere (tool output, template
+tokens in multi-turn trajectories); every estimator and loss consumes it unchanged.
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+SCHEMA_VERSION = 1
+
+_tokens = pa.list_(pa.int32())
+_floats = pa.list_(pa.float32())
+_mask = pa.list_(pa.int8())
+_messages = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
+
+PROMPTS = pa.schema(
+    [
+        ("prompt_id", pa.string()),
+        ("prompt", pa.string()),  # text fed to the tokenizer (chat messages rendered)
+        ("messages", _messages),  # chat form, null for plain-text prompts
+        ("data_source", pa.string()),
+        ("ground_truth", pa.string()),
+        ("extra_info", pa.string()),  # JSON object
+    ]
+)
+
+ROLLOUTS = pa.schema(
+    [
+        ("sample_id", pa.string()),
+        ("prompt_id", pa.string()),
+        ("group_id", pa.int64()),  # samples of one prompt share a group
+        ("sample_index", pa.int32()),
+        ("prompt", pa.string()),
+        ("data_source", pa.string()),
+        ("ground_truth", pa.string()),
+        ("extra_info", pa.string()),
+        ("prompt_ids", _tokens),
+        ("response_ids", _tokens),
+        ("response_mask", _mask),
+        ("response_text", pa.string()),
+        ("rollout_log_probs", _floats),  # sampling log-probs of the response tokens
+        ("finish_reason", pa.string()),  # "stop" | "length"
+        ("prompt_length", pa.int32()),
+        ("response_length", pa.int32()),
+    ]
+)
+
+REWARDS = pa.schema(
+    [
+        ("sample_id", pa.string()),
+        ("score", pa.float32()),
+        ("reward_fn", pa.string()),
+        ("error", pa.string()),  # null unless the reward function raised or timed out
+    ]
+)
+
+EXPERIENCE = pa.schema(
+    [
+        ("sample_id", pa.string()),
+        ("group_id", pa.int64()),
+        ("prompt_ids", _tokens),
+        ("response_ids", _tokens),
+        ("response_mask", _mask),
+        ("score", pa.float32()),
+        ("old_log_probs", _floats),  # recomputed by the trainer, not the sampler
+        ("ref_log_probs", _floats),  # null without a reference policy
+        ("values", _floats),  # null without a critic
+        ("token_level_rewards", _floats),
+        ("advantages", _floats),
+        ("returns", _floats),
+    ]
+)
+
+EVAL = pa.schema(
+    [
+        ("prompt_id", pa.string()),
+        ("sample_index", pa.int32()),  # -1 for the greedy sample
+        ("response_text", pa.string()),
+        ("score", pa.float32()),
+    ]
+)
+
+METRICS = pa.schema([("name", pa.string()), ("value", pa.float64())])
+
+SCHEMAS: dict[str, pa.Schema] = {
+    "prompts": PROMPTS,
+    "rollouts": ROLLOUTS,
+    "rewards": REWARDS,
+    "experience": EXPERIENCE,
+    "eval": EVAL,
+    "metrics": METRICS,
+}
+
+
+def conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
+    """Cast ``table`` to ``schema`` (column order and types), failing on missing columns."""
+    missing = [f.name for f in schema if f.name not in table.column_names]
+    if missing:
+        raise ValueError(f"artifact is missing columns {missing}")
+    return table.select(schema.names).cast(schema)
+
+
+def metrics_table(metrics: dict[str, float]) -> pa.Table:
+    names = sorted(metrics)
+    return pa.table({"name": names, "value": [float(metrics[n]) for n in names]}, schema=METRICS)
+
+
+def metrics_from_table(table: pa.Table) -> dict[str, float]:
+    return dict(zip(table.column("name").to_pylist(), table.column("value").to_pylist(), strict=True))

@@ -1,0 +1,299 @@
+"""The run configuration: one pydantic model, loaded from YAML with dotted overrides."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+AdvEstimator = Literal[
+    "gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "opo", "gpg"
+]
+PolicyLoss = Literal["vanilla", "gspo", "gpg", "cispo"]
+LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+KLType = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "kl+", "k1+", "abs+", "mse+", "k2+", "low_var_kl+", "k3+"]
+
+# Estimators that need a value model, and those that compare samples within a prompt's group.
+NEEDS_CRITIC = {"gae"}
+NEEDS_GROUPS = {"grpo", "rloo", "reinforce_plus_plus_baseline", "opo", "gpg"}
+
+_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+
+
+class ConfigError(ValueError):
+    """A bad configuration: the message is one line naming the key."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class StoreConfig(_Section):
+    root: str = "./rlstage-runs"  # local folder or any fsspec URL (s3://bucket/prefix)
+    storage_options: dict[str, Any] = Field(default_factory=dict)
+    retries: int = Field(3, ge=0)  # transient store errors are retried with backoff
+
+
+class KitConfig(_Section):
+    """The tiny local model kit: a synthetic verifiable task, a char tokenizer, a tiny Llama."""
+
+    task: Literal["addition"] = "addition"
+    digits: int = Field(2, ge=1, le=6)
+    train_size: int = Field(9500, ge=1)
+    test_size: int = Field(500, ge=1)
+    seed: int = 1234
+    hidden_size: int = Field(128, ge=8)
+    num_layers: int = Field(4, ge=1)
+    num_heads: int = Field(4, ge=1)
+    intermediate_size: int = Field(256, ge=8)
+
+
+class SFTConfig(_Section):
+    steps: int = Field(1000, ge=0)  # at most; training stops once target_accuracy is reached
+    batch_size: int = Field(128, ge=1)
+    lr: float = Field(1e-3, gt=0)
+    seed: int = 0
+    # A partial start (not a solved task) leaves RL something to learn: accuracy jumps steeply
+    # during SFT of the tiny model, so it is checked every eval_every steps.
+    target_accuracy: float | None = Field(0.3, gt=0, le=1)
+    eval_every: int = Field(10, ge=1)
+    eval_size: int = Field(200, ge=1)
+
+
+class ModelConfig(_Section):
+    path: str | None = None  # a local Hugging Face model directory; None builds the tiny kit
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    torch_threads: int = Field(1, ge=1)
+
+
+class DataConfig(_Section):
+    source: Literal["synthetic", "gsm8k", "verl_parquet"] = "synthetic"
+    train_path: str | None = None
+    test_path: str | None = None
+    prompts_per_iteration: int = Field(64, ge=1)
+    eval_size: int | None = Field(None, ge=1)  # held-out prompts per eval (None: all)
+    max_prompt_length: int = Field(256, ge=1)
+    shuffle_seed: int = 0
+
+    @model_validator(mode="after")
+    def _paths(self) -> DataConfig:
+        if self.source != "synthetic" and not self.train_path:
+            raise ValueError(f"data.train_path is required for data.source={self.source}")
+        return self
+
+
+class RolloutConfig(_Section):
+    engine: Literal["hf", "vllm"] = "hf"
+    n: int = Field(8, ge=1)
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)  # 0 disables top-k
+    max_new_tokens: int = Field(8, ge=1)
+    batch_size: int = Field(512, ge=1)  # sequences per generate call
+    seed: int = 0
+
+
+class RewardConfig(_Section):
+    function: str | None = None  # force one registered reward function; None: chosen by data_source
+    gsm8k_method: Literal["strict", "flexible"] = "strict"
+    timeout_s: float = Field(2.0, gt=0)
+
+
+class OptimConfig(_Section):
+    lr: float = Field(1e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    warmup_steps: int = Field(0, ge=0)
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    total_steps: int | None = Field(None, ge=1)  # for decaying schedules; None: derived from the run
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    grad_clip: float = Field(1.0, gt=0)
+
+
+class ActorConfig(_Section):
+    engine: Literal["torch", "deepspeed"] = "torch"
+    zero_stage: int = Field(0, ge=0, le=3)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    ppo_mini_batch_size: int = Field(64, ge=1)  # samples per optimizer step
+    micro_batch_size: int = Field(64, ge=1)  # samples per forward/backward
+    ppo_epochs: int = Field(1, ge=1)
+    policy_loss: PolicyLoss = "vanilla"
+    clip_ratio_low: float = Field(0.2, ge=0)
+    clip_ratio_high: float = Field(0.2, ge=0)
+    clip_ratio_c: float = Field(3.0, gt=1.0)
+    loss_agg_mode: LossAggMode = "token-mean"
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = Field(0.001, ge=0)
+    kl_loss_type: KLType = "low_var_kl"
+    shuffle: bool = True
+
+
+class KLControlConfig(_Section):
+    type: Literal["fixed", "adaptive"] = "fixed"
+    kl_coef: float = Field(0.001, ge=0)
+    target_kl: float = Field(0.1, gt=0)
+    horizon: int = Field(10000, ge=1)
+
+
+class AlgorithmConfig(_Section):
+    adv_estimator: AdvEstimator = "grpo"
+    norm_adv_by_std_in_grpo: bool = True
+    gamma: float = Field(1.0, ge=0, le=1)
+    lam: float = Field(1.0, ge=0, le=1)
+    use_kl_in_reward: bool = False
+    kl_penalty: KLType = "kl"
+    kl_ctrl: KLControlConfig = Field(default_factory=KLControlConfig)
+
+
+class TrainerConfig(_Section):
+    iterations: int = Field(10, ge=0)
+    eval_every: int = Field(1, ge=1)
+    eval_n: int = Field(0, ge=0)  # sampled answers per held-out prompt for mean@N (0: greedy only)
+    seed: int = 0
+
+
+class StageResources(_Section):
+    num_cpus: float = Field(0.5, ge=0)
+    num_gpus: float = Field(0, ge=0)
+    retries: int = Field(2, ge=0)
+    retry_delay_s: float = Field(1.0, ge=0)
+
+
+class RayConfig(_Section):
+    address: str | None = None  # None starts a local Ray; "auto" or ray://host:port joins one
+    num_cpus: int | None = Field(None, ge=1)
+    object_store_memory_mb: int = Field(128, ge=75)
+    worker_num_cpus: float = Field(1, ge=0)  # the long-lived engine actor
+    worker_num_gpus: float = Field(0, ge=0)
+    stages: dict[str, StageResources] = Field(default_factory=dict)
+
+    @field_validator("stages")
+    @classmethod
+    def _known_stages(cls, v: dict[str, StageResources]) -> dict[str, StageResources]:
+        from schemas.stages import STAGES
+
+        for name in v:
+            if name not in STAGES:
+                raise ValueError(f"unknown stage {name!r}; valid: {', '.join(STAGES)}")
+        return v
+
+    def resources(self, stage: str) -> StageResources:
+        return self.stages.get(stage, StageResources())
+
+
+class TrackingConfig(_Section):
+    tracking_uri: str | None = None  # None: MLFLOW_TRACKING_URI, else sqlite under the store root
+    experiment: str = "rlstage"
+    rollout_sample_rows: int = Field(16, ge=0)
+
+
+class RunConfig(_Section):
+    run_name: str = "demo"
+    kit: KitConfig = Field(default_factory=KitConfig)
+    sft: SFTConfig = Field(default_factory=SFTConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    actor: ActorConfig = Field(default_factory=ActorConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    store: StoreConfig = Field(default_factory=StoreConfig)
+    ray: RayConfig = Field(default_factory=RayConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+
+    @field_validator("run_name")
+    @classmethod
+    def _run_name(cls, v: str) -> str:
+        if not _RUN_NAME.match(v) or ".." in v:
+            raise ValueError(f"run name {v!r} must be letters, digits, '_', '-', '.' (no '/', no '..')")
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RunConfig:
+        est = self.algorithm.adv_estimator
+        if est in NEEDS_CRITIC:
+            raise ValueError(f"algorithm.adv_estimator={est} needs a critic, which is not configured")
+        if est in NEEDS_GROUPS and self.rollout.n < 2:
+            raise ValueError(f"rollout.n={self.rollout.n}: algorithm.adv_estimator={est} needs groups of n >= 2")
+        if self.actor.ppo_mini_batch_size % self.actor.micro_batch_size:
+            raise ValueError("actor.ppo_mini_batch_size must be a multiple of actor.micro_batch_size")
+        return self
+
+    def stage_hash(self, *sections: str) -> str:
+        """Hash of the named config sections (dotted paths): what a stage's output depends on."""
+        dump = self.model_dump(mode="json")
+        picked = {}
+        for path in sections:
+            node: Any = dump
+            for part in path.split("."):
+                node = node[part]
+            picked[path] = node
+        return hashlib.sha256(json.dumps(picked, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"config error: {dotted}: {part} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def parse_overrides(overrides: list[str] | tuple[str, ...]) -> dict:
+    """``["actor.optim.lr=1e-5", ...]`` -> nested dict; values are parsed as YAML scalars."""
+    tree: dict = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"config error: override {item!r} is not of the form key=value")
+        key, raw = item.split("=", 1)
+        _set_dotted(tree, key.strip(), yaml.safe_load(raw) if raw.strip() else None)
+    return tree
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def format_validation_error(err: ValidationError) -> str:
+    first = err.errors()[0]
+    loc = ".".join(str(p) for p in first["loc"]) or "<root>"
+    msg = first["msg"].removeprefix("Value error, ")
+    return f"config error: {loc}: {msg}"
+
+
+def build_config(data: dict) -> RunConfig:
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(format_validation_error(err)) from None
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Load a YAML config (or the defaults), apply dotted overrides, validate."""
+    data: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config error: config file {p} does not exist")
+        loaded = yaml.safe_load(p.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config error: {p} must hold a mapping")
+        data = loaded
+    return build_config(_merge(data, parse_overrides(overrides)))
+
+
+def config_to_yaml(cfg: RunConfig) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

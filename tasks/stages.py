@@ -1,0 +1,368 @@
+"""One Prefect task per stage: read input artifacts, call an engine, commit the output artifact.
+
+Every stage is skipped when its output for the same inputs and config is already committed,
+so rerunning an interrupted run continues where it stopped. Retries and Ray resources come from
+``ray.stages.<stage>`` in the config (see ``submit_stage``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+import ray
+import torch
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from engines import algorithms as algos
+from engines import datasets, rewards
+from engines.cursor import prompt_batch
+from schemas import artifacts as A
+from schemas.config import RunConfig
+from schemas.manifest import Manifest, PolicyRef
+from tasks.runtime import (
+    STAGE_CONFIG,
+    code_version,
+    ensure_policy,
+    policy_worker,
+    stage_key,
+    store_for,
+)
+
+
+@dataclass
+class StageResult:
+    manifest: Manifest
+    executed: bool
+    seconds: float = 0.0
+    metrics: dict = field(default_factory=dict)
+
+
+@dataclass
+class StageOutput:
+    tables: dict[str, pa.Table] = field(default_factory=dict)
+    blobs: dict[str, bytes] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+    meta: dict = field(default_factory=dict)
+    on_commit: Callable[[Manifest], None] | None = None
+
+
+def run_stage(
+    cfg: RunConfig, stage: str, iteration: int | None, inputs: dict[str, str], produce: Callable[[], StageOutput]
+) -> StageResult:
+    """Skip if committed with the same key; else produce and commit (manifest last)."""
+    store = store_for(cfg)
+    config_hash = cfg.stage_hash(*STAGE_CONFIG[stage])
+    key = stage_key(stage, inputs, config_hash)
+    existing = store.committed(cfg.run_name, iteration, stage, key)
+    if existing is not None:
+        return StageResult(existing, executed=False, metrics=existing.meta.get("metrics", {}))
+    t0 = time.perf_counter()
+    out = produce()
+    seconds = time.perf_counter() - t0
+    manifest = store.commit(
+        cfg.run_name,
+        iteration,
+        stage,
+        key=key,
+        config_hash=config_hash,
+        code_version=code_version(),
+        inputs=inputs,
+        tables=out.tables,
+        blobs=out.blobs,
+        meta={**out.meta, "metrics": out.metrics, "compute_s": seconds},
+    )
+    if out.on_commit is not None:
+        out.on_commit(manifest)
+    return StageResult(manifest, executed=True, seconds=seconds, metrics=out.metrics)
+
+
+def _stage_task(name: str):
+    return task(name=name, cache_policy=NO_CACHE, persist_result=False)
+
+
+# ---------------------------------------------------------------- data prep
+@_stage_task("data_prep")
+def data_prep(cfg: RunConfig) -> StageResult:
+    def produce() -> StageOutput:
+        d = cfg.data
+        if d.source == "synthetic":
+            train, test = datasets.make_addition_splits(
+                cfg.kit.digits, cfg.kit.train_size, cfg.kit.test_size, cfg.kit.seed
+            )
+        else:
+            train = datasets.load_prompts(d.source, d.train_path)
+            test = datasets.load_prompts(d.source, d.test_path) if d.test_path else train.slice(0, 0)
+        return StageOutput(
+            tables={"train.parquet": train, "test.parquet": test},
+            metrics={"data/train_prompts": train.num_rows, "data/test_prompts": test.num_rows},
+        )
+
+    return run_stage(cfg, "data_prep", None, {}, produce)
+
+
+def _read(cfg: RunConfig, manifest: Manifest, name: str) -> pa.Table:
+    return store_for(cfg).read_table(manifest, name)
+
+
+def _sampling(cfg: RunConfig, iteration: int, n: int | None = None, greedy: bool = False) -> dict:
+    r = cfg.rollout
+    return {
+        "n": r.n if n is None else n,
+        "temperature": 0.0 if greedy else r.temperature,
+        "top_p": r.top_p,
+        "top_k": r.top_k,
+        "max_new_tokens": r.max_new_tokens,
+        "seed": r.seed * 100_003 + iteration,
+    }
+
+
+# ---------------------------------------------------------------- rollout
+@_stage_task("rollout")
+def rollout(cfg: RunConfig, iteration: int, prompts: Manifest, policy: PolicyRef) -> StageResult:
+    def produce() -> StageOutput:
+        train = _read(cfg, prompts, "train.parquet")
+        rows = prompt_batch(train.num_rows, iteration, cfg.data.prompts_per_iteration, cfg.data.shuffle_seed)
+        batch = train.take(rows).to_pylist()
+        worker = policy_worker(cfg)
+        ensure_policy(worker, store_for(cfg), policy)
+        comps = ray.get(worker.generate.remote(policy.version, [p["prompt"] for p in batch], _sampling(cfg, iteration)))
+        table = _rollouts_table(batch, comps, iteration)
+        lengths = np.array(table.column("response_length").to_pylist())
+        clipped = np.array([f == "length" for f in table.column("finish_reason").to_pylist()])
+        return StageOutput(
+            tables={"rollouts.parquet": table},
+            metrics={
+                "response_length/mean": float(lengths.mean()),
+                "response_length/max": float(lengths.max()),
+                "response_length/min": float(lengths.min()),
+                "response_length/clip_ratio": float(clipped.mean()),
+                "prompt_length/mean": float(np.mean(table.column("prompt_length").to_pylist())),
+                "rollout/tokens": float(lengths.sum() + np.sum(table.column("prompt_length").to_pylist())),
+            },
+        )
+
+    return run_stage(cfg, "rollout", iteration, {"prompts": prompts.artifact_id, "policy": policy.version}, produce)
+
+
+def _rollouts_table(batch: list[dict], comps: list[dict], iteration: int) -> pa.Table:
+    cols: dict[str, list] = {name: [] for name in A.ROLLOUTS.names}
+    for c in comps:
+        p = batch[c["prompt_index"]]
+        cols["sample_id"].append(f"{p['prompt_id']}/{iteration}/{c['sample_index']}")
+        cols["prompt_id"].append(p["prompt_id"])
+        cols["group_id"].append(c["prompt_index"])
+        cols["sample_index"].append(c["sample_index"])
+        for k in ("prompt", "data_source", "ground_truth", "extra_info"):
+            cols[k].append(p[k])
+        cols["prompt_ids"].append(c["prompt_ids"])
+        cols["response_ids"].append(c["response_ids"])
+        cols["response_mask"].append([1] * len(c["response_ids"]))
+        cols["response_text"].append(c["text"])
+        cols["rollout_log_probs"].append(c["log_probs"])
+        cols["finish_reason"].append(c["finish_reason"])
+        cols["prompt_length"].append(len(c["prompt_ids"]))
+        cols["response_length"].append(len(c["response_ids"]))
+    return pa.table(cols, schema=A.ROLLOUTS)
+
+
+# ---------------------------------------------------------------- reward
+def score_rows(cfg: RunConfig, rows: list[dict]) -> list:
+    return rewards.score_batch(
+        rows, timeout_s=cfg.reward.timeout_s, function=cfg.reward.function, gsm8k_method=cfg.reward.gsm8k_method
+    )
+
+
+@_stage_task("reward")
+def reward(cfg: RunConfig, iteration: int, rollouts: Manifest) -> StageResult:
+    def produce() -> StageOutput:
+        table = _read(cfg, rollouts, "rollouts.parquet")
+        rows = table.select(["response_text", "ground_truth", "data_source", "extra_info"]).to_pylist()
+        results = score_rows(cfg, rows)
+        scores = np.array([r.score for r in results], dtype=np.float64)
+        errors = [r.error for r in results]
+        out = pa.table(
+            {
+                "sample_id": table.column("sample_id"),
+                "score": pa.array(scores, pa.float32()),
+                "reward_fn": [r.reward_fn for r in results],
+                "error": errors,
+            },
+            schema=A.REWARDS,
+        )
+        return StageOutput(
+            tables={"rewards.parquet": out},
+            metrics={
+                "critic/score/mean": float(scores.mean()),
+                "critic/score/max": float(scores.max()),
+                "critic/score/min": float(scores.min()),
+                "reward/errors": float(sum(e is not None for e in errors)),
+                "reward/timeouts": float(sum(e is not None and e.startswith("timeout") for e in errors)),
+            },
+        )
+
+    return run_stage(cfg, "reward", iteration, {"rollouts": rollouts.artifact_id}, produce)
+
+
+# ---------------------------------------------------------------- advantage
+def _padded(rows: list[list[float]], width: int) -> torch.Tensor:
+    out = torch.zeros(len(rows), width)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = torch.tensor(r, dtype=torch.float32)
+    return out
+
+
+@_stage_task("advantage")
+def advantage(cfg: RunConfig, iteration: int, rollouts: Manifest, rewards_m: Manifest, policy: PolicyRef) -> StageResult:
+    def produce() -> StageOutput:
+        ro = _read(cfg, rollouts, "rollouts.parquet")
+        rw = _read(cfg, rewards_m, "rewards.parquet")
+        if ro.column("sample_id").to_pylist() != rw.column("sample_id").to_pylist():
+            raise ValueError("rewards do not line up with rollouts (sample_id order differs)")
+        prompt_ids = ro.column("prompt_ids").to_pylist()
+        response_ids = ro.column("response_ids").to_pylist()
+        masks = ro.column("response_mask").to_pylist()
+        worker = policy_worker(cfg)
+        ensure_policy(worker, store_for(cfg), policy)
+        old = ray.get(worker.log_probs.remote(policy.version, prompt_ids, response_ids, cfg.rollout.temperature))
+        width = max(map(len, response_ids))
+        mask = _padded(masks, width)
+        scores = torch.tensor(rw.column("score").to_pylist(), dtype=torch.float32)
+        # Outcome reward sits on the last policy token of each response.
+        token_rewards = torch.zeros_like(mask)
+        for i, m in enumerate(masks):
+            last = max((j for j, v in enumerate(m) if v), default=None)
+            if last is not None:
+                token_rewards[i, last] = scores[i]
+        a = cfg.algorithm
+        adv, ret = algos.compute_advantage(
+            a.adv_estimator,
+            token_level_rewards=token_rewards,
+            response_mask=mask,
+            index=np.array(ro.column("group_id").to_pylist()),
+            gamma=a.gamma,
+            lam=a.lam,
+            norm_adv_by_std_in_grpo=a.norm_adv_by_std_in_grpo,
+        )
+        lens = [len(r) for r in response_ids]
+        roll_lp = _padded(ro.column("rollout_log_probs").to_pylist(), width)
+        old_t = _padded(old, width)
+        gap = float(algos.masked_mean((roll_lp - old_t).abs(), mask))
+        table = pa.table(
+            {
+                "sample_id": ro.column("sample_id"),
+                "group_id": ro.column("group_id"),
+                "prompt_ids": ro.column("prompt_ids"),
+                "response_ids": ro.column("response_ids"),
+                "response_mask": ro.column("response_mask"),
+                "score": pa.array(scores.numpy(), pa.float32()),
+                "old_log_probs": old,
+                "ref_log_probs": pa.nulls(len(lens), A.EXPERIENCE.field("ref_log_probs").type),
+                "values": pa.nulls(len(lens), A.EXPERIENCE.field("values").type),
+                "token_level_rewards": [token_rewards[i, :n].tolist() for i, n in enumerate(lens)],
+                "advantages": [adv[i, :n].tolist() for i, n in enumerate(lens)],
+                "returns": [ret[i, :n].tolist() for i, n in enumerate(lens)],
+            },
+            schema=A.EXPERIENCE,
+        )
+        return StageOutput(
+            tables={"experience.parquet": table},
+            metrics={
+                "critic/advantages/mean": float(algos.masked_mean(adv, mask)),
+                "critic/advantages/max": float(adv[mask.bool()].max()) if mask.any() else 0.0,
+                "critic/advantages/min": float(adv[mask.bool()].min()) if mask.any() else 0.0,
+                "critic/returns/mean": float(algos.masked_mean(ret, mask)),
+                "rollout/logprob_gap": gap,
+            },
+        )
+
+    inputs = {"rollouts": rollouts.artifact_id, "rewards": rewards_m.artifact_id, "policy": policy.version}
+    return run_stage(cfg, "advantage", iteration, inputs, produce)
+
+
+# ---------------------------------------------------------------- update
+@_stage_task("update")
+def update(cfg: RunConfig, iteration: int, experience: Manifest, policy: PolicyRef) -> StageResult:
+    worker = policy_worker(cfg)
+
+    def produce() -> StageOutput:
+        exp = _read(cfg, experience, "experience.parquet")
+        cols = ["prompt_ids", "response_ids", "response_mask", "old_log_probs", "advantages"]
+        if cfg.actor.use_kl_loss:
+            cols.append("ref_log_probs")
+        batch = {c: exp.column(c).to_pylist() for c in cols}
+        ensure_policy(worker, store_for(cfg), policy)
+        seed = cfg.trainer.seed * 1_000_003 + iteration
+        metrics, files = ray.get(worker.update.remote(policy.version, batch, cfg.rollout.temperature, seed))
+        return StageOutput(
+            tables={"metrics.parquet": A.metrics_table(metrics)},
+            blobs=files,
+            metrics=metrics,
+            # The worker already holds these weights: mark them as the committed version.
+            on_commit=lambda m: ray.get(worker.set_version.remote(m.artifact_id)),
+        )
+
+    return run_stage(cfg, "update", iteration, {"experience": experience.artifact_id, "policy": policy.version}, produce)
+
+
+# ---------------------------------------------------------------- eval
+@_stage_task("eval")
+def evaluate(cfg: RunConfig, iteration: int, prompts: Manifest, policy: PolicyRef) -> StageResult:
+    def produce() -> StageOutput:
+        test = _read(cfg, prompts, "test.parquet")
+        if cfg.data.eval_size is not None:
+            test = test.slice(0, cfg.data.eval_size)
+        batch = test.to_pylist()
+        worker = policy_worker(cfg)
+        ensure_policy(worker, store_for(cfg), policy)
+        texts = [p["prompt"] for p in batch]
+        comps = ray.get(worker.generate.remote(policy.version, texts, _sampling(cfg, iteration, n=1, greedy=True)))
+        if cfg.trainer.eval_n > 0:
+            params = _sampling(cfg, iteration, n=cfg.trainer.eval_n)
+            comps += ray.get(worker.generate.remote(policy.version, texts, params))
+        rows = [
+            {
+                "response_text": c["text"],
+                "ground_truth": batch[c["prompt_index"]]["ground_truth"],
+                "data_source": batch[c["prompt_index"]]["data_source"],
+                "extra_info": batch[c["prompt_index"]]["extra_info"],
+            }
+            for c in comps
+        ]
+        scores = [r.score for r in score_rows(cfg, rows)]
+        greedy_n = len(batch)
+        table = pa.table(
+            {
+                "prompt_id": [batch[c["prompt_index"]]["prompt_id"] for c in comps],
+                "sample_index": [-1] * greedy_n + [c["sample_index"] for c in comps[greedy_n:]],
+                "response_text": [c["text"] for c in comps],
+                "score": pa.array(scores, pa.float32()),
+            },
+            schema=A.EVAL,
+        )
+        metrics: dict[str, float] = {}
+        sources = [r["data_source"] for r in rows]
+        for ds in sorted(set(sources)):
+            g = [s for s, src in zip(scores[:greedy_n], sources[:greedy_n], strict=True) if src == ds]
+            metrics[f"val-core/{ds}/reward/mean@1"] = float(np.mean(g))
+            if cfg.trainer.eval_n > 0:
+                sampled = [s for s, src in zip(scores[greedy_n:], sources[greedy_n:], strict=True) if src == ds]
+                metrics[f"val-core/{ds}/reward/mean@{cfg.trainer.eval_n}"] = float(np.mean(sampled))
+        metrics["val/accuracy"] = float(np.mean(scores[:greedy_n]))
+        return StageOutput(tables={"eval.parquet": table}, metrics=metrics)
+
+    return run_stage(cfg, "eval", iteration, {"prompts": prompts.artifact_id, "policy": policy.version}, produce)
+
+
+def submit_stage(task_fn, cfg: RunConfig, stage: str, *args):
+    """Submit a stage task with the retries and Ray resources configured for it."""
+    from prefect_ray.context import remote_options
+
+    res = cfg.ray.resources(stage)
+    configured = task_fn.with_options(retries=res.retries, retry_delay_seconds=res.retry_delay_s)
+    with remote_options(num_cpus=res.num_cpus, num_gpus=res.num_gpus):
+        return configured.submit(cfg, *args)

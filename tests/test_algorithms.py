@@ -1,0 +1,516 @@
+"""Tests of engines/algorithms.py: hand-computed cases, verl conventions, invariants."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import defaultdict
+from typing import get_args
+
+import numpy as np
+import pytest
+import torch
+
+from engines import algorithms as A
+from schemas.config import AdvEstimator, KLType, LossAggMode, PolicyLoss
+
+T = torch.tensor
+
+
+def close(x: torch.Tensor, expected, atol: float = 1e-5) -> None:
+    torch.testing.assert_close(x.double(), torch.as_tensor(expected, dtype=torch.float64), atol=atol, rtol=1e-5)
+
+
+def outcome(scores, masks) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token rewards with each score on the last policy token of its row."""
+    mask = T(masks, dtype=torch.float32)
+    rewards = torch.zeros_like(mask)
+    for i, s in enumerate(scores):
+        last = int(mask[i].nonzero().max()) if mask[i].any() else mask.shape[1] - 1
+        rewards[i, last] = s
+    return rewards, mask
+
+
+def whiten_tokens(values: list[float]) -> tuple[float, float]:
+    """Mean and 1/sqrt(unbiased var + 1e-8) of a plain token list, computed independently."""
+    return statistics.fmean(values), 1 / math.sqrt(statistics.variance(values) + 1e-8)
+
+
+# ragged masks with a gap inside row 0 and row 2 (multi-turn tool output)
+MASKS = [
+    [1, 1, 0, 0, 1, 1, 0],
+    [1, 1, 1, 0, 0, 0, 0],
+    [1, 0, 1, 1, 1, 1, 1],
+    [1, 1, 1, 1, 0, 0, 0],
+    [1, 1, 0, 0, 0, 0, 0],
+    [1, 1, 1, 1, 1, 0, 0],
+]
+INDEX = ["a", "a", "a", "b", "c", "c"]  # a: three members, b: one member, c: constant pair
+SCORES = [1.0, 0.0, 0.0, 0.5, 1.0, 1.0]
+
+
+# ---------------------------------------------------------------- names
+def test_names_match_config_literals():
+    assert tuple(A.ADV_ESTIMATORS) == get_args(AdvEstimator)
+    assert tuple(A.POLICY_LOSSES) == get_args(PolicyLoss)
+    assert A.LOSS_AGG_MODES == get_args(LossAggMode)
+    assert A.KL_TYPES == get_args(KLType)
+
+
+def test_unknown_names_list_valid_ones():
+    with pytest.raises(ValueError, match="grpo"):
+        A.get_adv_estimator("ppo")
+    with pytest.raises(ValueError, match="cispo"):
+        A.get_policy_loss("dapo")
+    with pytest.raises(ValueError, match="seq-mean-token-mean"):
+        A.agg_loss(torch.ones(1, 2), torch.ones(1, 2), "sum")
+    with pytest.raises(ValueError, match="low_var_kl"):
+        A.kl_penalty(torch.zeros(2), torch.zeros(2), "k4")
+
+
+def test_reregistering_a_name_with_another_function_fails():
+    with pytest.raises(ValueError, match="already registered"):
+        A.register_adv_estimator("grpo")(lambda **kw: None)
+    with pytest.raises(ValueError, match="already registered"):
+        A.register_policy_loss("vanilla")(lambda *a, **kw: None)
+    assert A.ADV_ESTIMATORS["grpo"] is A.grpo_advantage
+
+
+# ---------------------------------------------------------------- helpers
+def test_masked_helpers_by_hand():
+    x = T([[1.0, 2.0, float("nan")], [float("inf"), 5.0, 6.0]])
+    m = T([[1.0, 1.0, 0.0], [0.0, 1.0, 0.0]])
+    close(A.masked_sum(x, m), 8.0)
+    close(A.masked_sum(x, m, dim=-1), [3.0, 5.0])
+    close(A.masked_mean(x, m), 8 / 3)
+    close(A.masked_mean(x, m, dim=-1), [1.5, 5.0])
+    x = torch.nan_to_num(x, nan=0.0, posinf=0.0)
+    # tokens 1, 2, 5: squared deviations 25/9 + 4/9 + 49/9 = 26/3
+    close(A.masked_var(x, m, unbiased=False), 26 / 9)
+    close(A.masked_var(x, m), 13 / 3)
+    w = A.masked_whiten(x, m)
+    close(w[0, 0], (1 - 8 / 3) / math.sqrt(13 / 3 + 1e-8))
+    close(A.masked_whiten(x, m, shift_mean=False)[0, 0], (1 - 8 / 3) / math.sqrt(13 / 3 + 1e-8) + 8 / 3)
+
+
+def test_masked_mean_of_empty_mask_is_zero_and_unbiased_var_needs_two_tokens():
+    x = torch.arange(4.0).reshape(2, 2)
+    close(A.masked_mean(x, torch.zeros(2, 2)), 0.0)
+    with pytest.raises(ValueError):
+        A.masked_var(x, T([[0.0, 1.0], [0.0, 0.0]]))
+    with pytest.raises(ValueError):
+        A.masked_var(x, torch.zeros(2, 2))
+
+
+def test_entropy_from_logits():
+    close(A.entropy_from_logits(torch.zeros(2, 4)), [math.log(4)] * 2)
+    p = T([0.5, 0.25, 0.25])
+    close(A.entropy_from_logits(p.log() + 3.0), -(p * p.log()).sum())
+
+
+# ---------------------------------------------------------------- GAE
+def test_gae_by_hand_full_mask():
+    adv, ret = A.compute_advantage(
+        "gae", token_level_rewards=T([[0.0, 0.0, 1.0]]), response_mask=torch.ones(1, 3),
+        values=T([[0.5, 0.2, 0.1]]), gamma=1.0, lam=1.0,
+    )  # fmt: skip
+    raw = [0.5, 0.8, 0.9]  # deltas -0.3, -0.1, 0.9 accumulated backwards
+    close(ret, [[1.0, 1.0, 1.0]])
+    mean, inv_std = whiten_tokens(raw)
+    close(adv, [[(r - mean) * inv_std for r in raw]])
+
+
+def test_gae_jumps_over_a_gap():
+    # mask 1 0 1: the gap token keeps next-value 0.1 and the running advantage 0.9
+    adv, ret = A.compute_advantage(
+        "gae", token_level_rewards=T([[0.0, 0.0, 1.0]]), response_mask=T([[1.0, 0.0, 1.0]]),
+        values=T([[0.5, 9.0, 0.1]]), gamma=0.9, lam=0.8,
+    )  # fmt: skip
+    a0 = 0.9 * 0.1 - 0.5 + 0.9 * 0.8 * 0.9  # 0.238
+    raw = [a0, 0.9, 0.9]
+    close(ret, [[a0 + 0.5, 0.9 + 9.0, 1.0]])
+    mean, inv_std = whiten_tokens([a0, 0.9])
+    close(adv, [[(r - mean) * inv_std for r in raw]])
+
+
+def test_gae_ignores_values_at_masked_positions():
+    g = torch.Generator().manual_seed(0)
+    mask = T(MASKS, dtype=torch.float32)
+    rewards = torch.randn(mask.shape, generator=g)
+    values = torch.randn(mask.shape, generator=g)
+    other = torch.where(mask.bool(), values, torch.randn(mask.shape, generator=g) * 100)
+    kw = dict(token_level_rewards=rewards, response_mask=mask, gamma=0.95, lam=0.9)
+    adv1, ret1 = A.compute_advantage("gae", values=values, **kw)
+    adv2, ret2 = A.compute_advantage("gae", values=other, **kw)
+    torch.testing.assert_close(adv1, adv2)
+    torch.testing.assert_close(ret1[mask.bool()], ret2[mask.bool()])
+    assert not torch.equal(ret1, ret2)  # returns = A + V still shows V at masked slots
+
+
+def test_gae_needs_values():
+    with pytest.raises(ValueError, match="values"):
+        A.compute_advantage("gae", token_level_rewards=torch.zeros(2, 3), response_mask=torch.ones(2, 3))
+
+
+# ---------------------------------------------------------------- group estimators by hand
+def test_grpo_by_hand():
+    rewards, mask = outcome(SCORES, MASKS)
+    adv, ret = A.compute_advantage("grpo", token_level_rewards=rewards, response_mask=mask, index=INDEX)
+    std_a = math.sqrt(1 / 3)  # unbiased std of 1, 0, 0
+    per_row = [(2 / 3) / (std_a + 1e-6), (-1 / 3) / (std_a + 1e-6), (-1 / 3) / (std_a + 1e-6), 0.5 / (1 + 1e-6), 0, 0]
+    close(adv, T(per_row).unsqueeze(-1) * mask)
+    assert adv is ret or torch.equal(adv, ret)
+    assert (adv[mask == 0] == 0).all()  # zero in the gaps too
+
+
+def test_dr_grpo_skips_std():
+    rewards, mask = outcome(SCORES, MASKS)
+    adv, _ = A.compute_advantage(
+        "grpo", token_level_rewards=rewards, response_mask=mask, index=INDEX, norm_adv_by_std_in_grpo=False
+    )
+    close(adv, T([2 / 3, -1 / 3, -1 / 3, 0.5, 0.0, 0.0]).unsqueeze(-1) * mask)
+
+
+def test_grpo_epsilon_is_added_to_std():
+    rewards, mask = outcome([1.0, 0.0], [[1, 1], [1, 1]])
+    adv, _ = A.compute_advantage("grpo", token_level_rewards=rewards, response_mask=mask, index=[0, 0], epsilon=0.5)
+    s = math.sqrt(0.5)  # unbiased std of (1, 0)
+    close(adv[:, 0], [0.5 / (s + 0.5), -0.5 / (s + 0.5)])
+
+
+def test_rloo_by_hand_keeps_raw_score_of_a_lone_sample():
+    rewards, mask = outcome(SCORES, MASKS)
+    adv, _ = A.compute_advantage("rloo", token_level_rewards=rewards, response_mask=mask, index=INDEX)
+    close(adv, T([1.0, -0.5, -0.5, 0.5, 0.0, 0.0]).unsqueeze(-1) * mask)
+
+
+def test_opo_uses_length_weighted_baseline():
+    masks = [[1, 1, 0, 0], [1, 0, 1, 1], [1, 0, 0, 0], [1, 1, 1, 0]]  # lengths 2, 3, 1 (gap not counted), 3
+    rewards, mask = outcome([1.0, 0.0, 1.0, 0.7], masks)
+    adv, _ = A.compute_advantage("opo", token_level_rewards=rewards, response_mask=mask, index=["g", "g", "g", "h"])
+    b = (2 * 1 + 3 * 0 + 1 * 1) / 6  # 0.5, while the plain mean would be 2/3
+    close(adv, T([1 - b, 0 - b, 1 - b, 0.7]).unsqueeze(-1) * mask)
+
+
+def test_gpg_scales_by_batch_over_nonzero_count():
+    rewards, mask = outcome([1.0, 0.0, 2.0], [[1, 1], [1, 0], [1, 1]])
+    adv, _ = A.compute_advantage("gpg", token_level_rewards=rewards, response_mask=mask, index=["a", "a", "b"])
+    alpha = 3 / 2
+    close(adv, T([alpha * 0.5, alpha * -0.5, alpha * 2.0]).unsqueeze(-1) * mask)
+
+
+def test_reinforce_plus_plus_baseline_whitens_over_tokens():
+    masks = [[1, 1, 0], [1, 0, 1], [1, 1, 1]]
+    rewards, mask = outcome([1.0, 0.0, 2.0], masks)
+    adv, ret = A.compute_advantage(
+        "reinforce_plus_plus_baseline", token_level_rewards=rewards, response_mask=mask, index=["a", "a", "b"]
+    )
+    centred = [0.5, -0.5, 2.0]
+    tokens = [c for c, m in zip(centred, masks, strict=True) for _ in range(sum(m))]  # 2 + 2 + 3 tokens
+    mean, inv_std = whiten_tokens(tokens)
+    close(adv, T([[(c - mean) * inv_std] for c in centred]) * mask)
+    torch.testing.assert_close(adv, ret)
+
+
+def test_constant_groups_give_zero_advantage():
+    rewards, mask = outcome([0.7] * 4 + [0.1] * 3, [[1, 1, 0]] * 7)
+    index = np.array([3, 3, 3, 3, 9, 9, 9])
+    for name in ("grpo", "rloo", "opo", "gpg"):
+        adv, _ = A.compute_advantage(name, token_level_rewards=rewards, response_mask=mask, index=index)
+        assert torch.equal(adv, torch.zeros_like(adv)), name
+
+
+# ---------------------------------------------------------------- REINFORCE++ / ReMax
+def test_reinforce_plus_plus_discounts_and_whitens():
+    rewards = T([[0.0, 0.0, 0.0, 1.0], [0.0, 2.0, 0.0, 0.0]])
+    mask = T([[1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 0.0, 0.0]])
+    adv, ret = A.compute_advantage("reinforce_plus_plus", token_level_rewards=rewards, response_mask=mask, gamma=0.5)
+    close(ret, [[0.125, 0.25, 0.5, 1.0], [1.0, 2.0, 0.0, 0.0]])
+    mean, inv_std = whiten_tokens([0.125, 0.25, 0.5, 1.0, 1.0, 2.0])
+    close(adv, ((ret - mean) * inv_std) * mask)
+
+
+def test_reinforce_plus_plus_return_is_cut_at_a_gap():
+    # verl resets the running return after every masked position, so token 0 never sees the reward
+    rewards = T([[0.0, 0.0, 0.0, 1.0], [0.0, 0.0, 3.0, 0.0]])
+    mask = T([[1.0, 0.0, 1.0, 1.0], [1.0, 1.0, 1.0, 0.0]])
+    _, ret = A.compute_advantage("reinforce_plus_plus", token_level_rewards=rewards, response_mask=mask, gamma=1.0)
+    close(ret, [[0.0, 1.0, 1.0, 1.0], [3.0, 3.0, 3.0, 0.0]])
+
+
+def test_remax_subtracts_greedy_baseline():
+    rewards = T([[0.0, 1.0, 0.0, 2.0]])
+    mask = T([[1.0, 1.0, 1.0, 0.0]])  # the reward at the padded slot is ignored
+    adv, ret = A.compute_advantage("remax", token_level_rewards=rewards, response_mask=mask, reward_baselines=T([0.4]))
+    close(ret, [[1.0, 1.0, 0.0, 0.0]])
+    close(adv, [[0.6, 0.6, -0.4, 0.0]])
+    with pytest.raises(ValueError, match="reward_baselines"):
+        A.compute_advantage("remax", token_level_rewards=rewards, response_mask=mask)
+
+
+def test_group_estimators_need_index():
+    for name in ("grpo", "rloo", "opo", "gpg", "reinforce_plus_plus_baseline"):
+        with pytest.raises(ValueError, match="index"):
+            A.compute_advantage(name, token_level_rewards=torch.zeros(2, 3), response_mask=torch.ones(2, 3))
+
+
+def test_every_estimator_runs_through_the_dispatcher():
+    g = torch.Generator().manual_seed(1)
+    rewards, mask = outcome(SCORES, MASKS)
+    full = dict(index=INDEX, values=torch.randn(mask.shape, generator=g), reward_baselines=torch.rand(6, generator=g))
+    for name in A.ADV_ESTIMATORS:
+        adv, ret = A.compute_advantage(name, token_level_rewards=rewards, response_mask=mask, **full)
+        assert adv.shape == ret.shape == mask.shape, name
+        assert torch.isfinite(adv).all() and torch.isfinite(ret).all(), name
+
+
+# ---------------------------------------------------------------- vectorised == naive loop
+def naive_group(scores: list[float], index, lengths: list[float], kind: str, norm: bool = True) -> list[float]:
+    """verl's per-group Python loop, written out independently of engines.algorithms."""
+    groups: dict = defaultdict(list)
+    for i, k in enumerate(index):
+        groups[k].append(i)
+    nonzero = sum(1 for s in scores if s != 0)
+    alpha = len(scores) / max(1, nonzero)
+    out = [0.0] * len(scores)
+    for rows in groups.values():
+        vals = torch.tensor([scores[i] for i in rows], dtype=torch.float32)
+        n = len(rows)
+        mean = torch.mean(vals).item() if n > 1 else 0.0
+        std = torch.std(vals).item() if n > 1 else 1.0
+        for i in rows:
+            if kind == "grpo":
+                out[i] = (scores[i] - mean) / (std + 1e-6) if norm else scores[i] - mean
+            elif kind == "rloo":
+                out[i] = scores[i] * n / (n - 1) - mean * n / (n - 1) if n > 1 else scores[i]
+            elif kind == "opo":
+                lens = [lengths[j] for j in rows]
+                base = sum(lens[k] * scores[j] for k, j in enumerate(rows)) / sum(lens) if n > 1 else 0.0
+                out[i] = scores[i] - base
+            elif kind == "gpg":
+                out[i] = alpha * (scores[i] - mean)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["grpo", "dr_grpo", "rloo", "opo", "gpg"])
+def test_vectorised_group_estimators_equal_naive_loop(kind):
+    rng = np.random.default_rng(7)
+    sizes = [1, 2, 3, 5, 8, 1, 4]
+    index = np.array([f"uid-{g}" for g, n in enumerate(sizes) for _ in range(n)], dtype=object)
+    order = rng.permutation(len(index))  # groups interleaved, as after shuffling
+    index = index[order]
+    b, width = len(index), 9
+    mask = torch.zeros(b, width)
+    for i in range(b):
+        mask[i, : rng.integers(1, width + 1)] = 1
+        mask[i, rng.integers(0, width)] = 0  # punch a gap (or trim)
+        mask[i, 0] = 1
+    scores = rng.normal(size=b).round(3)
+    scores[rng.random(b) < 0.3] = 0.0
+    rewards, _ = outcome(scores.tolist(), mask.tolist())
+    name = "grpo" if kind == "dr_grpo" else kind
+    adv, _ = A.compute_advantage(
+        name, token_level_rewards=rewards, response_mask=mask, index=index, norm_adv_by_std_in_grpo=kind != "dr_grpo"
+    )
+    expected = naive_group(scores.tolist(), index, mask.sum(-1).tolist(), name, norm=kind != "dr_grpo")
+    torch.testing.assert_close(adv, T(expected, dtype=torch.float32).unsqueeze(-1) * mask, atol=1e-4, rtol=1e-4)
+
+
+# ---------------------------------------------------------------- agg_loss
+LOSS = T([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]])
+LMASK = T([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0], [1.0, 1.0, 1.0]])  # middle row is empty
+
+
+def test_agg_loss_by_hand_with_an_empty_row():
+    close(A.agg_loss(LOSS, LMASK, "token-mean"), (1 + 2 + 24) / 5)
+    close(A.agg_loss(LOSS, LMASK, "seq-mean-token-sum"), (3 + 24) / 2)  # the empty row is not counted
+    close(A.agg_loss(LOSS, LMASK, "seq-mean-token-mean"), (1.5 + 8) / 2)
+    close(A.agg_loss(LOSS, LMASK, "seq-mean-token-sum-norm"), (3 + 24) / 2 / 3)
+    close(A.agg_loss(LOSS, LMASK, "seq-mean-token-sum-norm", loss_scale_factor=10), (3 + 24) / 2 / 10)
+
+
+@pytest.mark.parametrize("mode", A.LOSS_AGG_MODES)
+def test_agg_loss_is_finite_with_empty_rows_and_empty_batches(mode):
+    for mask in (LMASK, torch.zeros_like(LMASK)):
+        x = LOSS.clone().requires_grad_(True)
+        loss = A.agg_loss(x.masked_fill(mask == 0, float("nan")), mask, mode)
+        loss.backward()
+        assert torch.isfinite(loss), mode
+        assert torch.isfinite(x.grad).all(), mode
+    x = LOSS.clone().requires_grad_(True)
+    A.agg_loss(x, LMASK, mode).backward()
+    assert (x.grad[LMASK == 0] == 0).all() and (x.grad[LMASK == 1] > 0).all()
+
+
+# ---------------------------------------------------------------- policy losses
+def test_vanilla_by_hand():
+    ratio = T([[1.5, 0.5, 1.1, 4.0]])
+    adv = T([[1.0, 1.0, -1.0, -1.0]])
+    loss, m = A.get_policy_loss("vanilla")(torch.zeros(1, 4), ratio.log(), adv, torch.ones(1, 4))
+    # per token: max(-1.5, -1.2), max(-0.5, -0.8), 1.1, min(3, max(4, 1.2))
+    close(loss, (-1.2 - 0.5 + 1.1 + 3.0) / 4)
+    close(m["pg_clipfrac"], 0.25)
+    close(m["pg_clipfrac_lower"], 0.25)
+    close(m["ppo_kl"], -ratio.log().mean())
+    assert set(m) == {"pg_clipfrac", "ppo_kl", "pg_clipfrac_lower"}
+
+
+def test_vanilla_asymmetric_clip():
+    ratio = T([[1.3, 0.7]])
+    loss, _ = A.policy_loss_vanilla(
+        torch.zeros(1, 2), ratio.log(), T([[1.0, -1.0]]), torch.ones(1, 2), clip_ratio_low=0.2, clip_ratio_high=0.28
+    )
+    close(loss, (-1.28 + 0.8) / 2)
+
+
+def test_dual_clip_only_affects_negative_advantages():
+    lp = T([[math.log(4.0)]])
+    for adv, expected in ((1.0, {3.0: -1.2, 10.0: -1.2}), (-1.0, {3.0: 3.0, 10.0: 4.0})):
+        for c, value in expected.items():
+            loss, m = A.policy_loss_vanilla(torch.zeros(1, 1), lp, T([[adv]]), torch.ones(1, 1), clip_ratio_c=c)
+            close(loss, value)
+            close(m["pg_clipfrac_lower"], 1.0 if (adv < 0 and c == 3.0) else 0.0)
+    with pytest.raises(ValueError):
+        A.policy_loss_vanilla(torch.zeros(1, 1), lp, T([[1.0]]), torch.ones(1, 1), clip_ratio_c=1.0)
+
+
+def test_log_ratio_is_clamped_at_20():
+    old = torch.zeros(1, 3)
+    lp = T([[100.0, -100.0, 50.0]], requires_grad=True)
+    adv = T([[-1.0, 1.0, 1.0]])
+    for name in ("vanilla", "cispo"):
+        loss, m = A.get_policy_loss(name)(old, lp, adv, torch.ones(1, 3))
+        (grad,) = torch.autograd.grad(loss, lp)
+        assert torch.isfinite(loss) and torch.isfinite(grad).all(), name
+        close(m["ppo_kl"], -(20 - 20 + 20) / 3)
+    loss, _ = A.policy_loss_vanilla(old, lp, adv, torch.ones(1, 3))
+    close(loss, (3.0 - math.exp(-20) - 1.2) / 3)  # dual clip, unclipped tiny ratio, upper clip
+
+
+def test_policy_losses_ignore_garbage_in_gaps():
+    mask = T([[1.0, 0.0, 1.0]])
+    lp = T([[-0.5, float("nan"), -0.2]])
+    old = T([[-0.4, float("inf"), -0.3]])
+    adv = T([[1.0, float("nan"), -1.0]])
+    for name in A.POLICY_LOSSES:
+        for mode in A.LOSS_AGG_MODES:
+            loss, metrics = A.get_policy_loss(name)(old, lp, adv, mask, mode)
+            assert torch.isfinite(loss), (name, mode)
+            assert all(torch.isfinite(v) for v in metrics.values()), (name, mode)
+
+
+def test_gspo_uses_sequence_ratio_and_seq_mean_token_mean():
+    old = torch.zeros(2, 3)
+    lp = T([[0.2, 0.4, 7.0], [-0.1, 0.0, -0.2]], requires_grad=True)
+    mask = T([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    adv = T([[1.0, 1.0, 1.0], [-1.0, -1.0, -1.0]])
+    s1 = math.exp(-0.1)  # geometric-mean ratio of row 1; row 0's exp(0.3) is clipped at 1.2
+    expected = (-1.2 + s1) / 2
+    for mode in ("token-mean", "seq-mean-token-sum"):  # the mode argument is overridden, as in verl
+        loss, m = A.policy_loss_gspo(old, lp, adv, mask, mode)
+        close(loss, expected)
+    close(m["pg_clipfrac"], 2 / 5)
+    close(m["pg_clipfrac_lower"], 0.0)
+    (grad,) = torch.autograd.grad(loss, lp)
+    close(grad, [[0.0, 0.0, 0.0], [s1 / 6, s1 / 6, s1 / 6]])  # -A * s_i / (len_i * n_seq)
+
+
+def test_cispo_by_hand():
+    ratio = T([[1.5, 0.5, 1.0]])
+    lp = ratio.log().requires_grad_(True)
+    adv = T([[1.0, -1.0, 2.0]])
+    loss, m = A.policy_loss_cispo(torch.zeros(1, 3), lp, adv, torch.ones(1, 3))
+    close(loss, (-1.2 * math.log(1.5) - 0.8 * math.log(2.0) + 0.0) / 3)
+    close(m["pg_clipfrac"], 2 / 3)
+    (grad,) = torch.autograd.grad(loss, lp)
+    close(grad, [[-1.2 / 3, 0.8 / 3, -2.0 / 3]])  # weight is a constant: -w * A / N
+
+
+def test_gpg_policy_loss_is_plain_policy_gradient():
+    lp = T([[-0.5, -1.0, -2.0]], requires_grad=True)
+    adv = T([[1.0, -2.0, 5.0]])
+    mask = T([[1.0, 1.0, 0.0]])
+    loss, m = A.policy_loss_gpg(torch.zeros(1, 3), lp, adv, mask)
+    close(loss, (0.5 - 2.0) / 2)
+    (grad,) = torch.autograd.grad(loss, lp)
+    close(grad, [[-0.5, 1.0, 0.0]])
+    close(m["pg_clipfrac"], 0.0)
+
+
+# ---------------------------------------------------------------- value loss
+def test_value_loss_by_hand():
+    vpreds = T([[1.0, 2.0, 1.0, 50.0]])
+    values = T([[0.0, 2.0, 0.0, 0.0]])
+    returns = T([[0.5, 3.0, 2.0, 0.0]])
+    mask = T([[1.0, 1.0, 1.0, 0.0]])
+    loss, clipfrac = A.compute_value_loss(vpreds, returns, values, mask, cliprange_value=0.5)
+    # max((v-R)^2, (clip(v)-R)^2) = 0.25, 1.0, max(1, 2.25)
+    close(loss, 0.5 * (0.25 + 1.0 + 2.25) / 3)
+    close(clipfrac, 1 / 3)
+
+
+# ---------------------------------------------------------------- KL
+def test_kl_estimators_by_hand():
+    lp, ref = T([0.0, -1.0]), T([-0.5, -0.2])
+    close(A.kl_penalty(lp, ref, "kl"), [0.5, -0.8])
+    close(A.kl_penalty(lp, ref, "abs"), [0.5, 0.8])
+    close(A.kl_penalty(lp, ref, "mse"), [0.125, 0.32])
+    close(A.kl_penalty(lp, ref, "k3"), [math.exp(-0.5) + 0.5 - 1, math.exp(0.8) - 0.8 - 1])
+    for a, b in (("kl", "k1"), ("mse", "k2"), ("low_var_kl", "k3")):
+        torch.testing.assert_close(A.kl_penalty(lp, ref, a), A.kl_penalty(lp, ref, b))
+
+
+def test_k3_is_clamped():
+    lp, ref = T([0.0, 0.0, 0.0]), T([20.0, -50.0, 50.0])
+    close(A.kl_penalty(lp, ref, "low_var_kl"), [10.0, 10.0, 10.0])
+    assert torch.isfinite(A.kl_penalty(lp, ref, "k3+")).all()
+
+
+@pytest.mark.parametrize("name", [n for n in get_args(KLType) if n.endswith("+")])
+def test_plus_variants_have_base_value_and_k2_gradient(name):
+    g = torch.Generator().manual_seed(3)
+    ref = torch.randn(5, generator=g)
+    lp = (ref + torch.randn(5, generator=g)).requires_grad_(True)
+    value = A.kl_penalty(lp, ref, name)
+    torch.testing.assert_close(value, A.kl_penalty(lp.detach(), ref, name[:-1]))
+    (grad,) = torch.autograd.grad(value.sum(), lp)
+    lp2 = lp.detach().clone().requires_grad_(True)
+    (k2_grad,) = torch.autograd.grad(A.kl_penalty(lp2, ref, "k2").sum(), lp2)
+    torch.testing.assert_close(grad, k2_grad)
+    torch.testing.assert_close(grad, (lp - ref).detach())
+    if name in ("k3+", "kl+"):
+        lp3 = lp.detach().clone().requires_grad_(True)
+        (base_grad,) = torch.autograd.grad(A.kl_penalty(lp3, ref, name[:-1]).sum(), lp3)
+        assert not torch.allclose(base_grad, grad)  # the straight-through actually changes the gradient
+
+
+def test_adaptive_kl_controller_and_state():
+    ctrl = A.AdaptiveKLController(init_kl_coef=0.1, target_kl=6.0, horizon=10000)
+    ctrl.update(current_kl=12.0, n_steps=256)  # error clipped to +0.2
+    close(T(ctrl.value), 0.1 * (1 + 0.2 * 256 / 10000))
+    ctrl.update(current_kl=6.6, n_steps=1000)  # error 0.1
+    v = 0.1 * (1 + 0.2 * 256 / 10000) * (1 + 0.1 * 1000 / 10000)
+    close(T(ctrl.value), v)
+    fresh = A.get_kl_controller("adaptive", kl_coef=0.1, target_kl=6.0, horizon=10000)
+    fresh.load_state_dict(ctrl.state_dict())
+    assert fresh.value == ctrl.value
+    fixed = A.FixedKLController(0.05)
+    fixed.update(current_kl=100.0, n_steps=10)
+    assert fixed.value == 0.05
+    with pytest.raises(ValueError):
+        fixed.load_state_dict(ctrl.state_dict())
+    with pytest.raises(ValueError):
+        A.AdaptiveKLController(0.1, 6.0, 0)
+
+
+def test_apply_kl_penalty():
+    scores = T([[0.0, 1.0, 0.0], [2.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    old = T([[0.5, 0.5, 9.0], [0.2, 0.0, 0.0], [1.0, 1.0, 1.0]])
+    ref = torch.zeros(3, 3)
+    mask = T([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    ctrl = A.AdaptiveKLController(0.1, target_kl=1.0, horizon=100)
+    rewards, metrics = A.apply_kl_penalty(scores, old, ref, mask, ctrl, "kl")
+    close(rewards, [[-0.05, 0.95, 0.0], [1.98, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    assert metrics["actor/reward_kl_penalty_coeff"] == 0.1  # the coefficient before the update
+    close(T(metrics["actor/reward_kl_penalty"]), (0.5 + 0.2 + 0.0) / 3)  # per-row means, empty row = 0
+    close(T(ctrl.value), 0.1 * (1 - 0.2 * 3 / 100))

@@ -1,0 +1,235 @@
+"""Tests of engines/rewards.py: extraction cases, the registry, and the sandboxed scorer's failure isolation.
+
+The test-only reward functions below are module-level so the scorer's spawned child can import them
+(by module name, or from this file when ``tests/`` is not on its path).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from engines import rewards as R
+
+
+@R.register_reward_fn("test_chaos")
+def chaos(response_text: str, ground_truth: str, extra_info: dict) -> float:
+    """Misbehaves on command: the response text says how."""
+    if response_text == "raise":
+        raise ValueError("boom")
+    if response_text == "hang":
+        time.sleep(60)  # interrupted by the scorer's SIGALRM
+    if response_text == "busy":
+        while True:  # a pure-Python loop: also interrupted by SIGALRM
+            pass
+    if response_text == "die":
+        os._exit(7)
+    if response_text == "deaf":
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})  # only the parent's watchdog ends this
+        time.sleep(60)
+    if response_text == "nan":
+        return float("nan")
+    return float(response_text == ground_truth)
+
+
+def _rows(texts: list[str], truth: str = "ok", source: str = "synthetic/addition") -> list[dict]:
+    return [
+        {"response_text": t, "ground_truth": truth, "data_source": source, "extra_info": "{}"} for t in texts
+    ]
+
+
+# ---------------------------------------------------------------- reward functions
+
+
+@pytest.mark.parametrize(
+    ("response", "truth", "score"),
+    [
+        ("81", "81", 1.0),
+        ("  81  ", "81", 1.0),
+        ("81<eos>garbage", "81", 1.0),
+        ("81 and more", "81", 1.0),
+        ("81\n99", "81", 1.0),
+        ("8", "81", 0.0),
+        ("811", "81", 0.0),
+        ("", "81", 0.0),
+        ("<eos>81", "81", 0.0),
+    ],
+)
+def test_exact_match(response: str, truth: str, score: float) -> None:
+    assert R.exact_match(response, truth, {}) == score
+
+
+@pytest.mark.parametrize(
+    ("text", "strict", "flexible"),
+    [
+        ("so 3+4=7\n#### 7", "7", "7"),
+        ("#### 1,234", "1234", "1234"),
+        ("#### $1,234.50", "1234.50", "1234.50"),
+        ("#### -5", "-5", "-5"),
+        ("####12", "12", "12"),
+        ("first #### 3 then #### 4", "4", "4"),
+        ("#### 72.", "72", "72"),
+        ("The answer is 42.", None, "42"),
+        ("It costs $18 for 3 items", None, "3"),
+        ("no numbers here", None, None),
+        ("#### seven", None, None),
+        ("#### 5 " + "x" * 400, None, None),  # like verl, only the last 300 characters are searched
+    ],
+)
+def test_extract_gsm8k_answer(text: str, strict: str | None, flexible: str | None) -> None:
+    assert R.extract_gsm8k_answer(text, "strict") == strict
+    assert R.extract_gsm8k_answer(text, "flexible") == flexible
+
+
+def test_gsm8k_scores() -> None:
+    assert R.gsm8k_strict("work...\n#### 1,000", "1000", {}) == 1.0
+    assert R.gsm8k_strict("#### 72.00", "72", {}) == 1.0
+    assert R.gsm8k_strict("The answer is 72", "72", {}) == 0.0  # strict needs the "####" format
+    assert R.gsm8k_strict("#### 71", "72", {}) == 0.0
+    assert R.gsm8k_flexible("The answer is 72", "72", {}) == 1.0
+    assert R.gsm8k_flexible("72 or maybe 73", "72", {}) == 0.0
+    with pytest.raises(ValueError, match="unknown gsm8k method"):
+        R.extract_gsm8k_answer("#### 1", "loose")
+
+
+def test_default_reward_fn() -> None:
+    assert R.default_reward_fn("synthetic/addition") == "exact_match"
+    assert R.default_reward_fn("openai/gsm8k") == "gsm8k_strict"
+    assert R.default_reward_fn("openai/gsm8k", method="flexible") == "gsm8k_flexible"
+    with pytest.raises(
+        ValueError, match=r"no reward function for data_source 'lighteval/MATH'.*reward\.function"
+    ):
+        R.default_reward_fn("lighteval/MATH")
+    assert {"exact_match", "gsm8k_strict", "gsm8k_flexible"} <= set(R.REWARD_FNS)
+
+
+# ---------------------------------------------------------------- the sandboxed scorer
+
+
+def test_score_batch_many_cheap_samples_in_order() -> None:
+    texts = [str(i % 10) for i in range(5000)]
+    start = time.monotonic()
+    results = R.score_batch(_rows(texts, truth="3"), timeout_s=2.0)
+    assert [r.score for r in results] == [1.0 if t == "3" else 0.0 for t in texts]
+    assert {r.reward_fn for r in results} == {"exact_match"} and all(r.error is None for r in results)
+    pid = R._POOL[0].proc.pid
+    assert R.score_batch(_rows(texts, truth="3"), timeout_s=2.0) == results  # deterministic
+    assert R._POOL[0].proc.pid == pid  # the scorer process is kept across calls
+    assert time.monotonic() - start < 10
+
+
+def test_score_batch_chooses_by_data_source_and_method() -> None:
+    rows = _rows(["#### 5"], truth="5", source="openai/gsm8k") + _rows(
+        ["I get 5"], truth="5", source="openai/gsm8k"
+    )
+    rows += [
+        {"response_text": "12", "ground_truth": "12", "data_source": "synthetic/addition", "extra_info": {}}
+    ]
+    strict = R.score_batch(rows, timeout_s=2.0)
+    assert [(r.score, r.reward_fn) for r in strict] == [
+        (1.0, "gsm8k_strict"),
+        (0.0, "gsm8k_strict"),
+        (1.0, "exact_match"),
+    ]
+    flexible = R.score_batch(rows, timeout_s=2.0, gsm8k_method="flexible")
+    assert [r.score for r in flexible] == [1.0, 1.0, 1.0]
+    with pytest.raises(ValueError, match="no reward function for data_source 'nope'"):
+        R.score_batch(_rows(["1"], source="nope"), timeout_s=2.0)
+    assert R.score_batch([], timeout_s=1.0) == []
+
+
+def test_score_batch_forced_function() -> None:
+    rows = _rows(["#### 5"], truth="5", source="synthetic/addition")
+    assert R.score_batch(rows, timeout_s=2.0)[0].score == 0.0
+    replay = R.score_batch(rows, timeout_s=2.0, function="gsm8k_strict")[0]
+    assert (replay.score, replay.reward_fn) == (1.0, "gsm8k_strict")
+    by_path = R.score_batch(_rows(["ok"]), timeout_s=2.0, function="engines.rewards:exact_match")[0]
+    assert (by_path.score, by_path.reward_fn) == (1.0, "engines.rewards:exact_match")
+    with pytest.raises(
+        ValueError, match=r"unknown reward function 'nope'; valid: .*exact_match.*gsm8k_strict"
+    ):
+        R.score_batch(rows, timeout_s=2.0, function="nope")
+
+
+def test_score_batch_function_from_a_file(tmp_path: Path) -> None:
+    path = tmp_path / "my_reward.py"
+    path.write_text(
+        "def length(response_text, ground_truth, extra_info):\n    return len(response_text) + extra_info['bonus']\n"
+    )
+    rows = [
+        {
+            "response_text": "abc",
+            "ground_truth": "",
+            "data_source": "x",
+            "extra_info": json.dumps({"bonus": 1}),
+        }
+    ]
+    assert R.score_batch(rows, timeout_s=2.0, function=f"{path}:length")[0].score == 4.0
+
+
+def test_local_functions_are_refused() -> None:
+    @R.register_reward_fn("test_local")
+    def local(response_text: str, ground_truth: str, extra_info: dict) -> float:
+        return 1.0
+
+    try:
+        with pytest.raises(ValueError, match="not a module-level function"):
+            R.score_batch(_rows(["x"]), timeout_s=1.0, function="test_local")
+    finally:
+        del R.REWARD_FNS["test_local"]
+
+
+def test_raising_and_hanging_functions_cost_only_their_sample() -> None:
+    texts = ["ok"] * 300 + ["raise", "ok", "hang", "busy", "nan", "ok", "bad extra"] + ["x"] * 700
+    rows = _rows(texts)
+    rows[306]["extra_info"] = "[1, 2]"
+    start = time.monotonic()
+    results = R.score_batch(rows, timeout_s=0.5, function="test_chaos")
+    elapsed = time.monotonic() - start
+    assert len(results) == len(rows)
+    errors = {i: r.error for i, r in enumerate(results) if r.error is not None}
+    assert errors == {
+        300: "ValueError: boom",
+        302: "timeout after 0.5s",
+        303: "timeout after 0.5s",
+        304: "ValueError: reward is not finite: nan",
+        306: "ValueError: extra_info must be a JSON object, got list",
+    }
+    assert [r.score for r in results] == [1.0 if t == "ok" else 0.0 for t in texts]
+    assert {r.reward_fn for r in results} == {"test_chaos"}
+    assert 1.0 <= elapsed < 5
+
+
+def test_dying_and_deaf_children_are_killed_and_replaced(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(R, "_MARGIN_S", 0.5)  # keep the watchdog's wait short for the test
+    monkeypatch.setattr(R, "_CHUNK", 64)
+    texts = ["ok"] * 100 + ["die"] + ["ok"] * 100 + ["deaf"] + ["ok"] * 100 + ["die"]
+    results = R.score_batch(_rows(texts), timeout_s=0.3, function="test_chaos")
+    errors = {i: r.error for i, r in enumerate(results) if r.error is not None}
+    assert set(errors) == {100, 201, 302}
+    assert errors[100] == errors[302] == "reward scorer process died (exit code 7)"
+    assert errors[201].startswith("timeout after 0.3s")
+    assert [r.score for r in results] == [1.0 if t == "ok" else 0.0 for t in texts]
+    # The pool recovers: a fresh process scores the next batch.
+    assert R.score_batch(_rows(["ok", "no"]), timeout_s=1.0, function="test_chaos") == [
+        R.RewardResult(1.0, "test_chaos"),
+        R.RewardResult(0.0, "test_chaos"),
+    ]
+
+
+def test_shutdown_and_restart() -> None:
+    R.score_batch(_rows(["ok"]), timeout_s=1.0)
+    proc = R._POOL[0].proc
+    R.shutdown_scorer()
+    assert not proc.is_alive() and R._POOL == []
+    assert R.score_batch(_rows(["ok"], truth="ok"), timeout_s=1.0)[0].score == 1.0
+
+
+def test_bad_timeout() -> None:
+    with pytest.raises(ValueError, match="timeout_s must be > 0"):
+        R.score_batch(_rows(["x"]), timeout_s=0)
