@@ -10,6 +10,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+import ray
 from prefect import flow, get_run_logger
 from prefect.context import get_run_context
 from prefect_ray import RayTaskRunner
@@ -22,7 +23,7 @@ from schemas.config import ConfigError, RunConfig, load_config
 from schemas.manifest import Manifest, PolicyRef
 from tasks import stages
 from tasks.kit import initial_policy, sft_warm_start
-from tasks.runtime import policy_ref_from, store_for
+from tasks.runtime import policy_ref_from, policy_worker, store_for
 
 # Fields that may differ between invocations of one run: where and how it executes, and how long.
 RUN_MUTABLE = ("run_name", "store", "ray", "tracking", "trainer.iterations")
@@ -150,6 +151,9 @@ def run_training(cfg: RunConfig, first: int = 1, last: int | None = None) -> dic
     runner = RayTaskRunner(address=cfg.ray.address, init_kwargs={"namespace": RAY_NAMESPACE})
     one_iteration = iteration_flow.with_options(task_runner=runner, flow_run_name=f"{cfg.run_name}-iter-{{iteration}}")
     _emit(f"rlstage: run {cfg.run_name!r}, iterations {first}..{last}, artifacts under {store.root}/{cfg.run_name}")
+    # The driver owns the policy worker: a non-detached actor dies with its last handle, so this
+    # one keeps it alive for the run while stage tasks look it up by name.
+    worker = policy_worker(cfg)
     status = "FAILED"
     try:
         prep = stages.submit_stage(stages.data_prep, cfg, "data_prep").result()
@@ -187,6 +191,7 @@ def run_training(cfg: RunConfig, first: int = 1, last: int | None = None) -> dic
         return {"run": cfg.run_name, "store": store.root, "mlflow": tracker.run_url, "history": history}
     finally:
         tracker.finish(status)
+        ray.kill(worker)
 
 
 def _log_rollout_sample(cfg: RunConfig, tracker: Tracker, it: int, outcome: IterationOutcome) -> None:

@@ -27,6 +27,5 @@ def ensure_ray(cfg: RunConfig) -> None:
         include_dashboard=False,
         object_store_memory=cfg.ray.object_store_memory_mb << 20,
         namespace=RAY_NAMESPACE,
-        node_ip_address="127.0.0.1",
         log_to_driver=False,
     )

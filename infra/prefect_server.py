@@ -1,0 +1,86 @@
+"""A real Prefect API server on 127.0.0.1, started in its own process group."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from infra.env import apply_defaults
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_http(url: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server for {url} exited with code {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status < 500:
+                    return
+        except OSError:
+            time.sleep(0.3)
+    raise TimeoutError(f"{url} did not answer within {timeout_s:.0f}s")
+
+
+def stop_process_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(grace_s)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+
+
+@dataclass
+class PrefectServer:
+    url: str
+    proc: subprocess.Popen
+    home: Path
+
+    def stop(self) -> None:
+        stop_process_group(self.proc)
+
+
+def prefect_env(home: Path) -> dict[str, str]:
+    apply_defaults()
+    return {**os.environ, "PREFECT_HOME": str(home), "PREFECT_UI_ENABLED": "false", "PREFECT_LOGGING_LEVEL": "WARNING"}
+
+
+def start_prefect_server(home: str | Path, port: int | None = None, timeout_s: float = 90.0) -> PrefectServer:
+    """Start ``prefect server start`` on 127.0.0.1 with its state under ``home``; wait until healthy."""
+    home = Path(home).resolve()
+    home.mkdir(parents=True, exist_ok=True)
+    port = port or free_port()
+    log = open(home / "server.log", "ab")  # noqa: SIM115 - the server process owns it
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        env=prefect_env(home),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}/api"
+    try:
+        wait_http(f"{url}/health", timeout_s, proc)
+    except Exception:
+        stop_process_group(proc)
+        raise
+    return PrefectServer(url=url, proc=proc, home=home)
