@@ -111,12 +111,12 @@ class TorchActor:
         )
         entropy_loss = algos.agg_loss(entropy, mask, cfg.loss_agg_mode)
         loss = pg_loss - cfg.entropy_coeff * entropy_loss
-        metrics = {"actor/pg_loss": float(pg_loss), "actor/entropy": float(entropy_loss)}
+        metrics = {"actor/pg_loss": float(pg_loss.detach()), "actor/entropy": float(entropy_loss.detach())}
         if cfg.use_kl_loss:
             ref = pad_right([batch["ref_log_probs"][i] for i in idx], 0.0, torch.float32, R)
             kl = algos.agg_loss(algos.kl_penalty(logp, ref, cfg.kl_loss_type), mask, cfg.loss_agg_mode)
             loss = loss + cfg.kl_loss_coef * kl
-            metrics["actor/kl_loss"] = float(kl)
+            metrics["actor/kl_loss"] = float(kl.detach())
             metrics["actor/kl_coef"] = cfg.kl_loss_coef
         (loss * scale).backward()
         for k, v in pg_metrics.items():

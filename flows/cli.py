@@ -26,6 +26,8 @@ def prefect_api(state_dir: str):
     server = start_prefect_server(Path(state_dir) / "prefect")
     os.environ["PREFECT_API_URL"] = server.url
     os.environ["PREFECT_HOME"] = str(server.home)
+    # This server stops when the command ends: shipping logs to it at exit would only fail.
+    os.environ.setdefault("PREFECT_LOGGING_TO_API_ENABLED", "false")
     try:
         yield server.url
     finally:
@@ -43,7 +45,7 @@ def cmd_train(args) -> int:
     with prefect_api(cfg.store.root if "://" not in cfg.store.root else ".rlstage"):
         from flows.training import train
 
-        result = train(config_path=str(args.config) if args.config else None, overrides=list(args.overrides))
+        result = train(config=cfg)
     _summary(result)
     return 0
 

@@ -19,7 +19,7 @@ from infra.env import apply_defaults
 from infra.ray_runtime import RAY_NAMESPACE, ensure_ray
 from infra.store import ArtifactStore
 from infra.tracking import Tracker
-from schemas.config import ConfigError, RunConfig, load_config
+from schemas.config import ConfigError, RunConfig, build_config, load_config, merge_dicts, parse_overrides
 from schemas.manifest import Manifest, PolicyRef
 from tasks import stages
 from tasks.kit import initial_policy, sft_warm_start
@@ -132,6 +132,18 @@ def stored_config(store: ArtifactStore, run_name: str) -> RunConfig:
     return RunConfig.model_validate(stored["config"])
 
 
+def check_inputs(cfg: RunConfig) -> None:
+    """Fail before anything is written when a named input does not exist."""
+    from pathlib import Path
+
+    if cfg.model.path is not None and not (Path(cfg.model.path).expanduser() / "config.json").is_file():
+        raise FileNotFoundError(f"model.path {cfg.model.path} is not a Hugging Face model directory")
+    for key in ("train_path", "test_path"):
+        value = getattr(cfg.data, key)
+        if value is not None and "://" not in value and not Path(value).expanduser().is_file():
+            raise FileNotFoundError(f"data.{key} {value} does not exist")
+
+
 def _flow_run_id() -> str:
     try:
         return str(get_run_context().flow_run.id)
@@ -143,6 +155,7 @@ def run_training(cfg: RunConfig, first: int = 1, last: int | None = None) -> dic
     """Run iterations ``first..last`` (default: all) of ``cfg``'s run, skipping committed stages."""
     apply_defaults()
     last = cfg.trainer.iterations if last is None else last
+    check_inputs(cfg)
     store = store_for(cfg)
     store.check_writable()
     record_run_config(store, cfg)
@@ -161,7 +174,7 @@ def run_training(cfg: RunConfig, first: int = 1, last: int | None = None) -> dic
         if cfg.model.path is None:
             _emit("  [kit] SFT warm start of the tiny model (reused when already committed) ...")
             sft = sft_warm_start.submit(cfg).result()
-            _emit(f"  [kit] SFT checkpoint {sft.artifact_id[:8]}: held-out accuracy {sft.meta['metrics']['sft/test_accuracy']:.3f}")
+            _emit(f"  [kit] SFT checkpoint {sft.manifest.artifact_id[:8]}: held-out accuracy {sft.metrics['sft/test_accuracy']:.3f}")
         policy = initial_policy(cfg, sft)
         if first > 1:
             prev = store.manifest(cfg.run_name, first - 1, "update")
@@ -169,6 +182,7 @@ def run_training(cfg: RunConfig, first: int = 1, last: int | None = None) -> dic
                 raise ConfigError(f"config error: run {cfg.run_name!r} has no committed update for iteration {first - 1}")
             policy = policy_ref_from(prev)
         history: list[dict] = []
+        executed = [s for s, r in (("data_prep", prep), ("sft", sft)) if r is not None and r.executed]
         for it in range(0 if first == 1 else first, last + 1):
             t0 = time.perf_counter()
             outcome = one_iteration(cfg, it, prep.manifest, policy)
@@ -179,6 +193,7 @@ def run_training(cfg: RunConfig, first: int = 1, last: int | None = None) -> dic
             if "rollout" in outcome.results and outcome.results["rollout"].executed:
                 _log_rollout_sample(cfg, tracker, it, outcome)
             history.append({"iteration": it, "executed": outcome.executed, **metrics})
+            executed += [f"iter-{it}/{s}" for s in outcome.executed]
             acc = metrics.get("val/accuracy")
             score = metrics.get("critic/score/mean")
             _emit(
@@ -188,7 +203,14 @@ def run_training(cfg: RunConfig, first: int = 1, last: int | None = None) -> dic
                 + f"{time.perf_counter() - t0:.1f}s, executed {len(outcome.executed)} stage(s)"
             )
         status = "FINISHED"
-        return {"run": cfg.run_name, "store": store.root, "mlflow": tracker.run_url, "history": history}
+        return {
+            "run": cfg.run_name,
+            "store": store.root,
+            "mlflow": tracker.run_url,
+            "mlflow_run_id": tracker.run_id,
+            "history": history,
+            "executed": executed,
+        }
     finally:
         tracker.finish(status)
         ray.kill(worker)
@@ -211,9 +233,22 @@ def _log_rollout_sample(cfg: RunConfig, tracker: Tracker, it: int, outcome: Iter
     )
 
 
+def resolve_config(
+    config: RunConfig | None = None, config_path: str | None = None, overrides: list[str] | None = None
+) -> RunConfig:
+    """The config model (as the Prefect UI form gives it) or a YAML file, plus dotted overrides."""
+    if config is None:
+        return load_config(config_path, overrides or [])
+    if config_path is not None:
+        raise ConfigError("config error: give either config or config_path, not both")
+    return build_config(merge_dicts(config.model_dump(mode="json"), parse_overrides(overrides or [])))
+
+
 @flow(name="rlstage-train")
-def train(config_path: str | None = None, overrides: list[str] | None = None) -> dict:
+def train(
+    config: RunConfig | None = None, config_path: str | None = None, overrides: list[str] | None = None
+) -> dict:
     """A training run: data prep, SFT warm start (tiny kit), then N iterations on Ray."""
-    cfg = load_config(config_path, overrides or [])
+    cfg = resolve_config(config, config_path, overrides)
     get_run_logger().info("training run %s", cfg.run_name)
     return run_training(cfg)

@@ -260,10 +260,10 @@ def parse_overrides(overrides: list[str] | tuple[str, ...]) -> dict:
     return tree
 
 
-def _merge(base: dict, extra: dict) -> dict:
+def merge_dicts(base: dict, extra: dict) -> dict:
     out = dict(base)
     for k, v in extra.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        out[k] = merge_dicts(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
     return out
 
 
@@ -292,7 +292,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         if not isinstance(loaded, dict):
             raise ConfigError(f"config error: {p} must hold a mapping")
         data = loaded
-    return build_config(_merge(data, parse_overrides(overrides)))
+    return build_config(merge_dicts(data, parse_overrides(overrides)))
 
 
 def config_to_yaml(cfg: RunConfig) -> str:

@@ -7,7 +7,6 @@ runs with the same kit and SFT settings share it.
 from __future__ import annotations
 
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -19,8 +18,9 @@ from engines.rollout import HFRolloutEngine, SamplingParams
 from engines.sft import sft_train
 from engines.tinykit import build_char_tokenizer, build_tiny_llama, save_model_dir
 from schemas.config import RunConfig
-from schemas.manifest import Manifest, PolicyRef
-from tasks.runtime import STAGE_CONFIG, code_version, policy_ref_from, stage_key, store_for
+from schemas.manifest import PolicyRef
+from tasks.runtime import STAGE_CONFIG, policy_ref_from
+from tasks.stages import StageOutput, StageResult, run_stage
 
 
 def kit_run_name(cfg: RunConfig) -> str:
@@ -37,61 +37,53 @@ def greedy_accuracy(model, tokenizer, prompts: list[str], answers: list[str], da
 
 
 @task(name="sft", cache_policy=NO_CACHE, persist_result=False)
-def sft_warm_start(cfg: RunConfig) -> Manifest:
-    """Train (or reuse) the SFT checkpoint of the tiny kit; returns its committed manifest."""
-    store = store_for(cfg)
-    run = kit_run_name(cfg)
-    config_hash = cfg.stage_hash(*STAGE_CONFIG["sft"])
-    key = stage_key("sft", {}, config_hash)
-    existing = store.committed(run, None, "sft", key)
-    if existing is not None:
-        return existing
-    torch.set_num_threads(cfg.model.torch_threads)
-    k = cfg.kit
-    train, test = datasets.make_addition_splits(k.digits, k.train_size, k.test_size, k.seed)
-    tok = build_char_tokenizer()
-    model = build_tiny_llama(k, tok)
-    examples = list(zip(train.column("prompt").to_pylist(), train.column("ground_truth").to_pylist(), strict=True))
-    ds = test.column("data_source")[0].as_py()
-    prompts, answers = test.column("prompt").to_pylist(), test.column("ground_truth").to_pylist()
-    s = cfg.sft
-    # Early stopping looks at a slice of the test split; the reported accuracy is on all of it.
-    probe = (prompts[: s.eval_size], answers[: s.eval_size])
+def sft_warm_start(cfg: RunConfig) -> StageResult:
+    """Train (or reuse) the SFT checkpoint of the tiny kit, committed under the kit's own run."""
 
-    def should_stop(step: int, _loss: float) -> bool:
-        if s.target_accuracy is None or step % s.eval_every:
-            return False
-        return greedy_accuracy(model, tok, *probe, ds) >= s.target_accuracy
+    def produce() -> StageOutput:
+        torch.set_num_threads(cfg.model.torch_threads)
+        k, s = cfg.kit, cfg.sft
+        train, test = datasets.make_addition_splits(k.digits, k.train_size, k.test_size, k.seed)
+        tok = build_char_tokenizer()
+        model = build_tiny_llama(k, tok)
+        examples = list(zip(train.column("prompt").to_pylist(), train.column("ground_truth").to_pylist(), strict=True))
+        ds = test.column("data_source")[0].as_py()
+        prompts, answers = test.column("prompt").to_pylist(), test.column("ground_truth").to_pylist()
+        # Early stopping looks at a slice of the test split; the reported accuracy is on all of it.
+        probe = (prompts[: s.eval_size], answers[: s.eval_size])
 
-    t0 = time.perf_counter()
-    losses = sft_train(
-        model, tok, examples, steps=s.steps, batch_size=s.batch_size, lr=s.lr, seed=s.seed, should_stop=should_stop
-    )
-    seconds = time.perf_counter() - t0
-    acc = greedy_accuracy(model, tok, prompts, answers, ds)
-    with tempfile.TemporaryDirectory() as tmp:
-        save_model_dir(model, tok, tmp)
-        blobs = {f"model/{p.relative_to(tmp)}": p.read_bytes() for p in sorted(Path(tmp).rglob("*")) if p.is_file()}
-    meta = {
-        "metrics": {
-            "sft/final_loss": losses[-1] if losses else float("nan"),
-            "sft/test_accuracy": acc,
-            "sft/steps": len(losses),
-        },
-        "compute_s": seconds,
-        "parameters": sum(p.numel() for p in model.parameters()),
-    }
-    return store.commit(
-        run, None, "sft", key=key, config_hash=config_hash, code_version=code_version(), inputs={}, blobs=blobs, meta=meta
-    )
+        def should_stop(step: int, _loss: float) -> bool:
+            if s.target_accuracy is None or step % s.eval_every:
+                return False
+            return greedy_accuracy(model, tok, *probe, ds) >= s.target_accuracy
+
+        losses = sft_train(
+            model, tok, examples, steps=s.steps, batch_size=s.batch_size, lr=s.lr, seed=s.seed, should_stop=should_stop
+        )
+        acc = greedy_accuracy(model, tok, prompts, answers, ds)
+        with tempfile.TemporaryDirectory() as tmp:
+            save_model_dir(model, tok, tmp)
+            blobs = {f"model/{p.relative_to(tmp)}": p.read_bytes() for p in sorted(Path(tmp).rglob("*")) if p.is_file()}
+        return StageOutput(
+            blobs=blobs,
+            metrics={
+                "sft/final_loss": losses[-1] if losses else float("nan"),
+                "sft/test_accuracy": acc,
+                "sft/steps": len(losses),
+            },
+            meta={"parameters": sum(p.numel() for p in model.parameters())},
+        )
+
+    return run_stage(cfg, "sft", None, {}, produce, run=kit_run_name(cfg))
 
 
-def initial_policy(cfg: RunConfig, sft_manifest: Manifest | None) -> PolicyRef:
+def initial_policy(cfg: RunConfig, sft: StageResult | None) -> PolicyRef:
     """The policy iteration 1 starts from: ``model.path`` if set, else the kit's SFT checkpoint."""
     if cfg.model.path is not None:
         path = Path(cfg.model.path).expanduser().resolve()
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"model.path {cfg.model.path} is not a Hugging Face model directory")
         return PolicyRef(version=f"path:{path}", path=str(path))
-    assert sft_manifest is not None
-    return policy_ref_from(sft_manifest)
+    if sft is None:
+        raise ValueError("no model.path and no SFT checkpoint: nothing to start from")
+    return policy_ref_from(sft.manifest)

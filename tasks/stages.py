@@ -52,20 +52,26 @@ class StageOutput:
 
 
 def run_stage(
-    cfg: RunConfig, stage: str, iteration: int | None, inputs: dict[str, str], produce: Callable[[], StageOutput]
+    cfg: RunConfig,
+    stage: str,
+    iteration: int | None,
+    inputs: dict[str, str],
+    produce: Callable[[], StageOutput],
+    run: str | None = None,
 ) -> StageResult:
     """Skip if committed with the same key; else produce and commit (manifest last)."""
     store = store_for(cfg)
+    run = run or cfg.run_name
     config_hash = cfg.stage_hash(*STAGE_CONFIG[stage])
     key = stage_key(stage, inputs, config_hash)
-    existing = store.committed(cfg.run_name, iteration, stage, key)
+    existing = store.committed(run, iteration, stage, key)
     if existing is not None:
         return StageResult(existing, executed=False, metrics=existing.meta.get("metrics", {}))
     t0 = time.perf_counter()
     out = produce()
     seconds = time.perf_counter() - t0
     manifest = store.commit(
-        cfg.run_name,
+        run,
         iteration,
         stage,
         key=key,

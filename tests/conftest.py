@@ -1,0 +1,41 @@
+"""Shared fixtures: a real Prefect server on 127.0.0.1 and a local Ray, once per test session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from infra.env import apply_defaults
+
+apply_defaults()
+# The session's server stops before the interpreter exits: don't ship logs to it at exit.
+os.environ.setdefault("PREFECT_LOGGING_TO_API_ENABLED", "false")
+REPO = Path(__file__).resolve().parent.parent
+GSM8K = REPO.parent / "shared" / "data" / "gsm8k"
+
+
+@pytest.fixture(scope="session")
+def prefect_api(tmp_path_factory):
+    """A real Prefect API server; PREFECT_API_URL is exported before Ray starts (workers inherit it)."""
+    from infra.prefect_server import start_prefect_server
+
+    server = start_prefect_server(tmp_path_factory.mktemp("prefect-home"))
+    old = {k: os.environ.get(k) for k in ("PREFECT_API_URL", "PREFECT_HOME")}
+    os.environ["PREFECT_API_URL"] = server.url
+    os.environ["PREFECT_HOME"] = str(server.home)
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings(updates={PREFECT_API_URL: server.url}):
+        yield server
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    server.stop()
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v

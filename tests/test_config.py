@@ -1,0 +1,67 @@
+import pytest
+
+from schemas.config import ConfigError, RunConfig, load_config, parse_overrides
+
+
+def test_defaults_validate():
+    cfg = load_config()
+    assert isinstance(cfg, RunConfig)
+    assert cfg.algorithm.adv_estimator == "grpo"
+
+
+def test_yaml_and_dotted_overrides(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("run_name: x\nactor:\n  optim:\n    lr: 0.001\n")
+    cfg = load_config(p, ["actor.optim.lr=1e-5", "algorithm.adv_estimator=rloo", "rollout.n=4"])
+    assert cfg.run_name == "x"
+    assert cfg.actor.optim.lr == pytest.approx(1e-5)
+    assert cfg.algorithm.adv_estimator == "rloo"
+    assert cfg.rollout.n == 4
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needle"),
+    [
+        (["actor.optim.lrr=1"], "config error: actor.optim.lrr: Extra inputs are not permitted"),
+        (["actor.optim.lr=-1"], "config error: actor.optim.lr:"),
+        (["rollout.n=0"], "config error: rollout.n:"),
+        (["algorithm.adv_estimator=foo"], "config error: algorithm.adv_estimator:"),
+        (["actor.clip_ratio_low=-0.1"], "config error: actor.clip_ratio_low:"),
+        (["actor.zero_stage=4"], "config error: actor.zero_stage:"),
+        (["run_name=a/b"], "config error: run_name:"),
+        (["run_name=.."], "config error: run_name:"),
+        (["ray.stages.rollot.num_cpus=1"], "unknown stage 'rollot'"),
+        (["rollout.n=1"], "needs groups"),
+        (["algorithm.adv_estimator=gae"], "needs a critic"),
+        (["data.source=gsm8k"], "data.train_path is required"),
+        (["nonsense"], "is not of the form key=value"),
+    ],
+)
+def test_bad_config_names_the_key(overrides, needle):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides)
+    msg = str(err.value)
+    assert needle in msg
+    assert "\n" not in msg
+
+
+def test_unknown_estimator_lists_valid_names():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["algorithm.adv_estimator=ppo2"])
+    assert "grpo" in str(err.value) and "rloo" in str(err.value)
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_override_values_are_yaml_scalars():
+    assert parse_overrides(["a.b=true", "a.c=3", "d=x"]) == {"a": {"b": True, "c": 3}, "d": "x"}
+
+
+def test_stage_hash_depends_only_on_named_sections():
+    a = load_config(None, ["actor.optim.lr=1e-4"])
+    b = load_config(None, ["actor.optim.lr=2e-4"])
+    assert a.stage_hash("reward") == b.stage_hash("reward")
+    assert a.stage_hash("actor") != b.stage_hash("actor")

@@ -1,0 +1,117 @@
+"""The compute engines on the tiny kit: tokenizer, rollout log-probs, PPO update, SFT, cursor."""
+
+import pytest
+import torch
+
+from engines import datasets
+from engines.actor import TorchActor, lr_lambda
+from engines.cursor import prompt_batch
+from engines.rollout import HFRolloutEngine, SamplingParams
+from engines.sft import sft_train
+from engines.tinykit import build_char_tokenizer, build_tiny_llama, save_model_dir
+from schemas.config import ActorConfig, KitConfig, OptimConfig
+
+
+@pytest.fixture(scope="module")
+def kit():
+    torch.set_num_threads(1)
+    tok = build_char_tokenizer()
+    model = build_tiny_llama(KitConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64), tok)
+    return tok, model
+
+
+def test_tokenizer_round_trip_and_save(tmp_path, kit):
+    tok, model = kit
+    text = 'What is 23+58? 81 <tool_call>{"a": 1}</tool_call>'
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert len(ids) == len(text)  # one token per character
+    assert tok.decode(ids) == text
+    save_model_dir(model, tok, tmp_path / "m")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok2 = AutoTokenizer.from_pretrained(tmp_path / "m")
+    assert tok2(text, add_special_tokens=False)["input_ids"] == ids
+    m2 = AutoModelForCausalLM.from_pretrained(tmp_path / "m")
+    assert torch.equal(m2.model.embed_tokens.weight, model.model.embed_tokens.weight)
+
+
+def test_rollout_log_probs_match_trainer_recompute(kit):
+    tok, model = kit
+    eng = HFRolloutEngine(model, tok, batch_size=5)
+    comps = eng.generate(["What is 1+2? ", "What is 10+20? ", "Hi "], SamplingParams(n=3, temperature=0.7, seed=3))
+    assert len(comps) == 9
+    assert {(c.prompt_index, c.sample_index) for c in comps} == {(i, k) for i in range(3) for k in range(3)}
+    actor = TorchActor(model, ActorConfig(micro_batch_size=4, ppo_mini_batch_size=4), tok.pad_token_id, 10)
+    recomputed = actor.compute_log_probs([c.prompt_ids for c in comps], [c.response_ids for c in comps], 0.7)
+    for c, lp in zip(comps, recomputed, strict=True):
+        assert len(lp) == len(c.response_ids) == len(c.log_probs)
+        assert max(abs(a - b) for a, b in zip(c.log_probs, lp, strict=True)) < 1e-4
+        if c.finish_reason == "stop":
+            assert c.response_ids[-1] == tok.eos_token_id
+        else:
+            assert len(c.response_ids) == 8
+
+
+def test_rollout_is_seeded(kit):
+    tok, model = kit
+    eng = HFRolloutEngine(model, tok)
+    a = eng.generate(["What is 1+2? "], SamplingParams(n=4, seed=5))
+    b = eng.generate(["What is 1+2? "], SamplingParams(n=4, seed=5))
+    c = eng.generate(["What is 1+2? "], SamplingParams(n=4, seed=6))
+    assert [x.response_ids for x in a] == [x.response_ids for x in b]
+    assert [x.response_ids for x in a] != [x.response_ids for x in c]
+
+
+def test_ppo_update_raises_probability_of_positive_advantage(kit):
+    tok, model = kit
+    model = build_tiny_llama(KitConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64), tok)
+    cfg = ActorConfig(ppo_mini_batch_size=2, micro_batch_size=1, ppo_epochs=4, optim=OptimConfig(lr=1e-2))
+    actor = TorchActor(model, cfg, tok.pad_token_id, 100)
+    p = tok("What is 1+1? ", add_special_tokens=False)["input_ids"]
+    good, bad = tok("2", add_special_tokens=False)["input_ids"], tok("7", add_special_tokens=False)["input_ids"]
+    old = actor.compute_log_probs([p, p], [good, bad], 1.0)
+    batch = {
+        "prompt_ids": [p, p],
+        "response_ids": [good, bad],
+        "response_mask": [[1], [1]],
+        "old_log_probs": old,
+        "advantages": [[1.0], [-1.0]],
+    }
+    metrics = actor.update(batch, 1.0, seed=0)
+    new = actor.compute_log_probs([p, p], [good, bad], 1.0)
+    assert new[0][0] > old[0][0] and new[1][0] < old[1][0]
+    for key in ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/grad_norm", "actor/lr"):
+        assert key in metrics
+    assert metrics["actor/pg_clipfrac"] > 0  # 4 epochs at lr 1e-2 leave the trust region
+
+
+def test_lr_schedule_warmup_then_cosine():
+    fn = lr_lambda(OptimConfig(warmup_steps=4, lr_schedule="cosine", min_lr_ratio=0.1), total_steps=14)
+    assert [round(fn(s), 3) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert fn(4) == pytest.approx(1.0)
+    assert fn(14) == pytest.approx(0.1)
+    assert fn(9) == pytest.approx(0.55)
+
+
+def test_sft_lowers_loss_and_stops_early(kit):
+    tok, _ = kit
+    model = build_tiny_llama(KitConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64), tok)
+    train, _ = datasets.make_addition_splits(1, 60, 10, 0)
+    ex = list(zip(train.column("prompt").to_pylist(), train.column("ground_truth").to_pylist(), strict=True))
+    losses = sft_train(model, tok, ex, steps=60, batch_size=16, lr=3e-3)
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.5
+    stopped = sft_train(model, tok, ex, steps=60, batch_size=16, lr=3e-3, should_stop=lambda s, _l: s == 7)
+    assert len(stopped) == 7
+
+
+def test_prompt_batch_is_a_deterministic_epoch_permutation():
+    seen = []
+    for it in range(1, 6):
+        b = prompt_batch(10, it, 4, seed=1)
+        assert b == prompt_batch(10, it, 4, seed=1)
+        seen += b
+    assert sorted(seen[:10]) == list(range(10))  # the first epoch covers every prompt once
+    assert sorted(seen[10:20]) == list(range(10))
+    assert prompt_batch(10, 1, 4, seed=1) != prompt_batch(10, 1, 4, seed=2)
+    with pytest.raises(ValueError):
+        prompt_batch(0, 1, 4, seed=0)

@@ -1,0 +1,156 @@
+"""The pipeline end to end on CPU: Prefect (real server) + Ray (local) + store + MLflow."""
+
+from __future__ import annotations
+
+import pytest
+
+from schemas.config import ConfigError, load_config
+from schemas.stages import STAGE_FILES
+
+pytestmark = pytest.mark.slow
+
+TINY = [
+    "kit.train_size=400",
+    "kit.test_size=40",
+    "kit.hidden_size=32",
+    "kit.num_layers=1",
+    "kit.num_heads=2",
+    "kit.intermediate_size=64",
+    "sft.steps=20",
+    "sft.batch_size=32",
+    "sft.target_accuracy=null",
+    "data.prompts_per_iteration=8",
+    "rollout.n=4",
+    "rollout.batch_size=64",
+    "actor.ppo_mini_batch_size=16",
+    "actor.micro_batch_size=8",
+    "trainer.iterations=2",
+    "tracking.rollout_sample_rows=4",
+]
+
+
+def _cfg(tmp_path, *extra):
+    return load_config(None, [f"store.root={tmp_path / 'store'}", "run_name=it", *TINY, *extra])
+
+
+@pytest.fixture(scope="module")
+def first_run(prefect_api, tmp_path_factory):
+    from flows.training import train
+
+    tmp = tmp_path_factory.mktemp("pipeline")
+    cfg = _cfg(tmp)
+    return cfg, train(config=cfg)
+
+
+def test_two_iterations_commit_every_artifact(first_run):
+    from tasks.runtime import store_for
+
+    cfg, result = first_run
+    store = store_for(cfg)
+    assert "data_prep" in result["executed"] and "sft" in result["executed"]
+    for it in (1, 2):
+        for stage, fname in STAGE_FILES.items():
+            m = store.manifest("it", it, stage)
+            assert m is not None, f"iter {it} {stage} not committed"
+            table = store.read_table(m, fname)  # verifies the checksum
+            assert table.num_rows > 0
+        rollouts = store.read_table(store.manifest("it", it, "rollout"), "rollouts.parquet")
+        assert rollouts.num_rows == 8 * 4
+        update = store.manifest("it", it, "update")
+        assert "model/model.safetensors" in update.files and "actor_state.pt" in update.files
+        # lineage: each stage records the artifact ids it read
+        adv = store.manifest("it", it, "advantage")
+        assert adv.inputs["rollouts"] == store.manifest("it", it, "rollout").artifact_id
+        assert update.inputs["experience"] == adv.artifact_id
+    assert store.manifest("it", 2, "rollout").inputs["policy"] == store.manifest("it", 1, "update").artifact_id
+    assert store.manifest("it", 0, "eval") is not None  # the starting policy is evaluated too
+    assert store.get_json("it", "run.json")["config"]["run_name"] == "it"
+
+
+def test_mlflow_has_metrics_params_and_tags(first_run):
+    from mlflow.tracking import MlflowClient
+
+    from infra.tracking import tracking_uri_for
+
+    cfg, result = first_run
+    client = MlflowClient(tracking_uri_for(cfg))
+    run = client.get_run(result["mlflow_run_id"])
+    for name in (
+        "critic/score/mean",
+        "actor/pg_loss",
+        "actor/pg_clipfrac",
+        "actor/ppo_kl",
+        "actor/entropy",
+        "actor/grad_norm",
+        "response_length/mean",
+        "timing_s/rollout",
+        "perf/throughput",
+        "val-core/synthetic/addition/reward/mean_at_1",
+    ):
+        assert name in run.data.metrics, name
+    steps = [m.step for m in client.get_metric_history(run.info.run_id, "actor/pg_loss")]
+    assert steps == [1, 2]
+    assert run.data.params["actor.optim.lr"] == str(cfg.actor.optim.lr)
+    assert run.data.tags["rlstage.artifact_root"].endswith("store")
+    assert len(run.data.tags["prefect.flow_run_id"]) == 36  # the flow run's UUID
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "rollouts")}
+    assert "rollouts/iter-000001.json" in artifacts
+
+
+def test_rerun_executes_nothing_then_only_after_a_deleted_artifact(first_run):
+    from flows.training import train
+    from tasks.runtime import store_for
+
+    cfg, _ = first_run
+    again = train(config=cfg)
+    assert again["executed"] == []
+    store = store_for(cfg)
+    before = {s: store.manifest("it", 1, s).artifact_id for s in ("rollout", "reward")}
+    store.delete("it", 2, "advantage")
+    third = train(config=cfg)
+    assert third["executed"] == ["iter-2/advantage", "iter-2/update", "iter-2/eval"]
+    assert {s: store.manifest("it", 1, s).artifact_id for s in ("rollout", "reward")} == before
+
+
+def test_corrupted_artifact_is_refused(first_run, tmp_path):
+    from infra.store import ArtifactCorrupt
+    from tasks.runtime import store_for
+
+    cfg, _ = first_run
+    store = store_for(cfg)
+    m = store.manifest("it", 1, "reward")
+    path = store.uri(m, "rewards.parquet")
+    data = bytearray(open(path, "rb").read())
+    data[len(data) // 2] ^= 0xFF
+    open(path, "wb").write(bytes(data))
+    with pytest.raises(ArtifactCorrupt, match="rewards.parquet"):
+        store.read_table(m, "rewards.parquet")
+
+
+def test_conflicting_config_for_existing_run_is_refused(first_run):
+    from flows.training import train
+
+    cfg, _ = first_run
+    other = cfg.model_copy(update={"actor": cfg.actor.model_copy(update={"clip_ratio_high": 0.28})})
+    with pytest.raises(ConfigError, match="actor.clip_ratio_high"):
+        train(config=other)
+
+
+def test_missing_model_path_is_a_clear_error(prefect_api, tmp_path):
+    from flows.training import train
+
+    cfg = _cfg(tmp_path, f"model.path={tmp_path / 'no-such-model'}", "run_name=nomodel")
+    with pytest.raises(FileNotFoundError, match="no-such-model"):
+        train(config=cfg)
+    assert not (tmp_path / "store").exists()  # nothing written
+
+
+def test_unwritable_store_root_is_a_clear_error(prefect_api, tmp_path):
+    from flows.training import train
+    from infra.store import StoreError
+
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    cfg = _cfg(tmp_path, f"store.root={blocker / 'store'}")
+    with pytest.raises(StoreError, match="cannot be written"):
+        train(config=cfg)
