@@ -1,4 +1,4 @@
-"""The ``rlstage`` command: demo, train (more verbs live in their flows)."""
+"""The ``rlstage`` command: demo, train, nightly, replay, compare."""
 
 from __future__ import annotations
 
@@ -58,6 +58,32 @@ def cmd_demo(args) -> int:
     return code
 
 
+def cmd_nightly(args) -> int:
+    with prefect_api(args.store if "://" not in args.store else ".rlstage"):
+        from flows.nightly import nightly
+
+        result = nightly(run_name=args.run, iterations=args.iterations, store_root=args.store)
+    _summary(result)
+    return 0
+
+
+def cmd_replay(args) -> int:
+    with prefect_api(args.store if "://" not in args.store else ".rlstage"):
+        from flows.replay import format_summary, replay
+
+        summary = replay(
+            run_name=args.run, iteration=args.iteration, stage=args.stage, store_root=args.store, overrides=args.overrides
+        )
+    print(format_summary(summary))
+    return 0
+
+
+def cmd_compare(args) -> int:
+    from flows.compare import main as compare_main
+
+    return compare_main(args.rest)
+
+
 def _summary(result: dict) -> None:
     hist = [h for h in result["history"] if "val/accuracy" in h]
     print("\nheld-out accuracy (greedy, exact match):")
@@ -82,12 +108,29 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("-c", "--config", type=Path, default=None, help="YAML config (default: the demo's)")
         p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.optim.lr=1e-5")
         p.set_defaults(fn=fn)
+    p = sub.add_parser("nightly", help="continue a run by K iterations with its stored config")
+    p.add_argument("run")
+    p.add_argument("-k", "--iterations", type=int, default=1)
+    p.add_argument("--store", default="./rlstage-runs", help="store root of the run")
+    p.set_defaults(fn=cmd_nightly)
+    p = sub.add_parser("replay", help="re-execute one stage of one iteration from its stored inputs")
+    p.add_argument("run")
+    p.add_argument("iteration", type=int)
+    p.add_argument("stage")
+    p.add_argument("overrides", nargs="*", help="changed settings, e.g. reward.function=gsm8k_flexible")
+    p.add_argument("--store", default="./rlstage-runs", help="store root of the run")
+    p.set_defaults(fn=cmd_replay)
+    p = sub.add_parser("compare", help="compare runs from MLflow: table + PNG of curves")
+    p.add_argument("rest", nargs=argparse.REMAINDER, help="RUN [RUN ...] [--tracking-uri URI] [--png out.png]")
+    p.set_defaults(fn=cmd_compare)
     args = parser.parse_args(argv)
+    from infra.lease import RunLocked
+    from infra.store import StoreError
     from schemas.config import ConfigError
 
     try:
         return args.fn(args)
-    except (ConfigError, FileNotFoundError) as err:
+    except (ConfigError, FileNotFoundError, StoreError, RunLocked) as err:
         print(f"rlstage: {err}", file=sys.stderr)
         return 2
 

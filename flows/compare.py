@@ -107,7 +107,7 @@ def _summarize(hist: list[tuple[int, float, int]], direction: str | None) -> dic
 def _seconds_per_iteration(
     timing: list[tuple[int, float, int]], step_times: dict[int, int]
 ) -> tuple[float | None, str | None]:
-    # Iteration 0 only evaluates the initial policy, so it would understate a training iteration.
+    # Iteration 0 only evaluates the initial policy: it is no training iteration and would skew the mean.
     trained = [v for s, v, _ in timing if s > 0 and math.isfinite(v)]
     if trained:
         return statistics.fmean(trained), TIMING
@@ -147,6 +147,7 @@ def compare_runs(
         metrics: dict[str, dict[str, Any]] = {}
         history: dict[str, list[tuple[int, float]]] = {}
         step_times: dict[int, int] = {}
+        timing: list[tuple[int, float, int]] = []
         for key in names + ([TIMING] if TIMING in logged else []):
             hist = _history(client, run_id, key)
             if not hist:
@@ -154,10 +155,10 @@ def compare_runs(
             for s, _, t in hist:
                 step_times[s] = max(step_times.get(s, t), t)
             if key == TIMING:
+                timing = hist
                 continue
             metrics[key] = _summarize(hist, "max" if VAL_CORE.match(key) else KEY_METRICS[key])
             history[key] = [(s, v) for s, v, _ in hist]
-        timing = _history(client, run_id, TIMING) if TIMING in logged else []
         s_per_iter, source = _seconds_per_iteration(timing, step_times)
         rows.append(
             {
@@ -215,10 +216,11 @@ def format_table(rows: list[dict]) -> str:
     i = 0
     for label, subs in groups:
         span = sum(widths[i : i + len(subs)]) + 2 * (len(subs) - 1)
-        # Widen the last sub-column when the metric's name is longer than its columns.
-        if len(label) > span:
-            widths[i + len(subs) - 1] += len(label) - span
-            span = len(label)
+        # A metric name longer than its columns widens them evenly, so final/best stay balanced under it.
+        extra = len(label) - span
+        for j in range(len(subs)):
+            widths[i + j] += max(0, extra) // len(subs) + (1 if j < max(0, extra) % len(subs) else 0)
+        span = max(span, len(label))
         top.append(label.center(span))
         i += len(subs)
 
@@ -246,6 +248,8 @@ def plot_runs(rows: list[dict], out_png: str) -> str:
     """Subplots of reward, held-out accuracy, KL, entropy and response length vs iteration, a line per run."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import MaxNLocator
 
     # A bare Figure on an Agg canvas: no pyplot global state, no display needed.
     fig = Figure(figsize=(15, 8.5), layout="constrained")
@@ -271,11 +275,12 @@ def plot_runs(rows: list[dict], out_png: str) -> str:
                 )
         ax.set_title(title)
         ax.set_xlabel("iteration")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # iterations are whole steps
         ax.grid(alpha=0.3)
         if title == "KL" and ax.has_data():
             ax.legend(fontsize="small")  # tells ppo_kl from kl_loss lines
     axes[-1].axis("off")
-    handles = [axes[0].plot([], [], color=c, label=r["run"])[0] for r, c in zip(rows, colors, strict=True)]
+    handles = [Line2D([], [], color=c, label=r["run"]) for r, c in zip(rows, colors, strict=True)]
     axes[-1].legend(handles=handles, loc="center", title="runs")
     out = Path(out_png)
     out.parent.mkdir(parents=True, exist_ok=True)

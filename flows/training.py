@@ -6,6 +6,7 @@ and config is skipped, so rerunning the flow (or the nightly deployment) never r
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ from prefect.context import get_run_context
 from prefect_ray import RayTaskRunner
 
 from infra.env import apply_defaults
+from infra.lease import run_lease
 from infra.ray_runtime import RAY_NAMESPACE, ensure_ray
 from infra.store import ArtifactStore
 from infra.tracking import Tracker
@@ -160,10 +162,15 @@ def run_training(cfg: RunConfig, first: int = 1, last: int | None = None) -> dic
     store.check_writable()
     record_run_config(store, cfg)
     ensure_ray(cfg)
+    _emit(f"rlstage: run {cfg.run_name!r}, iterations {first}..{last}, artifacts under {store.root}/{cfg.run_name}")
+    with run_lease(store, cfg.run_name, label=f"flow run {_flow_run_id() or os.getpid()}") as renew:
+        return _run_iterations(cfg, store, first, last, renew)
+
+
+def _run_iterations(cfg: RunConfig, store: ArtifactStore, first: int, last: int, renew) -> dict:
     tracker = Tracker(cfg, tags={"rlstage.artifact_root": store.root, "prefect.flow_run_id": _flow_run_id()})
     runner = RayTaskRunner(address=cfg.ray.address, init_kwargs={"namespace": RAY_NAMESPACE})
     one_iteration = iteration_flow.with_options(task_runner=runner, flow_run_name=f"{cfg.run_name}-iter-{{iteration}}")
-    _emit(f"rlstage: run {cfg.run_name!r}, iterations {first}..{last}, artifacts under {store.root}/{cfg.run_name}")
     # The driver owns the policy worker: a non-detached actor dies with its last handle, so this
     # one keeps it alive for the run while stage tasks look it up by name.
     worker = policy_worker(cfg)
@@ -185,6 +192,7 @@ def run_training(cfg: RunConfig, first: int = 1, last: int | None = None) -> dic
         executed = [s for s, r in (("data_prep", prep), ("sft", sft)) if r is not None and r.executed]
         for it in range(0 if first == 1 else first, last + 1):
             t0 = time.perf_counter()
+            renew()
             outcome = one_iteration(cfg, it, prep.manifest, policy)
             if "update" in outcome.results:
                 policy = policy_ref_from(outcome.results["update"].manifest)

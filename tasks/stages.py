@@ -58,13 +58,18 @@ def run_stage(
     inputs: dict[str, str],
     produce: Callable[[], StageOutput],
     run: str | None = None,
+    version: str = "main",
+    meta: dict | None = None,
 ) -> StageResult:
-    """Skip if committed with the same key; else produce and commit (manifest last)."""
+    """Skip if committed with the same key; else produce and commit (manifest last).
+
+    ``version`` other than "main" writes a sibling artifact (a replay), never the original.
+    """
     store = store_for(cfg)
     run = run or cfg.run_name
     config_hash = cfg.stage_hash(*STAGE_CONFIG[stage])
     key = stage_key(stage, inputs, config_hash)
-    existing = store.committed(run, iteration, stage, key)
+    existing = store.committed(run, iteration, stage, key, version=version)
     if existing is not None:
         return StageResult(existing, executed=False, metrics=existing.meta.get("metrics", {}))
     t0 = time.perf_counter()
@@ -80,7 +85,8 @@ def run_stage(
         inputs=inputs,
         tables=out.tables,
         blobs=out.blobs,
-        meta={**out.meta, "metrics": out.metrics, "compute_s": seconds},
+        meta={**out.meta, **(meta or {}), "metrics": out.metrics, "compute_s": seconds},
+        version=version,
     )
     if out.on_commit is not None:
         out.on_commit(manifest)
@@ -129,7 +135,9 @@ def _sampling(cfg: RunConfig, iteration: int, n: int | None = None, greedy: bool
 
 # ---------------------------------------------------------------- rollout
 @_stage_task("rollout")
-def rollout(cfg: RunConfig, iteration: int, prompts: Manifest, policy: PolicyRef) -> StageResult:
+def rollout(
+    cfg: RunConfig, iteration: int, prompts: Manifest, policy: PolicyRef, version: str = "main", meta: dict | None = None
+) -> StageResult:
     def produce() -> StageOutput:
         train = _read(cfg, prompts, "train.parquet")
         rows = prompt_batch(train.num_rows, iteration, cfg.data.prompts_per_iteration, cfg.data.shuffle_seed)
@@ -152,7 +160,8 @@ def rollout(cfg: RunConfig, iteration: int, prompts: Manifest, policy: PolicyRef
             },
         )
 
-    return run_stage(cfg, "rollout", iteration, {"prompts": prompts.artifact_id, "policy": policy.version}, produce)
+    inputs = {"prompts": prompts.artifact_id, "policy": policy.version}
+    return run_stage(cfg, "rollout", iteration, inputs, produce, version=version, meta=meta)
 
 
 def _rollouts_table(batch: list[dict], comps: list[dict], iteration: int) -> pa.Table:
@@ -184,7 +193,9 @@ def score_rows(cfg: RunConfig, rows: list[dict]) -> list:
 
 
 @_stage_task("reward")
-def reward(cfg: RunConfig, iteration: int, rollouts: Manifest) -> StageResult:
+def reward(
+    cfg: RunConfig, iteration: int, rollouts: Manifest, version: str = "main", meta: dict | None = None
+) -> StageResult:
     def produce() -> StageOutput:
         table = _read(cfg, rollouts, "rollouts.parquet")
         rows = table.select(["response_text", "ground_truth", "data_source", "extra_info"]).to_pylist()
@@ -211,7 +222,7 @@ def reward(cfg: RunConfig, iteration: int, rollouts: Manifest) -> StageResult:
             },
         )
 
-    return run_stage(cfg, "reward", iteration, {"rollouts": rollouts.artifact_id}, produce)
+    return run_stage(cfg, "reward", iteration, {"rollouts": rollouts.artifact_id}, produce, version=version, meta=meta)
 
 
 # ---------------------------------------------------------------- advantage
@@ -223,7 +234,15 @@ def _padded(rows: list[list[float]], width: int) -> torch.Tensor:
 
 
 @_stage_task("advantage")
-def advantage(cfg: RunConfig, iteration: int, rollouts: Manifest, rewards_m: Manifest, policy: PolicyRef) -> StageResult:
+def advantage(
+    cfg: RunConfig,
+    iteration: int,
+    rollouts: Manifest,
+    rewards_m: Manifest,
+    policy: PolicyRef,
+    version: str = "main",
+    meta: dict | None = None,
+) -> StageResult:
     def produce() -> StageOutput:
         ro = _read(cfg, rollouts, "rollouts.parquet")
         rw = _read(cfg, rewards_m, "rewards.parquet")
@@ -287,12 +306,14 @@ def advantage(cfg: RunConfig, iteration: int, rollouts: Manifest, rewards_m: Man
         )
 
     inputs = {"rollouts": rollouts.artifact_id, "rewards": rewards_m.artifact_id, "policy": policy.version}
-    return run_stage(cfg, "advantage", iteration, inputs, produce)
+    return run_stage(cfg, "advantage", iteration, inputs, produce, version=version, meta=meta)
 
 
 # ---------------------------------------------------------------- update
 @_stage_task("update")
-def update(cfg: RunConfig, iteration: int, experience: Manifest, policy: PolicyRef) -> StageResult:
+def update(
+    cfg: RunConfig, iteration: int, experience: Manifest, policy: PolicyRef, version: str = "main", meta: dict | None = None
+) -> StageResult:
     worker = policy_worker(cfg)
 
     def produce() -> StageOutput:
@@ -312,12 +333,15 @@ def update(cfg: RunConfig, iteration: int, experience: Manifest, policy: PolicyR
             on_commit=lambda m: ray.get(worker.set_version.remote(m.artifact_id)),
         )
 
-    return run_stage(cfg, "update", iteration, {"experience": experience.artifact_id, "policy": policy.version}, produce)
+    inputs = {"experience": experience.artifact_id, "policy": policy.version}
+    return run_stage(cfg, "update", iteration, inputs, produce, version=version, meta=meta)
 
 
 # ---------------------------------------------------------------- eval
 @_stage_task("eval")
-def evaluate(cfg: RunConfig, iteration: int, prompts: Manifest, policy: PolicyRef) -> StageResult:
+def evaluate(
+    cfg: RunConfig, iteration: int, prompts: Manifest, policy: PolicyRef, version: str = "main", meta: dict | None = None
+) -> StageResult:
     def produce() -> StageOutput:
         test = _read(cfg, prompts, "test.parquet")
         if cfg.data.eval_size is not None:
@@ -361,14 +385,15 @@ def evaluate(cfg: RunConfig, iteration: int, prompts: Manifest, policy: PolicyRe
         metrics["val/accuracy"] = float(np.mean(scores[:greedy_n]))
         return StageOutput(tables={"eval.parquet": table}, metrics=metrics)
 
-    return run_stage(cfg, "eval", iteration, {"prompts": prompts.artifact_id, "policy": policy.version}, produce)
+    inputs = {"prompts": prompts.artifact_id, "policy": policy.version}
+    return run_stage(cfg, "eval", iteration, inputs, produce, version=version, meta=meta)
 
 
-def submit_stage(task_fn, cfg: RunConfig, stage: str, *args):
+def submit_stage(task_fn, cfg: RunConfig, stage: str, *args, **kwargs):
     """Submit a stage task with the retries and Ray resources configured for it."""
     from prefect_ray.context import remote_options
 
     res = cfg.ray.resources(stage)
     configured = task_fn.with_options(retries=res.retries, retry_delay_seconds=res.retry_delay_s)
     with remote_options(num_cpus=res.num_cpus, num_gpus=res.num_gpus):
-        return configured.submit(cfg, *args)
+        return configured.submit(cfg, *args, **kwargs)

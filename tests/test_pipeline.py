@@ -3,34 +3,20 @@
 from __future__ import annotations
 
 import pytest
+from tests_support import tiny_overrides
 
 from schemas.config import ConfigError, load_config
 from schemas.stages import STAGE_FILES
 
 pytestmark = pytest.mark.slow
 
-TINY = [
-    "kit.train_size=400",
-    "kit.test_size=40",
-    "kit.hidden_size=32",
-    "kit.num_layers=1",
-    "kit.num_heads=2",
-    "kit.intermediate_size=64",
-    "sft.steps=20",
-    "sft.batch_size=32",
-    "sft.target_accuracy=null",
-    "data.prompts_per_iteration=8",
-    "rollout.n=4",
-    "rollout.batch_size=64",
-    "actor.ppo_mini_batch_size=16",
-    "actor.micro_batch_size=8",
-    "trainer.iterations=2",
-    "tracking.rollout_sample_rows=4",
-]
 
 
 def _cfg(tmp_path, *extra):
     return load_config(None, [f"store.root={tmp_path / 'store'}", "run_name=it", *TINY, *extra])
+
+
+TINY = tiny_overrides()
 
 
 @pytest.fixture(scope="module")

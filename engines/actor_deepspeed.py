@@ -1,0 +1,283 @@
+"""The DeepSpeed train engine: TorchActor's math (same loss code, same schedule) driven by ``deepspeed.initialize``.
+
+``DeepSpeedActor`` subclasses ``TorchActor`` and reuses its ``_micro_step`` (the policy loss, entropy and KL
+terms) and ``compute_log_probs``; only the optimizer step goes through the DeepSpeed engine, so ZeRO 0-3 give
+the same parameters as the plain torch loop. Optimizer: torch's AdamW handed to DeepSpeed (FusedAdam and
+CPUAdam would JIT-build C++ ops for minutes). Precision: fp32 on CPU; bf16 only on CUDA with a bf16 model.
+
+Gradient accumulation: DeepSpeed runs with ``managed_gradient_accumulation: false`` and
+``gradient_accumulation_steps: 1``, so it neither divides the loss nor picks the step boundary itself: each
+micro-batch loss is scaled by ``len(micro) / len(mini)`` exactly as in ``TorchActor`` (ragged last
+micro-batches included) and every ``engine.step()`` is one optimizer step with DeepSpeed's gradient clipping
+(``cfg.optim.grad_clip``) applied to the accumulated, data-parallel-averaged gradient.
+
+Data parallelism (``WORLD_SIZE > 1``): ``cfg.ppo_mini_batch_size`` stays the GLOBAL number of samples per
+optimizer step; each rank steps on ``ppo_mini_batch_size // world_size`` samples of its own shard, scales its
+micro-batch losses by ``len(micro) / len(local mini)``, and DeepSpeed AVERAGES the gradients over ranks. With
+equal shards that is ``sum_micro len(micro) / len(global mini) * grad(loss_micro)``: the single-process
+TorchActor update on the concatenated batch, provided each rank's micro-batches are the ones the single
+process would form (give rank ``r`` the ``r``-th contiguous slice of each global mini-batch; ``shuffle``
+permutes within a rank's shard only). Returned metrics are averaged over ranks; ``actor/grad_norm`` is the
+global norm. Every rank must receive the same number of samples (checked; otherwise collectives would hang).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+from collections import defaultdict
+from contextlib import nullcontext
+
+import torch
+
+from engines import algorithms as algos
+from engines.actor import TorchActor, lr_lambda
+from schemas.config import ActorConfig
+
+# The port this module picked for a single-process group; a later group after a teardown gets a fresh one.
+_OWN_MASTER_PORT: str | None = None
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ensure_dist_env() -> None:
+    """Fill in the torch.distributed env for a single process, so DeepSpeed never falls back to MPI discovery.
+
+    Variables already set (by a launcher, or by the caller for a multi-process group) are kept.
+    """
+    global _OWN_MASTER_PORT
+    if torch.distributed.is_initialized():
+        return
+    for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1")):
+        os.environ.setdefault(key, value)
+    port = os.environ.get("MASTER_PORT")
+    if port is None or port == _OWN_MASTER_PORT:
+        if os.environ["WORLD_SIZE"] != "1":
+            raise RuntimeError("MASTER_PORT must be set when WORLD_SIZE > 1 (every rank must use the same port)")
+        # A fresh port per group: the previous group's store may still hold the old one in TIME_WAIT.
+        _OWN_MASTER_PORT = os.environ["MASTER_PORT"] = str(_free_port())
+
+
+def disable_shm_comm_build() -> None:
+    """Keep DeepSpeed from JIT-compiling its ``deepspeed_shm_comm`` op (~110 s cold on 2 cores).
+
+    In 0.19.8 ``deepspeed.comm.torch.build_shm_op`` builds the op whenever
+    ``deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"]`` is true; there is no env var or config key for
+    it. The op only accelerates inference all-reduce, so marking it incompatible (the dict is probed once and
+    cached in the module, edits persist) makes training use plain gloo/NCCL collectives.
+    """
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
+def _detached_copy(obj: object) -> object:
+    """Deep copy with tensors detached: ZeRO state dicts hold live buffers and non-leaf views (no deepcopy)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return type(obj)((k, _detached_copy(v)) for k, v in obj.items())
+    if isinstance(obj, list | tuple):
+        return type(obj)(_detached_copy(v) for v in obj)
+    return copy.deepcopy(obj)
+
+
+def check_zero_stage(stage: object) -> int:
+    # ActorConfig validates the range, but model_construct() or a hand-made config can bypass it.
+    if not isinstance(stage, int) or isinstance(stage, bool) or not 0 <= stage <= 3:
+        raise ValueError(f"actor.zero_stage must be 0, 1, 2 or 3, got {stage!r}")
+    return stage
+
+
+def build_ds_config(cfg: ActorConfig, bf16: bool) -> dict:
+    """The DeepSpeed config equivalent to ``cfg``'s TorchActor update (see the module docstring)."""
+    stage = check_zero_stage(cfg.zero_stage)
+    zero: dict = {"stage": stage}
+    if stage > 0:
+        # No CUDA streams on CPU to overlap with; plain ordered reductions are simpler and deterministic.
+        zero["overlap_comm"] = False
+    if stage == 3:
+        # Without this, ZeRO-3 keeps every parameter smaller than 1e5 elements whole: nothing gets sharded.
+        zero["stage3_param_persistence_threshold"] = 0
+    return {
+        "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
+        "gradient_accumulation_steps": 1,
+        # The actor owns the step boundary (ragged mini-batches have a varying number of micro-batches).
+        "managed_gradient_accumulation": False,
+        "gradient_clipping": cfg.optim.grad_clip,
+        "zero_optimization": zero,
+        # torch.optim.AdamW is not on DeepSpeed's list of ZeRO-tested optimizers; it is elementwise, so fine.
+        "zero_allow_untested_optimizer": True,
+        "bf16": {"enabled": bf16},
+        "fp16": {"enabled": False},
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+
+
+class DeepSpeedActor(TorchActor):
+    """``TorchActor``'s interface and math on a DeepSpeed engine (ZeRO stage ``cfg.zero_stage``).
+
+    ``self.model`` is what the forward pass goes through: the engine when it supports ``loss.backward()``
+    (ZeRO 1-3, bf16), else the bare module (fp32 ZeRO-0, where the engine only refuses direct backward; the
+    gradients then simply accumulate on the parameters and ``engine.step()`` reduces, clips and steps them).
+    With ZeRO-3 the parameters of the model passed in are partitioned: use ``export_model()`` for weights.
+    """
+
+    def __init__(self, model: torch.nn.Module, cfg: ActorConfig, pad_id: int, total_steps: int) -> None:
+        check_zero_stage(cfg.zero_stage)
+        ensure_dist_env()
+        disable_shm_comm_build()
+        import deepspeed
+
+        bf16 = torch.cuda.is_available() and next(model.parameters()).dtype == torch.bfloat16
+        if not bf16:
+            # fp16 is refused on CPU and bf16 is only used on CUDA: train in fp32 (a no-op for fp32 models).
+            model.float()
+        world_size = int(os.environ["WORLD_SIZE"])
+        ds_config = build_ds_config(cfg, bf16)
+        if cfg.ppo_mini_batch_size % world_size:
+            raise ValueError(
+                f"actor.ppo_mini_batch_size={cfg.ppo_mini_batch_size} must be divisible by the data-parallel "
+                f"world size {world_size}"
+            )
+        self.cfg = cfg
+        self.pad_id = pad_id
+        self.world_size = world_size
+        self.local_mini_batch_size = cfg.ppo_mini_batch_size // world_size
+        o = cfg.optim
+        optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
+        self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+        # The schedule stays ours (as in TorchActor it advances even when a step is skipped); ZeRO keeps the
+        # base optimizer's param_group dicts, so the lr it writes there is the lr the step uses.
+        base = getattr(self.engine.optimizer, "optimizer", self.engine.optimizer)
+        self.optimizer = self.engine.optimizer
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(base, lr_lambda(o, o.total_steps or total_steps))
+        self._z0_grad_norm: float | None = None
+        if not self._uses_zero_optimizer():
+            # fp32 ZeRO-0: the engine clips with its own helper and drops the norm; use torch's (as TorchActor).
+            self.engine.clip_fp32_gradients = self._clip_fp32_gradients
+        direct_backward = getattr(self.engine, "_support_torch_style_backward", False)
+        if self._uses_zero_optimizer() and not direct_backward:
+            raise RuntimeError("this DeepSpeed/torch pair does not support loss.backward() through the engine")
+        self.model = self.engine if direct_backward else self.engine.module
+
+    def _uses_zero_optimizer(self) -> bool:
+        from deepspeed.runtime.base_optimizer import ZeROOptimizer
+
+        return isinstance(self.engine.optimizer, ZeROOptimizer)
+
+    def _clip_fp32_gradients(self) -> None:
+        # Called by engine.step() after the data-parallel all-reduce, i.e. on the averaged gradients.
+        params = self.engine.module.parameters()
+        self._z0_grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.optim.grad_clip))
+
+    def _optimizer_step(self) -> float:
+        self._z0_grad_norm = None
+        self.engine.step()
+        norm = self._z0_grad_norm if self._z0_grad_norm is not None else self.engine.get_global_grad_norm()
+        return float("nan") if norm is None else float(norm)
+
+    def update(self, batch: dict[str, list], temperature: float, seed: int) -> dict[str, float]:
+        """PPO epochs over shuffled mini-batches of this rank's shard; one ``engine.step()`` per mini-batch.
+
+        Same batch layout and metrics as ``TorchActor.update``; with several ranks, metrics are rank means.
+        """
+        cfg = self.cfg
+        n = len(batch["prompt_ids"])
+        self._check_equal_shards(n)
+        loss_fn = algos.get_policy_loss(cfg.policy_loss)
+        gen = torch.Generator().manual_seed(seed)
+        sums: dict[str, list[float]] = defaultdict(list)
+        self.model.train()
+        for _epoch in range(cfg.ppo_epochs):
+            order = torch.randperm(n, generator=gen).tolist() if cfg.shuffle else list(range(n))
+            for m in range(0, n, self.local_mini_batch_size):
+                mini = order[m : m + self.local_mini_batch_size]
+                for u in range(0, len(mini), cfg.micro_batch_size):
+                    idx = mini[u : u + cfg.micro_batch_size]
+                    # TorchActor's loss code; its .backward() goes through the engine's hooks (see class doc).
+                    metrics = self._micro_step(batch, idx, temperature, loss_fn, len(idx) / len(mini))
+                    for k, v in metrics.items():
+                        sums[k].append(v)
+                sums["actor/grad_norm"].append(self._optimizer_step())
+                sums["actor/lr"].append(self.scheduler.get_last_lr()[0])
+                self.scheduler.step()
+        self.model.eval()
+        return self._rank_mean({k: float(sum(v) / len(v)) for k, v in sums.items()})
+
+    def _check_equal_shards(self, n: int) -> None:
+        if self.world_size == 1:
+            return
+        sizes = [torch.zeros(1, dtype=torch.long, device=self.engine.device) for _ in range(self.world_size)]
+        torch.distributed.all_gather(sizes, torch.tensor([n], device=self.engine.device))
+        if len({int(s) for s in sizes}) != 1:
+            raise ValueError(f"data-parallel ranks got unequal batch shards: {[int(s) for s in sizes]}")
+
+    def _rank_mean(self, metrics: dict[str, float]) -> dict[str, float]:
+        if self.world_size == 1:
+            return metrics
+        keys = sorted(metrics)  # same keys on every rank: same config, same number of steps
+        vals = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=self.engine.device)
+        torch.distributed.all_reduce(vals)
+        return {k: float(v) / self.world_size for k, v in zip(keys, vals.tolist(), strict=True)}
+
+    def state_dict(self) -> dict:
+        """Optimizer (this rank's ZeRO partition and fp32 master weights) and scheduler state, as copies."""
+        # A copy: ZeRO's dict references live buffers (e.g. ZeRO-3's fp32 flat groups) that later steps mutate.
+        return {
+            "optimizer": _detached_copy(self.engine.optimizer.state_dict()),
+            "scheduler": self.scheduler.state_dict(),
+            "zero_stage": self.cfg.zero_stage,
+            "world_size": self.world_size,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore ``state_dict()`` output from an actor with the same ZeRO stage and world size."""
+        saved = (state.get("zero_stage"), state.get("world_size"))
+        if saved != (self.cfg.zero_stage, self.world_size):
+            raise ValueError(
+                f"actor state was saved with (zero_stage, world_size)={saved}, this actor runs "
+                f"{(self.cfg.zero_stage, self.world_size)}"
+            )
+        opt = _detached_copy(state["optimizer"])  # loading aliases some saved tensors into live buffers
+        if self._uses_zero_optimizer():
+            # ZeRO reads entry [dp_rank] of a per-rank list; the saved fp32 master weights are restored as-is.
+            self.engine.optimizer.load_state_dict(
+                state_dict_list=[opt] * self.world_size, load_optimizer_states=True, load_from_fp32_weights=True
+            )
+        else:
+            self.engine.optimizer.load_state_dict(opt)
+        self.scheduler.load_state_dict(state["scheduler"])
+
+    def export_model(self) -> dict[str, torch.Tensor]:
+        """The full model state dict (CPU copies) for ``model.save_pretrained(dir, state_dict=...)``.
+
+        ZeRO-3 parameters are gathered first (a collective: call it on every rank). Tied weights stay one
+        tensor under both names, as in the module.
+        """
+        import deepspeed
+
+        module = self.engine.module
+        gather = (
+            deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None)
+            if self.cfg.zero_stage == 3
+            else nullcontext()
+        )
+        out: dict[str, torch.Tensor] = {}
+        copies: dict[int, torch.Tensor] = {}
+        with gather, torch.no_grad():
+            for name, t in module.state_dict(keep_vars=True).items():
+                if id(t) not in copies:
+                    copies[id(t)] = t.detach().to("cpu", copy=True)
+                out[name] = copies[id(t)]
+        return out
+
+    def close(self) -> None:
+        """Release the engine; the process group stays (``deepspeed.comm.destroy_process_group()`` ends it)."""
+        self.engine.destroy()

@@ -1,0 +1,61 @@
+"""One run at a time: a lease document in the store, created conditionally, expiring if its holder died."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import uuid
+from contextlib import contextmanager
+
+from infra.store import ArtifactStore, CommitConflict
+
+LEASE = "lease"
+
+
+class RunLocked(RuntimeError):
+    """Another live flow holds the run."""
+
+
+def _holder_alive(doc: dict) -> bool:
+    if doc.get("expires_at", 0) < time.time():
+        return False
+    if doc.get("host") == socket.gethostname():
+        try:  # same machine: a dead holder process frees the lease at once
+            os.kill(int(doc["pid"]), 0)
+        except (ProcessLookupError, ValueError, KeyError):
+            return False
+        except PermissionError:
+            return True
+    return True
+
+
+@contextmanager
+def run_lease(store: ArtifactStore, run: str, ttl_s: float = 900.0, label: str = ""):
+    """Hold the run's lease for the duration; refuse with RunLocked if a live holder has it."""
+    token = uuid.uuid4().hex
+    doc = {"token": token, "host": socket.gethostname(), "pid": os.getpid(), "label": label}
+    for _ in range(2):
+        try:
+            store.put_json(run, LEASE, {**doc, "expires_at": time.time() + ttl_s}, exclusive=True)
+            break
+        except CommitConflict:
+            held = store.get_json(run, LEASE) or {}
+            if _holder_alive(held):
+                raise RunLocked(
+                    f"run {run!r} is already running ({held.get('label') or 'pid ' + str(held.get('pid'))} "
+                    f"on {held.get('host')}); wait for it or let its lease expire"
+                ) from None
+            store.delete_json(run, LEASE)  # expired or dead holder: take over
+    else:
+        raise RunLocked(f"run {run!r}: could not take the lease")
+
+    def renew() -> None:
+        store.put_json(run, LEASE, {**doc, "expires_at": time.time() + ttl_s})
+
+    try:
+        yield renew
+    finally:
+        current = store.get_json(run, LEASE) or {}
+        if current.get("token") == token:
+            store.delete_json(run, LEASE)

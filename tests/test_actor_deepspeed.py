@@ -1,0 +1,230 @@
+"""DeepSpeedActor against TorchActor on the tiny kit: ZeRO 0-3 parity, data parallelism, state, export."""
+
+from __future__ import annotations
+
+import io
+import os
+import random
+
+import pytest
+import torch
+
+from engines.actor import TorchActor
+from engines.tinykit import build_char_tokenizer, build_tiny_llama
+from schemas.config import ActorConfig, KitConfig, OptimConfig
+
+pytestmark = pytest.mark.slow
+
+deepspeed = pytest.importorskip("deepspeed")
+from engines.actor_deepspeed import DeepSpeedActor, _free_port  # noqa: E402
+
+KIT = KitConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64)
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def tok():
+    torch.set_num_threads(1)
+    deepspeed.utils.logger.setLevel("WARNING")  # its INFO lines drown the test output
+    return build_char_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def weights(tok):
+    return {k: v.clone() for k, v in build_tiny_llama(KIT, tok).state_dict().items()}
+
+
+@pytest.fixture(autouse=True)
+def fresh_process_group():
+    """Each test starts without a process group and leaves none behind (DeepSpeed keeps its own)."""
+    yield
+    if torch.distributed.is_initialized():
+        deepspeed.comm.destroy_process_group()
+
+
+def new_model(tok, weights):
+    model = build_tiny_llama(KIT, tok)
+    model.load_state_dict(weights)
+    return model
+
+
+def make_batch(tok, n: int, seed: int = 0) -> dict[str, list]:
+    """A ragged batch: prompts and responses of varied lengths, masked tokens, off-policy old log-probs."""
+    rng = random.Random(seed)
+    vocab = len(tok)
+    batch: dict[str, list] = {k: [] for k in ("prompt_ids", "response_ids", "response_mask")}
+    batch.update(old_log_probs=[], advantages=[], ref_log_probs=[])
+    for i in range(n):
+        p = [rng.randrange(4, vocab) for _ in range(rng.randint(3, 9))]
+        r = [rng.randrange(4, vocab) for _ in range(rng.randint(1, 7))]
+        mask = [1] * len(r)
+        if i % 3 == 1 and len(r) > 1:
+            mask[-1] = 0  # e.g. a tool-output token the policy did not produce
+        adv = rng.uniform(-1.5, 1.5)
+        batch["prompt_ids"].append(p)
+        batch["response_ids"].append(r)
+        batch["response_mask"].append(mask)
+        batch["advantages"].append([adv] * len(r))
+        # Uniform-ish log-probs off the current policy so ratios leave the clip range in both directions.
+        batch["old_log_probs"].append([-4.6 + rng.uniform(-0.6, 0.6) for _ in r])
+        batch["ref_log_probs"].append([-4.6 + rng.uniform(-0.3, 0.3) for _ in r])
+    return batch
+
+
+def actor_cfg(stage: int, **kw) -> ActorConfig:
+    base = dict(
+        zero_stage=stage,
+        ppo_mini_batch_size=4,
+        micro_batch_size=3,  # mini-batches of 4 then 3: micro-batches 3+1 and 3, all ragged
+        ppo_epochs=2,
+        entropy_coeff=0.01,
+        use_kl_loss=True,
+        kl_loss_coef=0.1,
+        optim=OptimConfig(lr=5e-3, weight_decay=0.01, warmup_steps=2, lr_schedule="cosine", grad_clip=0.3),
+    )
+    base.update(kw)
+    return ActorConfig(**base)
+
+
+def assert_close_state(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert set(got) == set(want)
+    for k in want:
+        diff = (got[k].float() - want[k].float()).abs().max().item()
+        assert diff <= TOL, f"{k}: max abs diff {diff}"
+
+
+def assert_close_metrics(got: dict[str, float], want: dict[str, float]) -> None:
+    assert set(got) == set(want)
+    for k in want:
+        assert abs(got[k] - want[k]) <= TOL * max(1.0, abs(want[k])), f"{k}: {got[k]} vs {want[k]}"
+
+
+def torch_reference(tok, weights, cfg: ActorConfig, batch: dict, seeds: list[int]):
+    model = new_model(tok, weights)
+    actor = TorchActor(model, cfg.model_copy(update={"engine": "torch", "zero_stage": 0}), tok.pad_token_id, 20)
+    metrics = [actor.update(batch, 0.9, s) for s in seeds]
+    return metrics, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_update_matches_torch_actor(tok, weights, stage):
+    batch = make_batch(tok, 7)
+    cfg = actor_cfg(stage)
+    ref_metrics, ref_params = torch_reference(tok, weights, cfg, batch, [11, 12])
+    assert 0 < ref_metrics[0]["actor/pg_clipfrac"] < 1 and ref_metrics[0]["actor/grad_norm"] > cfg.optim.grad_clip
+
+    actor = DeepSpeedActor(new_model(tok, weights), cfg, tok.pad_token_id, 20)
+    try:
+        for seed, want in zip([11, 12], ref_metrics, strict=True):
+            assert_close_metrics(actor.update(batch, 0.9, seed), want)
+        assert_close_state(actor.export_model(), ref_params)
+        if stage == 3:  # really sharded: the module's own parameters are empty partitions
+            assert all(p.numel() == 0 for p in actor.engine.module.parameters())
+        # Log-probs go through the (ZeRO-3: gathering) forward too.
+        ref = TorchActor(new_model(tok, ref_params), cfg, tok.pad_token_id, 20)
+        got = actor.compute_log_probs(batch["prompt_ids"], batch["response_ids"], 0.9)
+        want = ref.compute_log_probs(batch["prompt_ids"], batch["response_ids"], 0.9)
+        assert max(abs(a - b) for g, w in zip(got, want, strict=True) for a, b in zip(g, w, strict=True)) < 1e-4
+    finally:
+        actor.close()
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_state_round_trip_resumes_exactly(tok, weights, stage):
+    """Save after one update, resume in a new actor from the exported weights: the next update matches."""
+    batch = make_batch(tok, 7, seed=1)
+    cfg = actor_cfg(stage)
+    ref_metrics, ref_params = torch_reference(tok, weights, cfg, batch, [3, 4])
+
+    first = DeepSpeedActor(new_model(tok, weights), cfg, tok.pad_token_id, 20)
+    first.update(batch, 0.9, 3)
+    buf = io.BytesIO()
+    torch.save(first.state_dict(), buf)  # what PolicyWorker stores next to the model
+    exported = first.export_model()
+    first.close()
+
+    second = DeepSpeedActor(new_model(tok, exported), cfg, tok.pad_token_id, 20)
+    try:
+        second.load_state_dict(torch.load(io.BytesIO(buf.getvalue()), weights_only=False))
+        assert second.scheduler.last_epoch == first.scheduler.last_epoch == 4
+        assert_close_metrics(second.update(batch, 0.9, 4), ref_metrics[1])
+        assert_close_state(second.export_model(), ref_params)
+        with pytest.raises(ValueError, match="zero_stage"):
+            second.load_state_dict({**second.state_dict(), "zero_stage": (stage + 1) % 4})
+    finally:
+        second.close()
+
+
+def test_zero3_export_saves_a_loadable_hf_model(tok, weights, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    batch = make_batch(tok, 4, seed=2)
+    cfg = actor_cfg(3, ppo_epochs=1)
+    _, ref_params = torch_reference(tok, weights, cfg, batch, [5])
+    actor = DeepSpeedActor(new_model(tok, weights), cfg, tok.pad_token_id, 20)
+    try:
+        actor.update(batch, 0.9, 5)
+        actor.engine.module.save_pretrained(tmp_path / "m", state_dict=actor.export_model())
+    finally:
+        actor.close()
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "m")
+    assert_close_state(loaded.state_dict(), ref_params)
+
+
+def test_bad_zero_stage_is_a_clear_error(tok, weights):
+    cfg = ActorConfig.model_construct(zero_stage=4)  # bypasses the pydantic range check on purpose
+    with pytest.raises(ValueError, match=r"actor\.zero_stage"):
+        DeepSpeedActor(new_model(tok, weights), cfg, tok.pad_token_id, 20)
+    assert not torch.distributed.is_initialized()  # rejected before any process group starts
+
+
+def _dp_worker(rank: int, world: int, port: int, weights: dict, shard: dict, cfg_json: dict, out: str) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)  # two processes on two cores
+    deepspeed.utils.logger.setLevel("WARNING")
+    tok = build_char_tokenizer()
+    actor = DeepSpeedActor(new_model(tok, weights), ActorConfig.model_validate(cfg_json), tok.pad_token_id, 20)
+    metrics = actor.update(shard, 0.9, 7)
+    state = actor.export_model()
+    if rank == 0:
+        torch.save({"metrics": metrics, "state": state}, out)
+    actor.close()
+    deepspeed.comm.destroy_process_group()
+
+
+def test_data_parallel_zero2_matches_single_process(tok, weights, tmp_path):
+    """Two gloo ranks, each with half of every global mini-batch, equal one TorchActor on the full batch.
+
+    Global mini-batch 8 = 2 ranks x 4; micro-batch 2 on both sides, so the micro-batches are the same sets.
+    Per rank, micro losses are scaled by 2/4 and DeepSpeed averages over the 2 ranks: 2/8 per micro-batch,
+    exactly TorchActor's scale on the full batch.
+    """
+    world, n, mini = 2, 16, 8
+    batch = make_batch(tok, n, seed=3)
+    cfg = actor_cfg(2, ppo_mini_batch_size=mini, micro_batch_size=2, ppo_epochs=1, shuffle=False)
+    ref_metrics, ref_params = torch_reference(tok, weights, cfg, batch, [7])
+
+    per_rank = mini // world
+    shards = []
+    for r in range(world):  # rank r takes the r-th contiguous slice of each global mini-batch
+        idx = [i for m in range(0, n, mini) for i in range(m + r * per_rank, m + (r + 1) * per_rank)]
+        shards.append({k: [v[i] for i in idx] for k, v in batch.items()})
+    out = str(tmp_path / "rank0.pt")
+    ctx = torch.multiprocessing.get_context("spawn")
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_dp_worker, args=(r, world, port, weights, shards[r], cfg.model_dump(), out))
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=90)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert [p.exitcode for p in procs] == [0, 0]
+    result = torch.load(out, weights_only=False)
+    assert_close_metrics(result["metrics"], ref_metrics[0])
+    assert_close_state(result["state"], ref_params)

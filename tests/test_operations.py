@@ -1,0 +1,122 @@
+"""Operating a run: nightly continuation, stage replay, one run at a time."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from tests_support import tiny_overrides
+
+from schemas.config import ConfigError, load_config
+
+TINY = tiny_overrides()
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def ops_run(prefect_api, tmp_path_factory):
+    from flows.training import train
+
+    root = str(tmp_path_factory.mktemp("ops") / "store")
+    overrides = [f"store.root={root}", "run_name=ops", *TINY, "trainer.iterations=1"]
+    cfg = load_config(None, overrides)
+    first = train(config=cfg)
+    return cfg, root, first
+
+
+def test_nightly_continues_without_gap_or_repeat(ops_run):
+    from mlflow.tracking import MlflowClient
+
+    from flows.nightly import nightly
+    from infra.tracking import tracking_uri_for
+
+    cfg, root, first = ops_run
+    second = nightly(run_name="ops", iterations=1, store_root=root)
+    third = nightly(run_name="ops", iterations=1, store_root=root)
+    assert [h["iteration"] for h in second["history"]] == [2]
+    assert [h["iteration"] for h in third["history"]] == [3]
+    assert first["mlflow_run_id"] == second["mlflow_run_id"] == third["mlflow_run_id"]
+    client = MlflowClient(tracking_uri_for(cfg))
+    steps = [m.step for m in client.get_metric_history(first["mlflow_run_id"], "actor/pg_loss")]
+    assert sorted(steps) == [1, 2, 3]
+
+
+def test_nightly_refuses_a_conflicting_config(ops_run):
+    from flows.nightly import nightly
+
+    _, root, _ = ops_run
+    with pytest.raises(ConfigError, match="conflicts with its stored config"):
+        nightly(run_name="ops", iterations=1, store_root=root, overrides=[*TINY, "actor.optim.lr=0.5"])
+
+
+@pytest.mark.parametrize("stage", ["rollout", "reward", "advantage", "update", "eval"])
+def test_replay_with_stored_config_reproduces_checksums(ops_run, stage):
+    from flows.replay import replay
+
+    _, root, _ = ops_run
+    summary = replay(run_name="ops", iteration=1, stage=stage, store_root=root)
+    assert summary["version"].startswith("replay-")
+    assert summary["identical"], summary["files_identical"]
+
+
+def test_replay_with_changed_settings_writes_a_sibling_version(ops_run):
+    from flows.replay import format_summary, replay
+    from tasks.runtime import store_for
+
+    cfg, root, _ = ops_run
+    store = store_for(cfg)
+    original = store.manifest("ops", 1, "update")
+    # the tiny run has all-zero advantages, so an entropy bonus is what moves its weights
+    summary = replay(run_name="ops", iteration=1, stage="update", store_root=root, overrides=["actor.entropy_coeff=0.01"])
+    assert not summary["identical"]
+    assert summary["files_identical"]["model/config.json"]  # same architecture, other weights
+    assert not summary["files_identical"]["model/model.safetensors"]
+    sibling = store.manifest("ops", 1, "update", version=summary["version"])
+    assert sibling.meta["replay_of"] == original.artifact_id
+    assert sibling.meta["overrides"] == ["actor.entropy_coeff=0.01"]
+    assert store.manifest("ops", 1, "update").artifact_id == original.artifact_id  # untouched
+    versions = store.versions("ops", 1, "update")
+    assert versions[0] == "main" and summary["version"] in versions
+    assert "actor/entropy:" in format_summary(summary)
+
+
+def test_replay_of_missing_stage_or_iteration_is_a_clear_error(ops_run):
+    from flows.replay import replay
+
+    _, root, _ = ops_run
+    with pytest.raises(ConfigError, match="no committed update at iteration 99"):
+        replay(run_name="ops", iteration=99, stage="update", store_root=root)
+    with pytest.raises(ConfigError, match="cannot be replayed"):
+        replay(run_name="ops", iteration=1, stage="train", store_root=root)
+    with pytest.raises(ConfigError, match="does not exist"):
+        replay(run_name="nope", iteration=1, stage="reward", store_root=root)
+
+
+def test_second_flow_on_the_same_run_is_refused(ops_run):
+    from flows.training import train
+    from infra.lease import RunLocked
+    from tasks.runtime import store_for
+
+    cfg, _, _ = ops_run
+    store = store_for(cfg)
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        import socket
+        import time
+
+        store.put_json(
+            "ops",
+            "lease",
+            {"token": "x", "host": socket.gethostname(), "pid": holder.pid, "label": "other", "expires_at": time.time() + 60},
+        )
+        with pytest.raises(RunLocked, match="already running"):
+            train(config=cfg)
+    finally:
+        holder.kill()
+        holder.wait()
+    # the holder died: its lease no longer blocks the run
+    again = train(config=cfg)
+    assert again["executed"] == []
+    assert store.get_json("ops", "lease") is None
