@@ -58,7 +58,9 @@ def ensure_dist_env() -> None:
     port = os.environ.get("MASTER_PORT")
     if port is None or port == _OWN_MASTER_PORT:
         if os.environ["WORLD_SIZE"] != "1":
-            raise RuntimeError("MASTER_PORT must be set when WORLD_SIZE > 1 (every rank must use the same port)")
+            raise RuntimeError(
+                "MASTER_PORT must be set when WORLD_SIZE > 1 (every rank must use the same port)"
+            )
         # A fresh port per group: the previous group's store may still hold the old one in TIME_WAIT.
         _OWN_MASTER_PORT = os.environ["MASTER_PORT"] = str(_free_port())
 
@@ -164,7 +166,9 @@ class DeepSpeedActor(TorchActor):
             self.engine.clip_fp32_gradients = self._clip_fp32_gradients
         direct_backward = getattr(self.engine, "_support_torch_style_backward", False)
         if self._uses_zero_optimizer() and not direct_backward:
-            raise RuntimeError("this DeepSpeed/torch pair does not support loss.backward() through the engine")
+            raise RuntimeError(
+                "this DeepSpeed/torch pair does not support loss.backward() through the engine"
+            )
         self.model = self.engine if direct_backward else self.engine.module
 
     def _uses_zero_optimizer(self) -> bool:
@@ -249,7 +253,9 @@ class DeepSpeedActor(TorchActor):
         if self._uses_zero_optimizer():
             # ZeRO reads entry [dp_rank] of a per-rank list; the saved fp32 master weights are restored as-is.
             self.engine.optimizer.load_state_dict(
-                state_dict_list=[opt] * self.world_size, load_optimizer_states=True, load_from_fp32_weights=True
+                state_dict_list=[opt] * self.world_size,
+                load_optimizer_states=True,
+                load_from_fp32_weights=True,
             )
         else:
             self.engine.optimizer.load_state_dict(opt)

@@ -28,7 +28,7 @@ from tasks.kit import initial_policy, sft_warm_start
 from tasks.runtime import policy_ref_from, policy_worker, store_for
 
 # Fields that may differ between invocations of one run: where and how it executes, and how long.
-RUN_MUTABLE = ("run_name", "store", "ray", "tracking", "trainer.iterations")
+RUN_MUTABLE = ("run_name", "store", "ray", "tracking", "trainer.iterations", "drill")
 
 
 @dataclass
@@ -69,6 +69,7 @@ def _run_stage(outcome: IterationOutcome, label: str, task_fn, cfg: RunConfig, s
     wall = time.perf_counter() - t0
     outcome.results[stage] = result
     outcome.wall_s[stage] = wall
+    stages.fault_point(cfg, stage, outcome.iteration, where="kill_flow_after")
     state = "done" if result.executed else "skipped (committed)"
     _emit(f"  {label} {stage:<9} {state} in {wall:.2f}s")
     return result

@@ -193,6 +193,14 @@ class TrackingConfig(_Section):
     rollout_sample_rows: int = Field(16, ge=0)
 
 
+class DrillConfig(_Section):
+    """Failure drills for tests: SIGKILL the process at ``<stage>:<iteration>`` points, once each."""
+
+    kill_at: list[str] = Field(default_factory=list)  # stage tasks, after computing, before committing
+    kill_flow_after: list[str] = Field(default_factory=list)  # the flow process, after a stage returns
+    markers: str | None = None  # folder of fired-once markers
+
+
 class RunConfig(_Section):
     run_name: str = "demo"
     kit: KitConfig = Field(default_factory=KitConfig)
@@ -207,6 +215,7 @@ class RunConfig(_Section):
     store: StoreConfig = Field(default_factory=StoreConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    drill: DrillConfig = Field(default_factory=DrillConfig)
 
     @field_validator("run_name")
     @classmethod

@@ -7,6 +7,8 @@ so rerunning an interrupted run continues where it stopped. Retries and Ray reso
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -75,6 +77,7 @@ def run_stage(
     t0 = time.perf_counter()
     out = produce()
     seconds = time.perf_counter() - t0
+    fault_point(cfg, stage, iteration)
     manifest = store.commit(
         run,
         iteration,
@@ -91,6 +94,23 @@ def run_stage(
     if out.on_commit is not None:
         out.on_commit(manifest)
     return StageResult(manifest, executed=True, seconds=seconds, metrics=out.metrics)
+
+
+def fault_point(cfg: RunConfig, stage: str, iteration: int | None, where: str = "kill_at") -> None:
+    """Failure drill: SIGKILL this process once at a point named in ``cfg.drill``.
+
+    A marker file per point under ``drill.markers`` makes each fire once, so the retry that
+    follows runs to completion.
+    """
+    point = f"{stage}:{iteration}"
+    if not cfg.drill.markers or point not in getattr(cfg.drill, where):
+        return
+    try:
+        fd = os.open(os.path.join(cfg.drill.markers, f"{where}-{stage}-{iteration}"), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return
+    os.close(fd)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _stage_task(name: str):

@@ -1,0 +1,192 @@
+"""Policy-update throughput on a ragged batch: raw torch loop vs TorchActor vs DeepSpeedActor ZeRO-2 / ZeRO-3.
+
+Prints one JSON line per (model, variant). ``tokens_per_s`` counts the real (unpadded) prompt + response tokens
+that go through forward and backward in one ``update`` call (times ``ppo_epochs``), divided by the median
+wall time of ``--repeats`` timed updates after one warm-up update. DeepSpeed's engine set-up is reported
+separately as ``init_s``. Models: the tiny kit Llama and a ~20M-parameter random-init Llama.
+
+    .venv/bin/python bench/update_throughput.py            # both models, < 3 min on 2 cores
+    .venv/bin/python bench/update_throughput.py --models tiny --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from engines import algorithms as algos
+from engines.actor import TorchActor
+from engines.batching import build_inputs, pad_right, response_log_probs
+from engines.tinykit import build_char_tokenizer, build_tiny_llama
+from schemas.config import ActorConfig, KitConfig, OptimConfig
+
+# name -> (model kwargs, samples in the batch, torch threads)
+MODELS: dict[str, tuple[dict, int, int]] = {
+    # One thread: two threads on two cores were 5-10x slower and noisy for tiny models (shared notes).
+    "tiny": (dict(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64), 64, 1),
+    # ~20M parameters (hidden 512 x 6 layers); large enough for two threads to pay off.
+    "20m": (dict(hidden_size=512, num_layers=6, num_heads=8, intermediate_size=1376), 32, 2),
+}
+
+
+def build_model(name: str, tok) -> torch.nn.Module:
+    kw = MODELS[name][0]
+    if name == "tiny":
+        return build_tiny_llama(KitConfig(**kw), tok)
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=kw["hidden_size"],
+        intermediate_size=kw["intermediate_size"],
+        num_hidden_layers=kw["num_layers"],
+        num_attention_heads=kw["num_heads"],
+        num_key_value_heads=kw["num_heads"],
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        pad_token_id=tok.pad_token_id,
+    )
+    return LlamaForCausalLM(config)
+
+
+def ragged_batch(tok, n: int, seed: int = 0) -> dict[str, list]:
+    """Prompts of 8-24 tokens and responses of 1-32 tokens, as a GRPO rollout would produce."""
+    rng = random.Random(seed)
+    vocab = len(tok)
+    batch: dict[str, list] = {k: [] for k in ("prompt_ids", "response_ids", "response_mask")}
+    batch.update(old_log_probs=[], advantages=[])
+    for _ in range(n):
+        p = [rng.randrange(4, vocab) for _ in range(rng.randint(8, 24))]
+        r = [rng.randrange(4, vocab) for _ in range(rng.randint(1, 32))]
+        adv = rng.gauss(0.0, 1.0)
+        batch["prompt_ids"].append(p)
+        batch["response_ids"].append(r)
+        batch["response_mask"].append([1] * len(r))
+        batch["old_log_probs"].append([-4.6 + rng.uniform(-0.2, 0.2) for _ in r])
+        batch["advantages"].append([adv] * len(r))
+    return batch
+
+
+def raw_update(model: torch.nn.Module, cfg: ActorConfig, pad_id: int) -> Callable[[dict, float, int], dict]:
+    """The floor: one fixed-order pass, vanilla clipped PPO loss, no metrics, no schedule."""
+    o = cfg.optim
+    opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
+    loss_fn = algos.get_policy_loss("vanilla")
+
+    def update(batch: dict, temperature: float, seed: int) -> dict:
+        n = len(batch["prompt_ids"])
+        model.train()
+        for _epoch in range(cfg.ppo_epochs):
+            for m in range(0, n, cfg.ppo_mini_batch_size):
+                mini = list(range(m, min(n, m + cfg.ppo_mini_batch_size)))
+                opt.zero_grad(set_to_none=True)
+                for u in range(0, len(mini), cfg.micro_batch_size):
+                    idx = mini[u : u + cfg.micro_batch_size]
+                    inputs = build_inputs(
+                        [batch["prompt_ids"][i] for i in idx], [batch["response_ids"][i] for i in idx], pad_id
+                    )
+                    R = inputs["response_width"]
+                    mask = pad_right([batch["response_mask"][i] for i in idx], 0, torch.float32, R)
+                    old = pad_right([batch["old_log_probs"][i] for i in idx], 0.0, torch.float32, R)
+                    adv = pad_right([batch["advantages"][i] for i in idx], 0.0, torch.float32, R)
+                    logp, _ = response_log_probs(model, inputs, temperature)
+                    loss, _ = loss_fn(old, logp, adv, mask, cfg.loss_agg_mode)
+                    (loss * len(idx) / len(mini)).backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
+                opt.step()
+        model.eval()
+        return {}
+
+    return update
+
+
+def real_tokens(batch: dict, epochs: int) -> int:
+    return epochs * sum(
+        len(p) + len(r) for p, r in zip(batch["prompt_ids"], batch["response_ids"], strict=True)
+    )
+
+
+def run_variant(
+    name: str, variant: str, tok, weights: dict, batch: dict, cfg: ActorConfig, repeats: int
+) -> dict:
+    model = build_model(name, tok)
+    model.load_state_dict(weights)
+    t0 = time.perf_counter()
+    actor = None
+    if variant == "raw_torch":
+        update = raw_update(model, cfg, tok.pad_token_id)
+    elif variant == "torch_actor":
+        actor = TorchActor(model, cfg, tok.pad_token_id, 1000)
+        update = actor.update
+    else:
+        from engines.actor_deepspeed import DeepSpeedActor
+
+        stage = int(variant[-1])
+        actor = DeepSpeedActor(
+            model, cfg.model_copy(update={"engine": "deepspeed", "zero_stage": stage}), tok.pad_token_id, 1000
+        )
+        update = actor.update
+    init_s = time.perf_counter() - t0
+    update(batch, 1.0, 0)  # warm-up: allocator, first-call paths, ZeRO buckets
+    times = []
+    for r in range(repeats):
+        t = time.perf_counter()
+        update(batch, 1.0, r + 1)
+        times.append(time.perf_counter() - t)
+    if hasattr(actor, "close"):
+        actor.close()
+    sec = statistics.median(times)
+    tokens = real_tokens(batch, cfg.ppo_epochs)
+    return {
+        "model": name,
+        "variant": variant,
+        "threads": torch.get_num_threads(),
+        "samples": len(batch["prompt_ids"]),
+        "tokens": tokens,
+        "update_s": round(sec, 4),
+        "tokens_per_s": round(tokens / sec, 1),
+        "init_s": round(init_s, 3),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="tiny,20m", help="comma-separated: " + ",".join(MODELS))
+    ap.add_argument("--variants", default="raw_torch,torch_actor,deepspeed_zero2,deepspeed_zero3")
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import deepspeed
+
+    deepspeed.utils.logger.setLevel("WARNING")  # keep stdout to the JSON lines (and DeepSpeed's warnings)
+    tok = build_char_tokenizer()
+    for name in args.models.split(","):
+        _, n, threads = MODELS[name]
+        torch.set_num_threads(threads)
+        model = build_model(name, tok)
+        n_params = sum(p.numel() for p in model.parameters())
+        weights = {k: v.clone() for k, v in model.state_dict().items()}
+        batch = ragged_batch(tok, n)
+        cfg = ActorConfig(
+            ppo_mini_batch_size=16,
+            micro_batch_size=8,
+            ppo_epochs=1,
+            shuffle=False,
+            optim=OptimConfig(lr=1e-5),
+        )
+        for variant in args.variants.split(","):
+            row = run_variant(name, variant, tok, weights, batch, cfg, args.repeats)
+            print(json.dumps({"params": n_params, **row}), flush=True)
+    if torch.distributed.is_initialized():
+        deepspeed.comm.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""Killed workers: a SIGKILLed stage process is retried to byte-identical artifacts; a killed
+flow, rerun, executes no committed stage again."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from tests_support import tiny_overrides
+
+from schemas.config import load_config
+from schemas.stages import STAGE_FILES
+
+pytestmark = pytest.mark.slow
+STAGES = ("rollout", "reward", "advantage", "update", "eval")
+
+
+def _checksums(store, run: str, iterations: int) -> dict[str, str]:
+    out = {}
+    for it in range(1, iterations + 1):
+        for stage in STAGES:
+            m = store.manifest(run, it, stage)
+            assert m is not None, f"{stage} of iteration {it} not committed"
+            for name, entry in m.files.items():
+                out[f"{it}/{stage}/{name}"] = entry.sha256
+    return out
+
+
+def _cfg(root, run, *extra):
+    return load_config(None, [f"store.root={root}", f"run_name={run}", *tiny_overrides(), *extra])
+
+
+def test_sigkill_of_each_stage_process_is_retried_to_identical_artifacts(prefect_api, tmp_path):
+    from flows.training import train
+    from tasks.runtime import store_for
+
+    reference = _cfg(tmp_path / "ref", "r")
+    train(config=reference)
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    # every stage of iteration 1 is killed once, after computing and before committing
+    kill_at = "[" + ",".join(f"'{s}:1'" for s in STAGES) + "]"
+    killed = _cfg(tmp_path / "killed", "r", f"drill.kill_at={kill_at}", f"drill.markers={markers}")
+    result = train(config=killed)
+    fired = sorted(p.name for p in markers.iterdir())
+    assert fired == sorted(f"kill_at-{s}-1" for s in STAGES)
+    assert [h["iteration"] for h in result["history"]] == [0, 1, 2]
+    assert _checksums(store_for(killed), "r", 2) == _checksums(store_for(reference), "r", 2)
+    assert STAGE_FILES.keys() <= set(STAGES)
+
+
+def test_killed_flow_reruns_no_committed_stage(prefect_api, tmp_path):
+    from flows.training import train
+
+    root = tmp_path / "store"
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    script = (
+        "import sys\n"
+        "from schemas.config import load_config\n"
+        "from flows.training import train\n"
+        "if __name__ == '__main__':\n"
+        "    train(config=load_config(None, sys.argv[1:]))\n"
+    )
+    overrides = [f"store.root={root}", "run_name=f", *tiny_overrides()]
+    drill = ["drill.kill_flow_after=['advantage:1']", f"drill.markers={markers}"]
+    proc = subprocess.run(
+        [sys.executable, "-c", script, *overrides, *drill], env=dict(os.environ), capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == -9, proc.stderr[-2000:]  # the whole flow process was SIGKILLed
+    rerun = train(config=_cfg(root, "f"))
+    assert rerun["executed"][:2] == ["iter-1/update", "iter-1/eval"]
+    assert not any(s in rerun["executed"] for s in ("data_prep", "sft", "iter-0/eval", "iter-1/rollout"))
+    assert not any(s in rerun["executed"] for s in ("iter-1/reward", "iter-1/advantage"))
