@@ -6,7 +6,7 @@ wall time of ``--repeats`` timed updates after one warm-up update. DeepSpeed's e
 separately as ``init_s``. Models: the tiny kit Llama and a ~20M-parameter random-init Llama.
 
     .venv/bin/python bench/update_throughput.py            # both models, < 3 min on 2 cores
-    .venv/bin/python bench/update_throughput.py --models tiny --repeats 5
+    .venv/bin/python bench/update_throughput.py --models tiny --repeats 10
 """
 
 from __future__ import annotations
@@ -28,12 +28,13 @@ from engines.batching import build_inputs, pad_right, response_log_probs
 from engines.tinykit import build_char_tokenizer, build_tiny_llama
 from schemas.config import ActorConfig, KitConfig, OptimConfig
 
-# name -> (model kwargs, samples in the batch, torch threads)
-MODELS: dict[str, tuple[dict, int, int]] = {
+# name -> (model kwargs, samples in the batch, torch threads, timed updates per variant)
+MODELS: dict[str, tuple[dict, int, int, int]] = {
     # One thread: two threads on two cores were 5-10x slower and noisy for tiny models (shared notes).
-    "tiny": (dict(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64), 64, 1),
-    # ~20M parameters (hidden 512 x 6 layers); large enough for two threads to pay off.
-    "20m": (dict(hidden_size=512, num_layers=6, num_heads=8, intermediate_size=1376), 32, 2),
+    "tiny": (dict(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64), 64, 1, 5),
+    # ~20M parameters (hidden 512 x 6 layers); large enough for two threads to pay off. Two timed updates
+    # keep the whole run under 3 minutes on 2 cores.
+    "20m": (dict(hidden_size=512, num_layers=6, num_heads=8, intermediate_size=1376), 32, 2, 2),
 }
 
 
@@ -160,7 +161,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="tiny,20m", help="comma-separated: " + ",".join(MODELS))
     ap.add_argument("--variants", default="raw_torch,torch_actor,deepspeed_zero2,deepspeed_zero3")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument(
+        "--repeats", type=int, default=None, help="timed updates per variant (default: per model)"
+    )
     args = ap.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import deepspeed
@@ -168,7 +171,7 @@ def main() -> None:
     deepspeed.utils.logger.setLevel("WARNING")  # keep stdout to the JSON lines (and DeepSpeed's warnings)
     tok = build_char_tokenizer()
     for name in args.models.split(","):
-        _, n, threads = MODELS[name]
+        _, n, threads, repeats = MODELS[name]
         torch.set_num_threads(threads)
         model = build_model(name, tok)
         n_params = sum(p.numel() for p in model.parameters())
@@ -182,7 +185,7 @@ def main() -> None:
             optim=OptimConfig(lr=1e-5),
         )
         for variant in args.variants.split(","):
-            row = run_variant(name, variant, tok, weights, batch, cfg, args.repeats)
+            row = run_variant(name, variant, tok, weights, batch, cfg, args.repeats or repeats)
             print(json.dumps({"params": n_params, **row}), flush=True)
     if torch.distributed.is_initialized():
         deepspeed.comm.destroy_process_group()

@@ -137,17 +137,17 @@ class DeepSpeedActor(TorchActor):
         disable_shm_comm_build()
         import deepspeed
 
-        bf16 = torch.cuda.is_available() and next(model.parameters()).dtype == torch.bfloat16
-        if not bf16:
-            # fp16 is refused on CPU and bf16 is only used on CUDA: train in fp32 (a no-op for fp32 models).
-            model.float()
         world_size = int(os.environ["WORLD_SIZE"])
-        ds_config = build_ds_config(cfg, bf16)
         if cfg.ppo_mini_batch_size % world_size:
             raise ValueError(
                 f"actor.ppo_mini_batch_size={cfg.ppo_mini_batch_size} must be divisible by the data-parallel "
                 f"world size {world_size}"
             )
+        bf16 = torch.cuda.is_available() and next(model.parameters()).dtype == torch.bfloat16
+        if not bf16:
+            # fp16 is refused on CPU and bf16 is only used on CUDA: train in fp32 (a no-op for fp32 models).
+            model.float()
+        ds_config = build_ds_config(cfg, bf16)
         self.cfg = cfg
         self.pad_id = pad_id
         self.world_size = world_size

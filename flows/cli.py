@@ -126,11 +126,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from infra.lease import RunLocked
     from infra.store import StoreError
+    from infra.tracking import TrackingUnavailable
     from schemas.config import ConfigError
 
     try:
         return args.fn(args)
-    except (ConfigError, FileNotFoundError, StoreError, RunLocked) as err:
+    except (ConfigError, FileNotFoundError, StoreError, RunLocked, TrackingUnavailable) as err:
         print(f"rlstage: {err}", file=sys.stderr)
         return 2
 

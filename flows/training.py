@@ -7,6 +7,7 @@ and config is skipped, so rerunning the flow (or the nightly deployment) never r
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -20,7 +21,7 @@ from infra.env import apply_defaults
 from infra.lease import run_lease
 from infra.ray_runtime import RAY_NAMESPACE, ensure_ray
 from infra.store import ArtifactStore
-from infra.tracking import Tracker
+from infra.tracking import Tracker, check_reachable, tracking_uri_for
 from schemas.config import ConfigError, RunConfig, build_config, load_config, merge_dicts, parse_overrides
 from schemas.manifest import Manifest, PolicyRef
 from tasks import stages
@@ -159,6 +160,7 @@ def run_training(cfg: RunConfig, first: int = 1, last: int | None = None) -> dic
     apply_defaults()
     last = cfg.trainer.iterations if last is None else last
     check_inputs(cfg)
+    check_reachable(tracking_uri_for(cfg))
     store = store_for(cfg)
     store.check_writable()
     record_run_config(store, cfg)
@@ -201,6 +203,7 @@ def _run_iterations(cfg: RunConfig, store: ArtifactStore, first: int, last: int,
             tracker.log_metrics(it, metrics)
             if "rollout" in outcome.results and outcome.results["rollout"].executed:
                 _log_rollout_sample(cfg, tracker, it, outcome)
+            _publish_iteration(cfg, store, tracker, outcome, metrics)
             history.append({"iteration": it, "executed": outcome.executed, **metrics})
             executed += [f"iter-{it}/{s}" for s in outcome.executed]
             acc = metrics.get("val/accuracy")
@@ -223,6 +226,21 @@ def _run_iterations(cfg: RunConfig, store: ArtifactStore, first: int, last: int,
     finally:
         tracker.finish(status)
         ray.kill(worker)
+
+
+def _publish_iteration(
+    cfg: RunConfig, store: ArtifactStore, tracker: Tracker, outcome: IterationOutcome, metrics: dict
+) -> None:
+    """A Prefect table artifact per iteration: its metrics, artifact URIs and the MLflow run."""
+    from prefect.artifacts import create_table_artifact
+
+    rows = [{"name": k, "value": f"{v:.6g}"} for k, v in sorted(metrics.items())]
+    for stage, result in outcome.results.items():
+        m = result.manifest
+        rows.append({"name": f"artifact/{stage}", "value": store.artifact_dir(m.run, m.iteration, m.stage, m.version)})
+    rows.append({"name": "mlflow/run", "value": tracker.run_url})
+    key = re.sub(r"[^a-z0-9-]", "-", f"{cfg.run_name}-iter-{outcome.iteration}".lower())
+    create_table_artifact(table=rows, key=key, description=f"rlstage run {cfg.run_name}, iteration {outcome.iteration}")
 
 
 def _log_rollout_sample(cfg: RunConfig, tracker: Tracker, it: int, outcome: IterationOutcome) -> None:

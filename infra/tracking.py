@@ -29,6 +29,23 @@ def tracking_uri_for(cfg: RunConfig) -> str:
     return f"sqlite:///{local / 'mlflow.db'}"
 
 
+class TrackingUnavailable(RuntimeError):
+    """The MLflow tracking server does not answer."""
+
+
+def check_reachable(uri: str, timeout_s: float = 5.0) -> None:
+    """Fail fast, with one line, when an HTTP tracking server does not answer (MLflow would retry for minutes)."""
+    if not uri.startswith(("http://", "https://")):
+        return
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=timeout_s):
+            pass
+    except OSError as err:
+        raise TrackingUnavailable(f"MLflow tracking server {uri} is unreachable: {err}") from None
+
+
 def flatten(tree: Any, prefix: str = "") -> dict[str, str]:
     out: dict[str, str] = {}
     if isinstance(tree, dict):

@@ -140,3 +140,13 @@ def test_unwritable_store_root_is_a_clear_error(prefect_api, tmp_path):
     cfg = _cfg(tmp_path, f"store.root={blocker / 'store'}")
     with pytest.raises(StoreError, match="cannot be written"):
         train(config=cfg)
+
+
+def test_each_iteration_publishes_a_prefect_table_artifact(first_run):
+    from prefect.artifacts import Artifact
+
+    cfg, result = first_run
+    art = Artifact.get("it-iter-2")
+    assert art is not None and art.type == "table"
+    text = str(art.data)
+    assert "actor/pg_loss" in text and "iter-000002/update" in text and result["mlflow_run_id"] in text

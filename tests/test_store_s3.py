@@ -262,3 +262,57 @@ def test_unnamed_precondition_failure_is_a_conflict(
     monkeypatch.setattr(store.fs, "pipe_file", refuse)
     with pytest.raises(CommitConflict, match="already exists"):
         store.put_json(RUN, "run.json", {}, exclusive=True)
+
+
+@pytest.mark.slow
+def test_pipeline_runs_against_s3(endpoint: str, prefect_api, tmp_path: Path) -> None:
+    """Two iterations with every artifact in S3 (moto on loopback), then a rerun that executes nothing."""
+    from flows.training import train
+    from schemas.config import load_config
+    from tests_support import tiny_overrides
+
+    cfg = load_config(
+        None,
+        [
+            f"store.root=s3://{BUCKET}/pipeline",
+            f"store.storage_options={{endpoint_url: '{endpoint}', key: testing, secret: testing}}",
+            f"tracking.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
+            "run_name=s3run",
+            *tiny_overrides(),
+        ],
+    )
+    first = train(config=cfg)
+    assert "iter-2/update" in first["executed"]
+    store = ArtifactStore(cfg.store.root, cfg.store.storage_options)
+    m = store.manifest("s3run", 2, "update")
+    assert m is not None and "model/model.safetensors" in m.files
+    assert store.read_table(store.manifest("s3run", 2, "rollout"), "rollouts.parquet").num_rows == 32
+    assert train(config=cfg)["executed"] == []
+
+
+@pytest.mark.slow
+def test_unreachable_endpoints_are_one_clear_error(prefect_api, tmp_path: Path) -> None:
+    from flows.training import train
+    from infra.store import StoreError
+    from infra.tracking import TrackingUnavailable
+    from schemas.config import load_config
+    from tests_support import tiny_overrides
+
+    closed = f"http://127.0.0.1:{_free_port()}"
+    base = ["run_name=unreach", *tiny_overrides()]
+    cfg = load_config(None, [f"store.root={tmp_path / 'store'}", f"tracking.tracking_uri={closed}", *base])
+    with pytest.raises(TrackingUnavailable, match="is unreachable"):
+        train(config=cfg)
+    assert not (tmp_path / "store").exists()
+    cfg = load_config(
+        None,
+        [
+            f"store.root=s3://{BUCKET}/x",
+            f"store.storage_options={{endpoint_url: '{closed}', key: testing, secret: testing}}",
+            "store.retries=0",
+            f"tracking.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
+            *base,
+        ],
+    )
+    with pytest.raises(StoreError, match="cannot be written"):
+        train(config=cfg)
