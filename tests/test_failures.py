@@ -8,10 +8,10 @@ import subprocess
 import sys
 
 import pytest
-from tests_support import tiny_overrides
 
 from schemas.config import load_config
 from schemas.stages import STAGE_FILES
+from tests_support import tiny_overrides
 
 pytestmark = pytest.mark.slow
 STAGES = ("rollout", "reward", "advantage", "update", "eval")

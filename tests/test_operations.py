@@ -6,9 +6,9 @@ import subprocess
 import sys
 
 import pytest
-from tests_support import tiny_overrides
 
 from schemas.config import ConfigError, load_config
+from tests_support import tiny_overrides
 
 TINY = tiny_overrides()
 

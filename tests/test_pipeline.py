@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from tests_support import tiny_overrides
 
 from schemas.config import ConfigError, load_config
 from schemas.stages import STAGE_FILES
+from tests_support import tiny_overrides
 
 pytestmark = pytest.mark.slow
 
