@@ -32,9 +32,9 @@ from schemas.config import ActorConfig, KitConfig, OptimConfig
 MODELS: dict[str, tuple[dict, int, int, int]] = {
     # One thread: two threads on two cores were 5-10x slower and noisy for tiny models (shared notes).
     "tiny": (dict(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64), 64, 1, 5),
-    # ~20M parameters (hidden 512 x 6 layers); large enough for two threads to pay off. Two timed updates
+    # ~20M parameters (hidden 512 x 6 layers); large enough for two threads to pay off. Three timed updates
     # keep the whole run under 3 minutes on 2 cores.
-    "20m": (dict(hidden_size=512, num_layers=6, num_heads=8, intermediate_size=1376), 32, 2, 2),
+    "20m": (dict(hidden_size=512, num_layers=6, num_heads=8, intermediate_size=1376), 32, 2, 3),
 }
 
 

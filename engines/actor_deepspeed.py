@@ -1,8 +1,8 @@
-"""The DeepSpeed train engine: TorchActor's math (same loss code, same schedule) driven by ``deepspeed.initialize``.
+"""The DeepSpeed train engine: TorchActor's math (same loss code, same schedule) on ``deepspeed.initialize``.
 
 ``DeepSpeedActor`` subclasses ``TorchActor`` and reuses its ``_micro_step`` (the policy loss, entropy and KL
-terms) and ``compute_log_probs``; only the optimizer step goes through the DeepSpeed engine, so ZeRO 0-3 give
-the same parameters as the plain torch loop. Optimizer: torch's AdamW handed to DeepSpeed (FusedAdam and
+terms) and ``compute_log_probs``; the forward (ZeRO-3 parameter gathering), gradient reduction, clipping and
+optimizer step go through the DeepSpeed engine, and ZeRO 0-3 give the same parameters as the torch loop. Optimizer: torch's AdamW handed to DeepSpeed (FusedAdam and
 CPUAdam would JIT-build C++ ops for minutes). Precision: fp32 on CPU; bf16 only on CUDA with a bf16 model.
 
 Gradient accumulation: DeepSpeed runs with ``managed_gradient_accumulation: false`` and

@@ -12,7 +12,7 @@ import json
 
 from prefect import flow
 
-from flows.training import stored_config
+from flows.training import models_before, stored_config
 from infra.ray_runtime import ensure_ray
 from infra.store import ArtifactStore
 from schemas.config import ConfigError, RunConfig, build_config, merge_dicts, parse_overrides
@@ -93,7 +93,10 @@ def replay(
                 rw = _need(store, run_name, iteration, "reward")
                 _check(original, "rollouts", ro.artifact_id)
                 _check(original, "rewards", rw.artifact_id)
-                result = stages.advantage(cfg, iteration, ro, rw, policy, version=version, meta=lineage)
+                m = models_before(cfg, store, iteration, _policy_before(cfg, store, 1))
+                result = stages.advantage(
+                    cfg, iteration, ro, rw, policy, m.ref, m.critic, m.prev_experience, version=version, meta=lineage
+                )
             else:
                 exp = _need(store, run_name, iteration, "advantage")
                 _check(original, "experience", exp.artifact_id)

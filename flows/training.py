@@ -26,7 +26,7 @@ from schemas.config import ConfigError, RunConfig, build_config, load_config, me
 from schemas.manifest import Manifest, PolicyRef
 from tasks import stages
 from tasks.kit import initial_policy, sft_warm_start
-from tasks.runtime import policy_ref_from, policy_worker, store_for
+from tasks.runtime import critic_init_ref, policy_ref_from, policy_worker, store_for
 
 # Fields that may differ between invocations of one run: where and how it executes, and how long.
 RUN_MUTABLE = ("run_name", "store", "ray", "tracking", "trainer.iterations", "drill")
@@ -76,15 +76,51 @@ def _run_stage(outcome: IterationOutcome, label: str, task_fn, cfg: RunConfig, s
     return result
 
 
+@dataclass
+class Models:
+    """What an iteration starts from: the policy, the frozen reference, the critic, the last experience."""
+
+    policy: PolicyRef
+    ref: PolicyRef | None = None
+    critic: PolicyRef | None = None
+    prev_experience: Manifest | None = None
+
+
+def models_before(cfg: RunConfig, store: ArtifactStore, iteration: int, initial: PolicyRef) -> Models:
+    """The models iteration ``iteration`` (>= 1) starts from, read from the store for k > 1."""
+    ref = initial if cfg.needs_ref else None
+    if iteration <= 1:
+        return Models(initial, ref, critic_init_ref(initial) if cfg.critic.enable else None)
+
+    def need(stage: str) -> Manifest:
+        m = store.manifest(cfg.run_name, iteration - 1, stage)
+        if m is None:
+            raise ConfigError(f"config error: run {cfg.run_name!r} has no committed {stage} for iteration {iteration - 1}")
+        return m
+
+    return Models(
+        policy_ref_from(need("update")),
+        ref,
+        policy_ref_from(need("critic")) if cfg.critic.enable else None,
+        need("advantage"),
+    )
+
+
 @flow(name="rlstage-iteration")
-def iteration_flow(cfg: RunConfig, iteration: int, prompts: Manifest, policy: PolicyRef) -> IterationOutcome:
-    """rollout -> reward -> advantage -> update -> eval for one iteration; iteration 0 only evaluates."""
+def iteration_flow(cfg: RunConfig, iteration: int, prompts: Manifest, models: Models) -> IterationOutcome:
+    """rollout -> reward -> advantage -> [critic] -> update -> eval; iteration 0 only evaluates."""
     out = IterationOutcome(iteration)
     label = f"[iter {iteration:>3}]"
+    policy = models.policy
     if iteration > 0:
         ro = _run_stage(out, label, stages.rollout, cfg, "rollout", iteration, prompts, policy)
         rw = _run_stage(out, label, stages.reward, cfg, "reward", iteration, ro.manifest)
-        adv = _run_stage(out, label, stages.advantage, cfg, "advantage", iteration, ro.manifest, rw.manifest, policy)
+        adv = _run_stage(
+            out, label, stages.advantage, cfg, "advantage", iteration, ro.manifest, rw.manifest, policy,
+            models.ref, models.critic, models.prev_experience,
+        )  # fmt: skip
+        if models.critic is not None:
+            _run_stage(out, label, stages.critic_update, cfg, "critic", iteration, adv.manifest, models.critic)
         up = _run_stage(out, label, stages.update, cfg, "update", iteration, adv.manifest, policy)
         policy = policy_ref_from(up.manifest)
     last = iteration == cfg.trainer.iterations
@@ -185,20 +221,21 @@ def _run_iterations(cfg: RunConfig, store: ArtifactStore, first: int, last: int,
             _emit("  [kit] SFT warm start of the tiny model (reused when already committed) ...")
             sft = sft_warm_start.submit(cfg).result()
             _emit(f"  [kit] SFT checkpoint {sft.manifest.artifact_id[:8]}: held-out accuracy {sft.metrics['sft/test_accuracy']:.3f}")
-        policy = initial_policy(cfg, sft)
-        if first > 1:
-            prev = store.manifest(cfg.run_name, first - 1, "update")
-            if prev is None:
-                raise ConfigError(f"config error: run {cfg.run_name!r} has no committed update for iteration {first - 1}")
-            policy = policy_ref_from(prev)
+        models = models_before(cfg, store, first, initial_policy(cfg, sft))
         history: list[dict] = []
         executed = [s for s, r in (("data_prep", prep), ("sft", sft)) if r is not None and r.executed]
         for it in range(0 if first == 1 else first, last + 1):
             t0 = time.perf_counter()
             renew()
-            outcome = one_iteration(cfg, it, prep.manifest, policy)
+            outcome = one_iteration(cfg, it, prep.manifest, models)
             if "update" in outcome.results:
-                policy = policy_ref_from(outcome.results["update"].manifest)
+                r = outcome.results
+                models = Models(
+                    policy_ref_from(r["update"].manifest),
+                    models.ref,
+                    policy_ref_from(r["critic"].manifest) if "critic" in r else None,
+                    r["advantage"].manifest,
+                )
             metrics = outcome.metrics()
             tracker.log_metrics(it, metrics)
             if "rollout" in outcome.results and outcome.results["rollout"].executed:

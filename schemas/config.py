@@ -134,6 +134,20 @@ class ActorConfig(_Section):
     shuffle: bool = True
 
 
+class CriticConfig(_Section):
+    """The value model (for ``gae``): initialised from the starting policy with a fresh value head."""
+
+    enable: bool = False
+    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-4))
+    cliprange_value: float = Field(0.5, gt=0)
+    ppo_mini_batch_size: int = Field(64, ge=1)
+    micro_batch_size: int = Field(64, ge=1)
+    ppo_epochs: int = Field(1, ge=1)
+    loss_agg_mode: LossAggMode = "token-mean"
+    warmup_iterations: int = Field(0, ge=0)  # iterations that train only the critic
+    shuffle: bool = True
+
+
 class KLControlConfig(_Section):
     type: Literal["fixed", "adaptive"] = "fixed"
     kl_coef: float = Field(0.001, ge=0)
@@ -211,6 +225,7 @@ class RunConfig(_Section):
     reward: RewardConfig = Field(default_factory=RewardConfig)
     actor: ActorConfig = Field(default_factory=ActorConfig)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    critic: CriticConfig = Field(default_factory=CriticConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     store: StoreConfig = Field(default_factory=StoreConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
@@ -227,13 +242,20 @@ class RunConfig(_Section):
     @model_validator(mode="after")
     def _consistent(self) -> RunConfig:
         est = self.algorithm.adv_estimator
-        if est in NEEDS_CRITIC:
-            raise ValueError(f"algorithm.adv_estimator={est} needs a critic, which is not configured")
+        if est in NEEDS_CRITIC and not self.critic.enable:
+            raise ValueError(f"algorithm.adv_estimator={est} needs a critic, which is not configured (critic.enable)")
         if est in NEEDS_GROUPS and self.rollout.n < 2:
             raise ValueError(f"rollout.n={self.rollout.n}: algorithm.adv_estimator={est} needs groups of n >= 2")
         if self.actor.ppo_mini_batch_size % self.actor.micro_batch_size:
             raise ValueError("actor.ppo_mini_batch_size must be a multiple of actor.micro_batch_size")
+        if self.critic.ppo_mini_batch_size % self.critic.micro_batch_size:
+            raise ValueError("critic.ppo_mini_batch_size must be a multiple of critic.micro_batch_size")
         return self
+
+    @property
+    def needs_ref(self) -> bool:
+        """A frozen reference policy is needed for KL in the reward or as a loss."""
+        return self.algorithm.use_kl_in_reward or self.actor.use_kl_loss
 
     def stage_hash(self, *sections: str) -> str:
         """Hash of the named config sections (dotted paths): what a stage's output depends on."""

@@ -1,8 +1,9 @@
-"""The long-lived policy worker: keeps the model, tokenizer and optimizer loaded across stages.
+"""The long-lived model worker: keeps the policy (with its optimizer), the frozen reference
+policy and the critic loaded across stages and iterations.
 
-It runs as a Ray actor (see ``tasks.runtime``). Stages tell it which policy version they need;
-it reloads from the store only when its loaded version differs (after a restart, a resume or a
-replay), so a killed actor costs a reload, never a wrong model.
+It runs as a Ray actor (see ``tasks.runtime``). Stages tell it which version of each role they
+need; it reloads from the store only when its loaded version differs (after a restart, a
+resume or a replay), so a killed actor costs a reload, never a wrong model.
 """
 
 from __future__ import annotations
@@ -14,13 +15,16 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
 
 from engines.actor import TorchActor
+from engines.critic import TorchCritic
 from engines.rollout import HFRolloutEngine, SamplingParams
 from schemas.config import RunConfig
 
 ACTOR_STATE = "actor_state.pt"
+ROLES = ("policy", "ref", "critic")
+CRITIC_INIT = "critic-init:"  # a critic version made from a policy checkpoint plus a fresh value head
 
 
 class PolicyWorker:
@@ -28,23 +32,25 @@ class PolicyWorker:
         self.cfg = RunConfig.model_validate(cfg_json)
         torch.set_num_threads(self.cfg.model.torch_threads)
         self.total_steps = total_steps
-        self.loaded_version: str | None = None
-        self.model = None
+        self.versions: dict[str, str | None] = dict.fromkeys(ROLES)
         self.tokenizer = None
+        self.model = None
         self.actor: TorchActor | None = None
         self.rollout: HFRolloutEngine | None = None
+        self.ref_model = None
+        self.critic: TorchCritic | None = None
 
     def pid(self) -> int:
         return os.getpid()
 
-    def version(self) -> str | None:
-        return self.loaded_version
+    def version(self, role: str = "policy") -> str | None:
+        return self.versions[role]
 
-    def load(self, version: str, files: dict[str, bytes] | None = None, path: str | None = None) -> None:
-        """Load a policy from a local HF directory or from checkpoint files (relpath -> bytes)."""
+    def load(self, version: str, files: dict[str, bytes] | None = None, path: str | None = None, role: str = "policy") -> None:
+        """Load a role from a local HF directory or from checkpoint files (relpath -> bytes)."""
         state = None
         if files is not None:
-            tmp = Path(tempfile.mkdtemp(prefix="rlstage-policy-"))
+            tmp = Path(tempfile.mkdtemp(prefix="rlstage-model-"))
             for rel, data in files.items():
                 dest = tmp / rel
                 dest.parent.mkdir(parents=True, exist_ok=True)
@@ -55,19 +61,31 @@ class PolicyWorker:
         if path is None or not Path(path).is_dir():
             raise FileNotFoundError(f"model path {path} does not exist or is not a directory")
         dtype = torch.bfloat16 if self.cfg.model.dtype == "bfloat16" else torch.float32
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.tokenizer.padding_side = "left"
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-        self.model.eval()
-        self.actor = TorchActor(self.model, self.cfg.actor, self.tokenizer.pad_token_id, self.total_steps)
-        if state is not None:
-            self.actor.load_state_dict(state)
-        self.rollout = HFRolloutEngine(self.model, self.tokenizer, self.cfg.rollout.batch_size)
-        self.loaded_version = version
+        if self.tokenizer is None or role == "policy":
+            self.tokenizer = AutoTokenizer.from_pretrained(path)
+            self.tokenizer.padding_side = "left"
+        pad_id = self.tokenizer.pad_token_id
+        if role == "policy":
+            self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+            self.actor = TorchActor(self.model, self.cfg.actor, pad_id, self.total_steps)
+            if state is not None:
+                self.actor.load_state_dict(state)
+            self.rollout = HFRolloutEngine(self.model, self.tokenizer, self.cfg.rollout.batch_size)
+        elif role == "ref":
+            self.ref_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval().requires_grad_(False)
+        elif role == "critic":
+            torch.manual_seed(self.cfg.trainer.seed)  # the fresh value head is the same on every load
+            model = AutoModelForTokenClassification.from_pretrained(path, num_labels=1, dtype=dtype).eval()
+            self.critic = TorchCritic(model, self.cfg.critic, pad_id, self.total_steps)
+            if state is not None and not version.startswith(CRITIC_INIT):
+                self.critic.load_state_dict(state)
+        else:
+            raise ValueError(f"unknown role {role!r}; valid: {', '.join(ROLES)}")
+        self.versions[role] = version
 
-    def _require(self, version: str) -> None:
-        if self.loaded_version != version:
-            raise RuntimeError(f"policy worker holds version {self.loaded_version}, stage needs {version}")
+    def _require(self, version: str, role: str = "policy") -> None:
+        if self.versions[role] != version:
+            raise RuntimeError(f"worker holds {role} version {self.versions[role]}, stage needs {version}")
 
     def generate(self, version: str, prompts: list[str], params: dict) -> list[dict]:
         self._require(version)
@@ -77,27 +95,47 @@ class PolicyWorker:
         self._require(version)
         return self.actor.compute_log_probs(prompt_ids, response_ids, temperature)
 
-    def update(self, version: str, batch: dict, temperature: float, seed: int) -> tuple[dict, dict[str, bytes]]:
-        """One iteration's policy update; returns metrics and the new checkpoint's files."""
+    def ref_log_probs(self, version: str, prompt_ids: list, response_ids: list, temperature: float) -> list:
+        self._require(version, "ref")
+        # The same batching and temperature as the actor's recompute, on the frozen weights.
+        frozen = TorchActor.__new__(TorchActor)
+        frozen.model, frozen.cfg, frozen.pad_id = self.ref_model, self.cfg.actor, self.tokenizer.pad_token_id
+        return frozen.compute_log_probs(prompt_ids, response_ids, temperature)
+
+    def values(self, version: str, prompt_ids: list, response_ids: list) -> list:
+        self._require(version, "critic")
+        return self.critic.compute_values(prompt_ids, response_ids)
+
+    def update(
+        self, version: str, batch: dict, temperature: float, seed: int, skip: bool = False
+    ) -> tuple[dict, dict[str, bytes]]:
+        """One iteration's policy update (``skip`` during critic warm-up); returns metrics and checkpoint files."""
         self._require(version)
         torch.manual_seed(seed)
-        metrics = self.actor.update(batch, temperature, seed)
+        metrics = {"actor/skipped": 1.0} if skip else self.actor.update(batch, temperature, seed)
         # The worker now holds an uncommitted policy until the task commits it and calls set_version.
-        self.loaded_version = None
-        return metrics, self.checkpoint_files()
+        self.versions["policy"] = None
+        return metrics, self._checkpoint(self.model, self.actor.state_dict())
 
-    def checkpoint_files(self) -> dict[str, bytes]:
+    def critic_update(self, version: str, batch: dict, seed: int) -> tuple[dict, dict[str, bytes]]:
+        self._require(version, "critic")
+        torch.manual_seed(seed)
+        metrics = self.critic.update(batch, seed)
+        self.versions["critic"] = None
+        return metrics, self._checkpoint(self.critic.model, self.critic.state_dict())
+
+    def _checkpoint(self, model, state: dict) -> dict[str, bytes]:
         files: dict[str, bytes] = {}
         with tempfile.TemporaryDirectory(prefix="rlstage-ckpt-") as tmp:
-            self.model.save_pretrained(tmp)
+            model.save_pretrained(tmp)
             self.tokenizer.save_pretrained(tmp)
             for p in sorted(Path(tmp).rglob("*")):
                 if p.is_file():
                     files[f"model/{p.relative_to(tmp)}"] = p.read_bytes()
         buf = io.BytesIO()
-        torch.save(self.actor.state_dict(), buf)
+        torch.save(state, buf)
         files[ACTOR_STATE] = buf.getvalue()
         return files
 
-    def set_version(self, version: str) -> None:
-        self.loaded_version = version
+    def set_version(self, version: str, role: str = "policy") -> None:
+        self.versions[role] = version

@@ -13,7 +13,7 @@ import ray
 from infra.store import ArtifactStore
 from schemas.config import RunConfig
 from schemas.manifest import Manifest, PolicyRef
-from tasks.policy_actor import PolicyWorker
+from tasks.policy_actor import CRITIC_INIT, PolicyWorker
 
 RAY_NAMESPACE = "rlstage"
 
@@ -22,8 +22,9 @@ STAGE_CONFIG = {
     "data_prep": ("data", "kit"),
     "rollout": ("rollout", "data.prompts_per_iteration", "data.shuffle_seed"),
     "reward": ("reward",),
-    "advantage": ("algorithm", "rollout.temperature"),
-    "update": ("actor", "rollout.temperature", "trainer.seed"),
+    "advantage": ("algorithm", "rollout.temperature", "actor.use_kl_loss"),
+    "update": ("actor", "rollout.temperature", "trainer.seed", "critic.warmup_iterations"),
+    "critic": ("critic", "trainer.seed"),
     "eval": ("rollout", "trainer.eval_n", "data.eval_size"),
     "sft": ("kit", "sft"),
 }
@@ -68,20 +69,23 @@ def policy_worker(cfg: RunConfig):
     ).remote(cfg.model_dump(mode="json"), total_update_steps(cfg))
 
 
-def ensure_policy(worker, store: ArtifactStore, ref: PolicyRef) -> None:
-    """Make the worker hold ``ref``: a no-op when it already does (the common case)."""
-    if ray.get(worker.version.remote()) == ref.version:
+def ensure_policy(worker, store: ArtifactStore, ref: PolicyRef, role: str = "policy") -> None:
+    """Make the worker hold ``ref`` in ``role``: a no-op when it already does (the common case)."""
+    if ray.get(worker.version.remote(role)) == ref.version:
         return
     if ref.path is not None:
-        ray.get(worker.load.remote(ref.version, path=ref.path))
+        ray.get(worker.load.remote(ref.version, path=ref.path, role=role))
         return
     manifest = store.manifest(ref.run, ref.iteration, ref.stage)
-    if manifest is None or manifest.artifact_id != ref.version:
-        raise FileNotFoundError(
-            f"policy checkpoint {ref.run}/iter-{ref.iteration}/{ref.stage} ({ref.version}) is not committed"
-        )
+    if manifest is None or manifest.artifact_id != ref.version.removeprefix(CRITIC_INIT):
+        raise FileNotFoundError(f"checkpoint {ref.run}/iter-{ref.iteration}/{ref.stage} ({ref.version}) is not committed")
     files = {name: store.read_bytes(manifest, name) for name in manifest.files}
-    ray.get(worker.load.remote(ref.version, files=files))
+    ray.get(worker.load.remote(ref.version, files=files, role=role))
+
+
+def critic_init_ref(policy: PolicyRef) -> PolicyRef:
+    """The critic's starting point: the initial policy's weights with a fresh value head."""
+    return policy.model_copy(update={"version": CRITIC_INIT + policy.version})
 
 
 def policy_ref_from(manifest: Manifest) -> PolicyRef:

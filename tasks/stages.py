@@ -164,7 +164,12 @@ def rollout(
         batch = train.take(rows).to_pylist()
         worker = policy_worker(cfg)
         ensure_policy(worker, store_for(cfg), policy)
-        comps = ray.get(worker.generate.remote(policy.version, [p["prompt"] for p in batch], _sampling(cfg, iteration)))
+        texts = [p["prompt"] for p in batch]
+        comps = ray.get(worker.generate.remote(policy.version, texts, _sampling(cfg, iteration)))
+        if cfg.algorithm.adv_estimator == "remax":
+            # ReMax's baseline: one greedy answer per prompt, scored like the samples (sample_index -1).
+            greedy = ray.get(worker.generate.remote(policy.version, texts, _sampling(cfg, iteration, n=1, greedy=True)))
+            comps += [{**c, "sample_index": -1} for c in greedy]
         table = _rollouts_table(batch, comps, iteration)
         lengths = np.array(table.column("response_length").to_pylist())
         clipped = np.array([f == "length" for f in table.column("finish_reason").to_pylist()])
@@ -188,7 +193,8 @@ def _rollouts_table(batch: list[dict], comps: list[dict], iteration: int) -> pa.
     cols: dict[str, list] = {name: [] for name in A.ROLLOUTS.names}
     for c in comps:
         p = batch[c["prompt_index"]]
-        cols["sample_id"].append(f"{p['prompt_id']}/{iteration}/{c['sample_index']}")
+        k = c["sample_index"]
+        cols["sample_id"].append(f"{p['prompt_id']}/{iteration}/{'greedy' if k < 0 else k}")
         cols["prompt_id"].append(p["prompt_id"])
         cols["group_id"].append(c["prompt_index"])
         cols["sample_index"].append(c["sample_index"])
@@ -220,12 +226,13 @@ def reward(
         table = _read(cfg, rollouts, "rollouts.parquet")
         rows = table.select(["response_text", "ground_truth", "data_source", "extra_info"]).to_pylist()
         results = score_rows(cfg, rows)
-        scores = np.array([r.score for r in results], dtype=np.float64)
+        all_scores = np.array([r.score for r in results], dtype=np.float64)
+        scores = all_scores[np.array(table.column("sample_index").to_pylist()) >= 0]  # not ReMax baselines
         errors = [r.error for r in results]
         out = pa.table(
             {
                 "sample_id": table.column("sample_id"),
-                "score": pa.array(scores, pa.float32()),
+                "score": pa.array(all_scores, pa.float32()),
                 "reward_fn": [r.reward_fn for r in results],
                 "error": errors,
             },
@@ -253,6 +260,10 @@ def _padded(rows: list[list[float]], width: int) -> torch.Tensor:
     return out
 
 
+def _unpad(t: torch.Tensor, lens: list[int]) -> list[list[float]]:
+    return [t[i, :n].tolist() for i, n in enumerate(lens)]
+
+
 @_stage_task("advantage")
 def advantage(
     cfg: RunConfig,
@@ -260,43 +271,83 @@ def advantage(
     rollouts: Manifest,
     rewards_m: Manifest,
     policy: PolicyRef,
+    ref: PolicyRef | None = None,
+    critic: PolicyRef | None = None,
+    prev: Manifest | None = None,
     version: str = "main",
     meta: dict | None = None,
 ) -> StageResult:
+    """Old log-probs, optional ref log-probs / values / KL-in-reward, then the advantage estimator.
+
+    ``ref`` is the frozen starting policy (KL), ``critic`` the value model (GAE), ``prev`` the
+    previous iteration's experience, whose manifest carries the adaptive KL controller's state.
+    """
+    a = cfg.algorithm
+
     def produce() -> StageOutput:
         ro = _read(cfg, rollouts, "rollouts.parquet")
         rw = _read(cfg, rewards_m, "rewards.parquet")
         if ro.column("sample_id").to_pylist() != rw.column("sample_id").to_pylist():
             raise ValueError("rewards do not line up with rollouts (sample_id order differs)")
+        all_scores = np.array(rw.column("score").to_pylist(), dtype=np.float32)
+        is_sample = np.array(ro.column("sample_index").to_pylist()) >= 0
+        groups = np.array(ro.column("group_id").to_pylist())
+        baseline = dict(zip(groups[~is_sample].tolist(), all_scores[~is_sample].tolist(), strict=True))
+        ro = ro.filter(pa.array(is_sample))
+        scores = torch.from_numpy(all_scores[is_sample])
+        index = groups[is_sample]
         prompt_ids = ro.column("prompt_ids").to_pylist()
         response_ids = ro.column("response_ids").to_pylist()
         masks = ro.column("response_mask").to_pylist()
-        worker = policy_worker(cfg)
-        ensure_policy(worker, store_for(cfg), policy)
-        old = ray.get(worker.log_probs.remote(policy.version, prompt_ids, response_ids, cfg.rollout.temperature))
-        width = max(map(len, response_ids))
+        lens = [len(r) for r in response_ids]
+        width = max(lens)
         mask = _padded(masks, width)
-        scores = torch.tensor(rw.column("score").to_pylist(), dtype=torch.float32)
+        worker = policy_worker(cfg)
+        store = store_for(cfg)
+        ensure_policy(worker, store, policy)
+        temp = cfg.rollout.temperature
+        old = ray.get(worker.log_probs.remote(policy.version, prompt_ids, response_ids, temp))
+        old_t = _padded(old, width)
+        metrics: dict[str, float] = {}
+        ref_lp = values = None
+        if ref is not None:
+            ensure_policy(worker, store, ref, role="ref")
+            ref_lp = ray.get(worker.ref_log_probs.remote(ref.version, prompt_ids, response_ids, temp))
+        if critic is not None:
+            ensure_policy(worker, store, critic, role="critic")
+            values = ray.get(worker.values.remote(critic.version, prompt_ids, response_ids))
         # Outcome reward sits on the last policy token of each response.
-        token_rewards = torch.zeros_like(mask)
+        token_scores = torch.zeros_like(mask)
         for i, m in enumerate(masks):
             last = max((j for j, v in enumerate(m) if v), default=None)
             if last is not None:
-                token_rewards[i, last] = scores[i]
-        a = cfg.algorithm
+                token_scores[i, last] = scores[i]
+        token_rewards = token_scores
+        kl_state = None
+        if a.use_kl_in_reward:
+            ctrl = algos.get_kl_controller(a.kl_ctrl.type, a.kl_ctrl.kl_coef, a.kl_ctrl.target_kl, a.kl_ctrl.horizon)
+            if prev is not None and "kl_ctrl" in prev.meta:
+                ctrl.load_state_dict(prev.meta["kl_ctrl"])  # beta carries over between iterations
+            token_rewards, kl_metrics = algos.apply_kl_penalty(
+                token_scores, old_t, _padded(ref_lp, width), mask, ctrl, a.kl_penalty
+            )
+            metrics.update(kl_metrics)
+            kl_state = ctrl.state_dict()
         adv, ret = algos.compute_advantage(
             a.adv_estimator,
             token_level_rewards=token_rewards,
             response_mask=mask,
-            index=np.array(ro.column("group_id").to_pylist()),
+            index=index,
+            values=None if values is None else _padded(values, width),
+            reward_baselines=torch.tensor([baseline.get(g, 0.0) for g in index.tolist()], dtype=torch.float32)
+            if baseline
+            else None,
             gamma=a.gamma,
             lam=a.lam,
             norm_adv_by_std_in_grpo=a.norm_adv_by_std_in_grpo,
         )
-        lens = [len(r) for r in response_ids]
         roll_lp = _padded(ro.column("rollout_log_probs").to_pylist(), width)
-        old_t = _padded(old, width)
-        gap = float(algos.masked_mean((roll_lp - old_t).abs(), mask))
+        list_type = A.EXPERIENCE.field("ref_log_probs").type
         table = pa.table(
             {
                 "sample_id": ro.column("sample_id"),
@@ -306,27 +357,65 @@ def advantage(
                 "response_mask": ro.column("response_mask"),
                 "score": pa.array(scores.numpy(), pa.float32()),
                 "old_log_probs": old,
-                "ref_log_probs": pa.nulls(len(lens), A.EXPERIENCE.field("ref_log_probs").type),
-                "values": pa.nulls(len(lens), A.EXPERIENCE.field("values").type),
-                "token_level_rewards": [token_rewards[i, :n].tolist() for i, n in enumerate(lens)],
-                "advantages": [adv[i, :n].tolist() for i, n in enumerate(lens)],
-                "returns": [ret[i, :n].tolist() for i, n in enumerate(lens)],
+                "ref_log_probs": pa.nulls(len(lens), list_type) if ref_lp is None else ref_lp,
+                "values": pa.nulls(len(lens), list_type) if values is None else values,
+                "token_level_rewards": _unpad(token_rewards, lens),
+                "advantages": _unpad(adv, lens),
+                "returns": _unpad(ret, lens),
             },
             schema=A.EXPERIENCE,
         )
-        return StageOutput(
-            tables={"experience.parquet": table},
-            metrics={
+        valid = mask.bool()
+        metrics.update(
+            {
                 "critic/advantages/mean": float(algos.masked_mean(adv, mask)),
-                "critic/advantages/max": float(adv[mask.bool()].max()) if mask.any() else 0.0,
-                "critic/advantages/min": float(adv[mask.bool()].min()) if mask.any() else 0.0,
+                "critic/advantages/max": float(adv[valid].max()) if valid.any() else 0.0,
+                "critic/advantages/min": float(adv[valid].min()) if valid.any() else 0.0,
                 "critic/returns/mean": float(algos.masked_mean(ret, mask)),
-                "rollout/logprob_gap": gap,
-            },
+                "critic/rewards/mean": float(token_rewards.sum(-1).mean()),
+                "rollout/logprob_gap": float(algos.masked_mean((roll_lp - old_t).abs(), mask)),
+            }
+        )
+        if ref_lp is not None:
+            metrics["actor/ref_kl"] = float(algos.masked_mean(old_t - _padded(ref_lp, width), mask))
+        if values is not None:
+            metrics["critic/values/mean"] = float(algos.masked_mean(_padded(values, width), mask))
+        if baseline:
+            metrics["critic/baseline/mean"] = float(np.mean(list(baseline.values())))
+        return StageOutput(
+            tables={"experience.parquet": table}, metrics=metrics, meta={} if kl_state is None else {"kl_ctrl": kl_state}
         )
 
     inputs = {"rollouts": rollouts.artifact_id, "rewards": rewards_m.artifact_id, "policy": policy.version}
+    inputs.update({k: v.version for k, v in (("ref", ref), ("critic", critic)) if v is not None})
+    if prev is not None and a.use_kl_in_reward and a.kl_ctrl.type == "adaptive":
+        inputs["prev_experience"] = prev.artifact_id
     return run_stage(cfg, "advantage", iteration, inputs, produce, version=version, meta=meta)
+
+
+# ---------------------------------------------------------------- critic
+@_stage_task("critic")
+def critic_update(
+    cfg: RunConfig, iteration: int, experience: Manifest, critic: PolicyRef, version: str = "main", meta: dict | None = None
+) -> StageResult:
+    """Fit the value model to this iteration's returns; commits the new critic checkpoint."""
+    worker = policy_worker(cfg)
+
+    def produce() -> StageOutput:
+        exp = _read(cfg, experience, "experience.parquet")
+        batch = {c: exp.column(c).to_pylist() for c in ("prompt_ids", "response_ids", "response_mask", "values", "returns")}
+        ensure_policy(worker, store_for(cfg), critic, role="critic")
+        seed = cfg.trainer.seed * 1_000_003 + iteration
+        metrics, files = ray.get(worker.critic_update.remote(critic.version, batch, seed))
+        return StageOutput(
+            tables={"metrics.parquet": A.metrics_table(metrics)},
+            blobs=files,
+            metrics=metrics,
+            on_commit=lambda m: ray.get(worker.set_version.remote(m.artifact_id, "critic")),
+        )
+
+    inputs = {"experience": experience.artifact_id, "critic": critic.version}
+    return run_stage(cfg, "critic", iteration, inputs, produce, version=version, meta=meta)
 
 
 # ---------------------------------------------------------------- update
@@ -344,7 +433,8 @@ def update(
         batch = {c: exp.column(c).to_pylist() for c in cols}
         ensure_policy(worker, store_for(cfg), policy)
         seed = cfg.trainer.seed * 1_000_003 + iteration
-        metrics, files = ray.get(worker.update.remote(policy.version, batch, cfg.rollout.temperature, seed))
+        skip = iteration <= cfg.critic.warmup_iterations and cfg.critic.enable  # critic warm-up
+        metrics, files = ray.get(worker.update.remote(policy.version, batch, cfg.rollout.temperature, seed, skip))
         return StageOutput(
             tables={"metrics.parquet": A.metrics_table(metrics)},
             blobs=files,

@@ -36,6 +36,8 @@ def test_two_iterations_commit_every_artifact(first_run):
     assert "data_prep" in result["executed"] and "sft" in result["executed"]
     for it in (1, 2):
         for stage, fname in STAGE_FILES.items():
+            if stage == "critic":  # grpo runs without a critic
+                continue
             m = store.manifest("it", it, stage)
             assert m is not None, f"iter {it} {stage} not committed"
             table = store.read_table(m, fname)  # verifies the checksum

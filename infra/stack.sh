@@ -1,0 +1,249 @@
+#!/usr/bin/env bash
+# The local rlstage stack: a Prefect server, a process worker for the deployments' pool and an
+# MLflow tracking server, all on 127.0.0.1, each in its own process group (session).
+#
+#   infra/stack.sh up        start what is not running; prints the exports to use
+#   infra/stack.sh status    what runs, on which port; the exports
+#   infra/stack.sh env       only the exports:  eval "$(infra/stack.sh env)"
+#   infra/stack.sh deploy    prefect deploy --all (prefect.yaml) against this stack's server
+#   infra/stack.sh down      stop everything: TERM each process group (twice for the worker),
+#                            KILL what is left after RLSTAGE_STOP_TIMEOUT seconds
+#
+# Settings (environment): RLSTAGE_STACK_DIR (state: pids, ports, logs, Prefect home, MLflow DB;
+# default <repo>/.rlstage/stack), RLSTAGE_VENV (default <repo>/.venv), RLSTAGE_POOL
+# (rlstage-process), RLSTAGE_PREFECT_PORT / RLSTAGE_MLFLOW_PORT (default: 4200 / 5000 when free,
+# else any free port), RLSTAGE_STOP_TIMEOUT (15), PREFECT_UI_ENABLED (true).
+set -euo pipefail
+
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+VENV=${RLSTAGE_VENV:-$REPO/.venv}
+STATE=${RLSTAGE_STACK_DIR:-$REPO/.rlstage/stack}
+POOL=${RLSTAGE_POOL:-rlstage-process}
+STOP_TIMEOUT=${RLSTAGE_STOP_TIMEOUT:-15}
+PY=$VENV/bin/python
+SERVICES=(prefect-server mlflow worker) # start order; stopped in reverse
+
+# Offline, loopback-only, no telemetry (the same values as infra/env.py); Ray reads
+# RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER at import time, so flow runs must get it from their parent.
+export DO_NOT_TRACK=true PREFECT_SERVER_ANALYTICS_ENABLED=false PREFECT_CLI_PROMPT=false
+export MLFLOW_DISABLE_TELEMETRY=true MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false
+export RAY_USAGE_STATS_ENABLED=0 RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false AWS_EC2_METADATA_DISABLED=true
+export PYTHONUNBUFFERED=1
+export PREFECT_HOME=$STATE/prefect
+
+die() { echo "stack: $*" >&2; exit 1; }
+pidfile() { echo "$STATE/$1.pid"; }
+portfile() { echo "$STATE/$1.port"; }
+read_or_empty() { [[ -f $1 ]] && cat "$1" || true; }
+
+# A service runs when its recorded pid is alive and still leads its own session.
+running() {
+  local pid
+  pid=$(read_or_empty "$(pidfile "$1")")
+  [[ -n $pid ]] && kill -0 "$pid" 2>/dev/null && [[ $(ps -o sid= -p "$pid" | tr -d ' ') == "$pid" ]]
+}
+
+# The preferred port when it is free on 127.0.0.1, else one the kernel picks.
+pick_port() {
+  "$PY" - "$1" <<'EOF'
+import socket, sys
+want = int(sys.argv[1])
+for port in (want, 0):
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        print(s.getsockname()[1])
+        break
+EOF
+}
+
+wait_http() { # url timeout_s pid name
+  "$PY" - "$@" <<'EOF' || { echo "--- last lines of $STATE/$4.log:" >&2; tail -n 25 "$STATE/$4.log" >&2; exit 1; }
+import os, sys, time, urllib.request
+url, timeout, pid, name = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+deadline = time.monotonic() + timeout
+while time.monotonic() < deadline:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        sys.exit(f"stack: {name} exited before {url} answered")
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            if r.status < 500:
+                sys.exit(0)
+    except OSError:
+        time.sleep(0.3)
+sys.exit(f"stack: {url} did not answer within {timeout:.0f}s")
+EOF
+}
+
+# start NAME CMD...: a new session (setsid: pid = process group id = session id), output to the log.
+start() {
+  local name=$1 pid
+  shift
+  echo "== $(date -Is) $*" >>"$STATE/$name.log"
+  setsid "$@" >>"$STATE/$name.log" 2>&1 </dev/null &
+  pid=$!
+  echo "$pid" >"$(pidfile "$name")"
+  sleep 0.2
+  # A non-interactive shell does not make background jobs group leaders, so setsid does not fork.
+  if kill -0 "$pid" 2>/dev/null && [[ $(ps -o sid= -p "$pid" | tr -d ' ') != "$pid" ]]; then
+    die "$name (pid $pid) is not a session leader; refusing to track it"
+  fi
+}
+
+prefect_url() { echo "http://127.0.0.1:$(read_or_empty "$(portfile prefect-server)")/api"; }
+mlflow_url() { echo "http://127.0.0.1:$(read_or_empty "$(portfile mlflow)")"; }
+
+print_env() {
+  echo "export PREFECT_API_URL=$(prefect_url)"
+  echo "export MLFLOW_TRACKING_URI=$(mlflow_url)"
+}
+
+cmd_up() {
+  [[ -x $PY ]] || die "no virtual environment at $VENV (run scripts/setup.sh)"
+  mkdir -p "$STATE" "$PREFECT_HOME" "$STATE/mlflow/artifacts"
+  local pid url
+
+  if running prefect-server; then
+    echo "prefect server: already running (pid $(cat "$(pidfile prefect-server)"))"
+  else
+    pick_port "${RLSTAGE_PREFECT_PORT:-4200}" >"$(portfile prefect-server)"
+    start prefect-server env PREFECT_UI_ENABLED="${PREFECT_UI_ENABLED:-true}" \
+      "$VENV/bin/prefect" server start --host 127.0.0.1 --port "$(cat "$(portfile prefect-server)")"
+    wait_http "$(prefect_url)/health" 120 "$(cat "$(pidfile prefect-server)")" prefect-server
+    echo "prefect server: $(prefect_url) (pid $(cat "$(pidfile prefect-server)"))"
+  fi
+  export PREFECT_API_URL
+  PREFECT_API_URL=$(prefect_url)
+
+  if running mlflow; then
+    echo "mlflow server: already running (pid $(cat "$(pidfile mlflow)"))"
+  else
+    pick_port "${RLSTAGE_MLFLOW_PORT:-5000}" >"$(portfile mlflow)"
+    start mlflow "$VENV/bin/mlflow" server --host 127.0.0.1 --port "$(cat "$(portfile mlflow)")" --workers 1 \
+      --backend-store-uri "sqlite:///$STATE/mlflow/mlflow.db" \
+      --artifacts-destination "$STATE/mlflow/artifacts"
+    wait_http "$(mlflow_url)/health" 120 "$(cat "$(pidfile mlflow)")" mlflow
+    echo "mlflow server:  $(mlflow_url) (pid $(cat "$(pidfile mlflow)"))"
+  fi
+
+  if running worker; then
+    echo "worker: already running (pid $(cat "$(pidfile worker)"))"
+  else
+    if ! "$VENV/bin/prefect" work-pool inspect "$POOL" >/dev/null 2>&1; then
+      "$VENV/bin/prefect" work-pool create "$POOL" --type process >/dev/null
+    fi
+    # Flow runs inherit the worker's environment: PREFECT_API_URL (Ray workers then report to this
+    # server instead of starting their own) and MLFLOW_TRACKING_URI (used when a run's config
+    # names no tracking.tracking_uri).
+    start worker env MLFLOW_TRACKING_URI="$(mlflow_url)" \
+      PREFECT_WORKER_QUERY_SECONDS="${PREFECT_WORKER_QUERY_SECONDS:-2}" \
+      "$VENV/bin/prefect" worker start --pool "$POOL" --type process --install-policy never \
+      --name "rlstage-$(hostname)-$$"
+    sleep 1
+    running worker || { tail -n 25 "$STATE/worker.log" >&2; die "the worker exited"; }
+    echo "worker: pool $POOL (pid $(cat "$(pidfile worker)"))"
+  fi
+  print_env >"$STATE/env.sh"
+  echo
+  echo "# state and logs under $STATE; use the stack with:"
+  print_env
+}
+
+# Every process group under the given pid (the flow runs a worker starts lead their own
+# sessions, and their Ray processes their own groups): printed one per line, root first.
+descendant_groups() {
+  ps -eo pid=,ppid=,pgid= | awk -v root="$1" '
+    { parent[$1] = $2; group[$1] = $3 }
+    END {
+      print group[root]
+      for (p in parent) { q = p; while (q in parent && q != root && q > 1) q = parent[q]; if (q == root && p != root) print group[p] }
+    }' | awk '!seen[$0]++'
+}
+
+group_alive() { kill -0 -- "-$1" 2>/dev/null; }
+
+stop_service() {
+  local name=$1 pid groups g deadline
+  pid=$(read_or_empty "$(pidfile "$name")")
+  if [[ -z $pid ]] || ! kill -0 "$pid" 2>/dev/null; then
+    rm -f "$(pidfile "$name")"
+    return
+  fi
+  if [[ $(ps -o sid= -p "$pid" | tr -d ' ') != "$pid" ]]; then
+    echo "$name: pid $pid is no longer the session we started; leaving it" >&2
+    rm -f "$(pidfile "$name")"
+    return
+  fi
+  mapfile -t groups < <(descendant_groups "$pid")
+  kill -TERM -- "-$pid" 2>/dev/null || true
+  if [[ $name == worker ]]; then
+    # An idle worker ignores its first SIGTERM (for up to 60 s): the second one stops it.
+    sleep 1
+    kill -TERM -- "-$pid" 2>/dev/null || true
+  fi
+  # Flow runs of the worker (their own sessions) and anything else below the service.
+  for g in "${groups[@]}"; do
+    [[ $g == "$pid" ]] || kill -TERM -- "-$g" 2>/dev/null || true
+  done
+  deadline=$((SECONDS + STOP_TIMEOUT))
+  for g in "${groups[@]}"; do
+    while group_alive "$g" && ((SECONDS < deadline)); do sleep 0.2; done
+    if group_alive "$g"; then
+      echo "$name: process group $g still alive after ${STOP_TIMEOUT}s, sending KILL" >&2
+      kill -KILL -- "-$g" 2>/dev/null || true
+    fi
+  done
+  rm -f "$(pidfile "$name")"
+  echo "$name: stopped (process group $pid)"
+}
+
+cmd_down() {
+  [[ -d $STATE ]] || { echo "stack: nothing under $STATE"; return; }
+  local i
+  for ((i = ${#SERVICES[@]} - 1; i >= 0; i--)); do stop_service "${SERVICES[i]}"; done
+}
+
+cmd_status() {
+  local name state=0
+  for name in "${SERVICES[@]}"; do
+    if running "$name"; then
+      printf '%-15s running  pid %-8s %s\n' "$name" "$(cat "$(pidfile "$name")")" \
+        "$([[ -f $(portfile "$name") ]] && echo "127.0.0.1:$(cat "$(portfile "$name")")" || echo "pool $POOL")"
+    else
+      printf '%-15s stopped\n' "$name"
+      state=3
+    fi
+  done
+  if ((state == 0)); then
+    echo
+    print_env
+  fi
+  return $state
+}
+
+cmd_deploy() {
+  running prefect-server || die "the Prefect server is not running (infra/stack.sh up)"
+  cd "$REPO"
+  # prefect.yaml resolves {{ $PWD }} when deploying: it must be the repository root.
+  PWD=$REPO PREFECT_API_URL=$(prefect_url) "$VENV/bin/prefect" deploy --all --no-prompt
+}
+
+case "${1:-}" in
+  up) cmd_up ;;
+  down) cmd_down ;;
+  status) cmd_status ;;
+  env)
+    running prefect-server || die "the stack is not running (infra/stack.sh up)"
+    print_env
+    ;;
+  deploy) cmd_deploy ;;
+  *)
+    echo "usage: $0 up|down|status|env|deploy" >&2
+    exit 2
+    ;;
+esac
