@@ -48,7 +48,8 @@ def test_sigkill_of_each_stage_process_is_retried_to_identical_artifacts(prefect
     assert fired == sorted(f"kill_at-{s}-1" for s in STAGES)
     assert [h["iteration"] for h in result["history"]] == [0, 1, 2]
     assert _checksums(store_for(killed), "r", 2) == _checksums(store_for(reference), "r", 2)
-    assert STAGE_FILES.keys() <= set(STAGES)
+    # every stage of a critic-free run was killed once (the critic stage runs only with gae)
+    assert set(STAGE_FILES) - {"critic"} == set(STAGES)
 
 
 def test_killed_flow_reruns_no_committed_stage(prefect_api, tmp_path):
