@@ -1,4 +1,4 @@
-"""The ``rlstage`` command: demo, train, nightly, replay, compare."""
+"""The ``rlstage`` command: demo, train, nightly, replay, eval, data-prep, compare."""
 
 from __future__ import annotations
 
@@ -78,6 +78,31 @@ def cmd_replay(args) -> int:
     return 0
 
 
+def cmd_eval(args) -> int:
+    with prefect_api(args.store if "://" not in args.store else ".rlstage"):
+        from flows.evaluate import evaluate_run
+
+        result = evaluate_run(
+            run_name=args.run, iteration=args.iteration, store_root=args.store, overrides=args.overrides
+        )
+    state = "evaluated" if result["executed"] else "already evaluated (committed)"
+    print(f"{state}: policy of iteration {result['iteration']} of run {result['run']} -> {result['artifact']}")
+    for k, v in sorted(result["metrics"].items()):
+        print(f"  {k}: {v:.4g}")
+    return 0
+
+
+def cmd_data_prep(args) -> int:
+    cfg = _load(args)
+    with prefect_api(cfg.store.root if "://" not in cfg.store.root else ".rlstage"):
+        from flows.data_prep import prepare_data
+
+        result = prepare_data(config=cfg)
+    print(f"prompts of run {result['run']}: {result['train_rows']} train, {result['test_rows']} test")
+    print(f"  {result['train']}\n  {result['test']}")
+    return 0
+
+
 def cmd_compare(args) -> int:
     from flows.compare import main as compare_main
 
@@ -120,6 +145,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", help="changed settings, e.g. reward.function=gsm8k_flexible")
     p.add_argument("--store", default="./rlstage-runs", help="store root of the run")
     p.set_defaults(fn=cmd_replay)
+    p = sub.add_parser("eval", help="evaluate a stored policy of a run (default: its last iteration)")
+    p.add_argument("run")
+    p.add_argument("-i", "--iteration", type=int, default=None)
+    p.add_argument("overrides", nargs="*", help="changed eval settings, e.g. trainer.eval_n=16")
+    p.add_argument("--store", default="./rlstage-runs", help="store root of the run")
+    p.set_defaults(fn=cmd_eval)
+    p = sub.add_parser("data-prep", help="commit a run's prompts artifact (train/test splits)")
+    p.add_argument("-c", "--config", type=Path, default=None, help="YAML config (default: built-in defaults)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.source=gsm8k")
+    p.set_defaults(fn=cmd_data_prep)
     p = sub.add_parser("compare", help="compare runs from MLflow: table + PNG of curves")
     p.add_argument("rest", nargs=argparse.REMAINDER, help="RUN [RUN ...] [--tracking-uri URI] [--png out.png]")
     p.set_defaults(fn=cmd_compare)

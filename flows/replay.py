@@ -26,7 +26,7 @@ REPLAYABLE = ("rollout", "reward", "advantage", "update", "eval")
 FIXED = ("run_name", "store")  # a replay may not move the run
 
 
-def _need(store: ArtifactStore, run: str, iteration: int | None, stage: str) -> Manifest:
+def need(store: ArtifactStore, run: str, iteration: int | None, stage: str) -> Manifest:
     m = store.manifest(run, iteration, stage)
     if m is None:
         where = "run level" if iteration is None else f"iteration {iteration}"
@@ -34,10 +34,10 @@ def _need(store: ArtifactStore, run: str, iteration: int | None, stage: str) -> 
     return m
 
 
-def _policy_before(cfg: RunConfig, store: ArtifactStore, iteration: int) -> PolicyRef:
+def policy_before(cfg: RunConfig, store: ArtifactStore, iteration: int) -> PolicyRef:
     if iteration > 1:
-        return policy_ref_from(_need(store, cfg.run_name, iteration - 1, "update"))
-    sft = None if cfg.model.path else _need(store, kit_run_name(cfg), None, "sft")
+        return policy_ref_from(need(store, cfg.run_name, iteration - 1, "update"))
+    sft = None if cfg.model.path else need(store, kit_run_name(cfg), None, "sft")
     return initial_policy(cfg, None if sft is None else stages.StageResult(sft, executed=False))
 
 
@@ -68,37 +68,37 @@ def replay(
     base = stored_config(store, run_name)
     cfg = build_config(merge_dicts(base.model_dump(mode="json"), parse_overrides(overrides)))
     cfg = cfg.model_copy(update={"store": cfg.store.model_copy(update={"root": store_root})})
-    original = _need(store, run_name, iteration, stage)
+    original = need(store, run_name, iteration, stage)
     version = replay_version(overrides)
     lineage = {"replay_of": original.artifact_id, "overrides": overrides}
-    prompts = _need(store, run_name, None, "data_prep")
+    prompts = need(store, run_name, None, "data_prep")
     ensure_ray(cfg)
     worker = policy_worker(cfg)  # held for the replay so stage tasks find it alive
     try:
         if stage == "eval":
-            policy = _policy_before(cfg, store, iteration + 1)  # eval k scores the policy after update k
+            policy = policy_before(cfg, store, iteration + 1)  # eval k scores the policy after update k
             _check(original, "policy", policy.version)
             result = stages.evaluate(cfg, iteration, prompts, policy, version=version, meta=lineage)
         else:
-            policy = _policy_before(cfg, store, iteration)
+            policy = policy_before(cfg, store, iteration)
             if stage == "rollout":
                 _check(original, "policy", policy.version)
                 result = stages.rollout(cfg, iteration, prompts, policy, version=version, meta=lineage)
             elif stage == "reward":
-                ro = _need(store, run_name, iteration, "rollout")
+                ro = need(store, run_name, iteration, "rollout")
                 _check(original, "rollouts", ro.artifact_id)
                 result = stages.reward(cfg, iteration, ro, version=version, meta=lineage)
             elif stage == "advantage":
-                ro = _need(store, run_name, iteration, "rollout")
-                rw = _need(store, run_name, iteration, "reward")
+                ro = need(store, run_name, iteration, "rollout")
+                rw = need(store, run_name, iteration, "reward")
                 _check(original, "rollouts", ro.artifact_id)
                 _check(original, "rewards", rw.artifact_id)
-                m = models_before(cfg, store, iteration, _policy_before(cfg, store, 1))
+                m = models_before(cfg, store, iteration, policy_before(cfg, store, 1))
                 result = stages.advantage(
                     cfg, iteration, ro, rw, policy, m.ref, m.critic, m.prev_experience, version=version, meta=lineage
                 )
             else:
-                exp = _need(store, run_name, iteration, "advantage")
+                exp = need(store, run_name, iteration, "advantage")
                 _check(original, "experience", exp.artifact_id)
                 _check(original, "policy", policy.version)
                 result = stages.update(cfg, iteration, exp, policy, version=version, meta=lineage)

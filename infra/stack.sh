@@ -44,24 +44,39 @@ running() {
   [[ -n $pid ]] && kill -0 "$pid" 2>/dev/null && [[ $(ps -o sid= -p "$pid" | tr -d ' ') == "$pid" ]]
 }
 
-# The preferred port when it is free on 127.0.0.1, else one the kernel picks.
+# The preferred port when it is free on 127.0.0.1, else one the kernel picks. SO_REUSEADDR as the
+# servers use it: a port whose last connections are in TIME_WAIT (a restart) counts as free.
+# With a second argument "strict", only the given port will do.
 pick_port() {
-  "$PY" - "$1" <<'EOF'
+  "$PY" - "$@" <<'EOF'
 import socket, sys
 want = int(sys.argv[1])
-for port in (want, 0):
+strict = sys.argv[2:] == ["strict"]
+for port in (want,) if strict else (want, 0):
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
         except OSError:
             continue
         print(s.getsockname()[1])
         break
+else:
+    sys.exit(f"stack: port {want} on 127.0.0.1 is in use")
 EOF
 }
 
+# RLSTAGE_<NAME>_PORT when set (must be free), else the port of the last start, else the default.
+choose_port() { # name env_value default
+  if [[ -n $2 ]]; then
+    pick_port "$2" strict
+  else
+    pick_port "$(read_or_empty "$(portfile "$1")" | grep . || echo "$3")"
+  fi
+}
+
 wait_http() { # url timeout_s pid name
-  "$PY" - "$@" <<'EOF' || { echo "--- last lines of $STATE/$4.log:" >&2; tail -n 25 "$STATE/$4.log" >&2; exit 1; }
+  if ! "$PY" - "$@" <<'EOF'; then
 import os, sys, time, urllib.request
 url, timeout, pid, name = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 deadline = time.monotonic() + timeout
@@ -78,6 +93,11 @@ while time.monotonic() < deadline:
         time.sleep(0.3)
 sys.exit(f"stack: {url} did not answer within {timeout:.0f}s")
 EOF
+    echo "--- last lines of $STATE/$4.log:" >&2
+    tail -n 25 "$STATE/$4.log" >&2
+    stop_service "$4" >&2
+    exit 1
+  fi
 }
 
 # start NAME CMD...: a new session (setsid: pid = process group id = session id), output to the log.
@@ -106,12 +126,13 @@ print_env() {
 cmd_up() {
   [[ -x $PY ]] || die "no virtual environment at $VENV (run scripts/setup.sh)"
   mkdir -p "$STATE" "$PREFECT_HOME" "$STATE/mlflow/artifacts"
-  local pid url
+  local port
 
   if running prefect-server; then
     echo "prefect server: already running (pid $(cat "$(pidfile prefect-server)"))"
   else
-    pick_port "${RLSTAGE_PREFECT_PORT:-4200}" >"$(portfile prefect-server)"
+    port=$(choose_port prefect-server "${RLSTAGE_PREFECT_PORT:-}" 4200)
+    echo "$port" >"$(portfile prefect-server)"
     start prefect-server env PREFECT_UI_ENABLED="${PREFECT_UI_ENABLED:-true}" \
       "$VENV/bin/prefect" server start --host 127.0.0.1 --port "$(cat "$(portfile prefect-server)")"
     wait_http "$(prefect_url)/health" 120 "$(cat "$(pidfile prefect-server)")" prefect-server
@@ -123,7 +144,8 @@ cmd_up() {
   if running mlflow; then
     echo "mlflow server: already running (pid $(cat "$(pidfile mlflow)"))"
   else
-    pick_port "${RLSTAGE_MLFLOW_PORT:-5000}" >"$(portfile mlflow)"
+    port=$(choose_port mlflow "${RLSTAGE_MLFLOW_PORT:-}" 5000)
+    echo "$port" >"$(portfile mlflow)"
     start mlflow "$VENV/bin/mlflow" server --host 127.0.0.1 --port "$(cat "$(portfile mlflow)")" --workers 1 \
       --backend-store-uri "sqlite:///$STATE/mlflow/mlflow.db" \
       --artifacts-destination "$STATE/mlflow/artifacts"
@@ -145,7 +167,7 @@ cmd_up() {
       "$VENV/bin/prefect" worker start --pool "$POOL" --type process --install-policy never \
       --name "rlstage-$(hostname)-$$"
     sleep 1
-    running worker || { tail -n 25 "$STATE/worker.log" >&2; die "the worker exited"; }
+    running worker || { tail -n 25 "$STATE/worker.log" >&2; rm -f "$(pidfile worker)"; die "the worker exited"; }
     echo "worker: pool $POOL (pid $(cat "$(pidfile worker)"))"
   fi
   print_env >"$STATE/env.sh"

@@ -120,3 +120,38 @@ def test_second_flow_on_the_same_run_is_refused(ops_run):
     again = train(config=cfg)
     assert again["executed"] == []
     assert store.get_json("ops", "lease") is None
+
+
+def test_eval_flow_scores_a_stored_policy_into_a_sibling_version(ops_run):
+    from flows.evaluate import evaluate_run
+    from infra.store import ArtifactStore
+
+    _, root, first = ops_run
+    store = ArtifactStore(root)
+    logged = store.manifest("ops", 1, "eval")
+    again = evaluate_run(run_name="ops", iteration=1, store_root=root)
+    # the stored settings reproduce the run's own evaluation, in a sibling version
+    assert again["executed"] and again["version"].startswith("eval-")
+    assert again["metrics"]["val/accuracy"] == logged.meta["metrics"]["val/accuracy"]
+    assert store.manifest("ops", 1, "eval").artifact_id == logged.artifact_id  # the original is untouched
+    more = evaluate_run(run_name="ops", iteration=0, store_root=root, overrides=["trainer.eval_n=3"])
+    assert more["iteration"] == 0 and "val-core/synthetic/addition/reward/mean@3" in more["metrics"]
+    assert not evaluate_run(run_name="ops", iteration=0, store_root=root, overrides=["trainer.eval_n=3"])["executed"]
+    with pytest.raises(ConfigError, match="iteration: run 'ops' has policies for 0.."):
+        evaluate_run(run_name="ops", iteration=99, store_root=root)
+    with pytest.raises(ConfigError, match="store.root: an evaluation cannot change it"):
+        evaluate_run(run_name="ops", store_root=root, overrides=["store.root=/elsewhere"])
+
+
+def test_data_prep_flow_commits_prompts_that_training_reuses(prefect_api, tmp_path):
+    from flows.data_prep import prepare_data
+    from infra.store import ArtifactStore
+
+    overrides = [f"store.root={tmp_path}", "run_name=prep", *TINY]
+    first = prepare_data(overrides=overrides)
+    assert first["executed"] and first["train_rows"] > 0 and first["test_rows"] > 0
+    assert not prepare_data(overrides=overrides)["executed"]  # committed once
+    m = ArtifactStore(str(tmp_path)).manifest("prep", None, "data_prep")
+    assert m is not None and ArtifactStore(str(tmp_path)).read_table(m, "train.parquet").num_rows == first["train_rows"]
+    with pytest.raises(ConfigError, match="exists with another config"):
+        prepare_data(overrides=[*overrides, "kit.digits=3"])

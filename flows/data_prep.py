@@ -1,0 +1,40 @@
+"""Data preparation on its own: the run's prompts artifact (train and test splits), committed once.
+
+A later training run of the same name and config reuses it (the stage is skipped as committed);
+one with a conflicting config is refused, as for every invocation of a run.
+"""
+
+from __future__ import annotations
+
+from prefect import flow
+
+from flows.training import check_inputs, record_run_config, resolve_config
+from infra.env import apply_defaults
+from infra.lease import run_lease
+from schemas.config import RunConfig
+from tasks import stages
+from tasks.runtime import store_for
+
+
+@flow(name="rlstage-data-prep")
+def prepare_data(
+    config: RunConfig | None = None, config_path: str | None = None, overrides: list[str] | None = None
+) -> dict:
+    """Commit the prompts of ``config``'s run: synthetic task, GSM8K jsonl or verl-format parquet."""
+    apply_defaults()
+    cfg = resolve_config(config, config_path, overrides)
+    check_inputs(cfg)
+    store = store_for(cfg)
+    store.check_writable()
+    record_run_config(store, cfg)
+    with run_lease(store, cfg.run_name, label="data-prep flow"):
+        result = stages.data_prep(cfg)  # no model involved: runs in the flow's process, not on Ray
+    m = result.manifest
+    return {
+        "run": cfg.run_name,
+        "executed": result.executed,
+        "train": store.uri(m, "train.parquet"),
+        "test": store.uri(m, "test.parquet"),
+        "train_rows": m.meta["metrics"]["data/train_prompts"],
+        "test_rows": m.meta["metrics"]["data/test_prompts"],
+    }
