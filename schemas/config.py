@@ -170,6 +170,9 @@ class TrainerConfig(_Section):
     eval_every: int = Field(1, ge=1)
     eval_n: int = Field(0, ge=0)  # sampled answers per held-out prompt for mean@N (0: greedy only)
     seed: int = 0
+    # Policy weights + optimizer state are stored every k-th update; a policy in between is rebuilt
+    # on demand (resume, replay, a restarted worker) by re-running its updates from stored experience.
+    checkpoint_every: int = Field(1, ge=1)
 
 
 class StageResources(_Section):

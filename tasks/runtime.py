@@ -23,7 +23,7 @@ STAGE_CONFIG = {
     "rollout": ("rollout", "data.prompts_per_iteration", "data.shuffle_seed"),
     "reward": ("reward",),
     "advantage": ("algorithm", "rollout.temperature", "actor.use_kl_loss"),
-    "update": ("actor", "rollout.temperature", "trainer.seed", "critic.warmup_iterations"),
+    "update": ("actor", "rollout.temperature", "trainer.seed", "critic.warmup_iterations", "trainer.checkpoint_every"),
     "critic": ("critic", "trainer.seed"),
     "eval": ("rollout", "trainer.eval_n", "data.eval_size"),
     "sft": ("kit", "sft"),

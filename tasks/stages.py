@@ -24,7 +24,7 @@ from engines import algorithms as algos
 from engines import datasets, rewards
 from engines.cursor import prompt_batch
 from schemas import artifacts as A
-from schemas.config import RunConfig
+from schemas.config import ConfigError, RunConfig
 from schemas.manifest import Manifest, PolicyRef
 from tasks.runtime import (
     STAGE_CONFIG,
@@ -163,7 +163,7 @@ def rollout(
         rows = prompt_batch(train.num_rows, iteration, cfg.data.prompts_per_iteration, cfg.data.shuffle_seed)
         batch = train.take(rows).to_pylist()
         worker = policy_worker(cfg)
-        ensure_policy(worker, store_for(cfg), policy)
+        hold_policy(worker, cfg, policy)
         texts = [p["prompt"] for p in batch]
         comps = ray.get(worker.generate.remote(policy.version, texts, _sampling(cfg, iteration)))
         if cfg.algorithm.adv_estimator == "remax":
@@ -304,7 +304,7 @@ def advantage(
         mask = _padded(masks, width)
         worker = policy_worker(cfg)
         store = store_for(cfg)
-        ensure_policy(worker, store, policy)
+        hold_policy(worker, cfg, policy)
         temp = cfg.rollout.temperature
         old = ray.get(worker.log_probs.remote(policy.version, prompt_ids, response_ids, temp))
         old_t = _padded(old, width)
@@ -419,6 +419,47 @@ def critic_update(
 
 
 # ---------------------------------------------------------------- update
+def _update_args(cfg: RunConfig, iteration: int, experience: Manifest) -> tuple[dict, float, int, bool]:
+    """The worker's ``update`` arguments for ``iteration``: batch, temperature, seed, critic warm-up skip."""
+    exp = _read(cfg, experience, "experience.parquet")
+    cols = ["prompt_ids", "response_ids", "response_mask", "old_log_probs", "advantages"]
+    if cfg.actor.use_kl_loss:
+        cols.append("ref_log_probs")
+    batch = {c: exp.column(c).to_pylist() for c in cols}
+    seed = cfg.trainer.seed * 1_000_003 + iteration
+    skip = iteration <= cfg.critic.warmup_iterations and cfg.critic.enable  # critic warm-up
+    return batch, cfg.rollout.temperature, seed, skip
+
+
+def is_checkpoint(cfg: RunConfig, iteration: int) -> bool:
+    return iteration % cfg.trainer.checkpoint_every == 0
+
+
+def hold_policy(worker, cfg: RunConfig, ref: PolicyRef) -> None:
+    """Make the worker hold policy ``ref``; one committed between checkpoints is rebuilt by
+    re-running its update (and, recursively, the ones before it) from the stored experience."""
+    store = store_for(cfg)
+    if ray.get(worker.version.remote("policy")) == ref.version:
+        return
+    m = store.manifest(ref.run, ref.iteration, ref.stage) if ref.stage == "update" and ref.path is None else None
+    if m is None or m.artifact_id != ref.version or not m.meta.get("between_checkpoints"):
+        ensure_policy(worker, store, ref)
+        return
+    if m.config_hash != cfg.stage_hash(*STAGE_CONFIG["update"]):
+        raise ConfigError(
+            f"config error: the policy of iteration {m.iteration} lies between checkpoints "
+            f"(trainer.checkpoint_every={cfg.trainer.checkpoint_every}) and was trained with other actor "
+            "settings; replay from a checkpointed iteration or keep the actor settings"
+        )
+    previous = PolicyRef.model_validate(m.meta["policy_ref"])
+    hold_policy(worker, cfg, previous)
+    experience = store.manifest(m.run, m.iteration, "advantage")
+    if experience is None or experience.artifact_id != m.inputs["experience"]:
+        raise FileNotFoundError(f"experience {m.inputs['experience']} of iteration {m.iteration} is not committed")
+    ray.get(worker.update.remote(previous.version, *_update_args(cfg, m.iteration, experience)))
+    ray.get(worker.set_version.remote(m.artifact_id))
+
+
 @_stage_task("update")
 def update(
     cfg: RunConfig, iteration: int, experience: Manifest, policy: PolicyRef, version: str = "main", meta: dict | None = None
@@ -426,19 +467,16 @@ def update(
     worker = policy_worker(cfg)
 
     def produce() -> StageOutput:
-        exp = _read(cfg, experience, "experience.parquet")
-        cols = ["prompt_ids", "response_ids", "response_mask", "old_log_probs", "advantages"]
-        if cfg.actor.use_kl_loss:
-            cols.append("ref_log_probs")
-        batch = {c: exp.column(c).to_pylist() for c in cols}
-        ensure_policy(worker, store_for(cfg), policy)
-        seed = cfg.trainer.seed * 1_000_003 + iteration
-        skip = iteration <= cfg.critic.warmup_iterations and cfg.critic.enable  # critic warm-up
-        metrics, files = ray.get(worker.update.remote(policy.version, batch, cfg.rollout.temperature, seed, skip))
+        args = _update_args(cfg, iteration, experience)
+        hold_policy(worker, cfg, policy)
+        metrics, files = ray.get(worker.update.remote(policy.version, *args))
+        checkpoint = is_checkpoint(cfg, iteration)
         return StageOutput(
             tables={"metrics.parquet": A.metrics_table(metrics)},
-            blobs=files,
+            # Between checkpoints only the metrics are stored: the weights follow from the inputs.
+            blobs=files if checkpoint else {},
             metrics=metrics,
+            meta={"policy_ref": policy.model_dump(mode="json"), "between_checkpoints": not checkpoint},
             # The worker already holds these weights: mark them as the committed version.
             on_commit=lambda m: ray.get(worker.set_version.remote(m.artifact_id)),
         )
@@ -458,7 +496,7 @@ def evaluate(
             test = test.slice(0, cfg.data.eval_size)
         batch = test.to_pylist()
         worker = policy_worker(cfg)
-        ensure_policy(worker, store_for(cfg), policy)
+        hold_policy(worker, cfg, policy)
         texts = [p["prompt"] for p in batch]
         comps = ray.get(worker.generate.remote(policy.version, texts, _sampling(cfg, iteration, n=1, greedy=True)))
         if cfg.trainer.eval_n > 0:
