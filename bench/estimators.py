@@ -25,15 +25,12 @@ def main() -> None:
     parser.add_argument("--store", default="/tmp/rlstage-bench")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
+    from flows.cli import prefect_api
     from infra.env import apply_defaults
-    from infra.prefect_server import start_prefect_server
 
     apply_defaults()
-    os.environ["PREFECT_LOGGING_TO_API_ENABLED"] = "false"
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
-    server = start_prefect_server(Path(args.store) / "prefect")
-    os.environ["PREFECT_API_URL"] = server.url
-    try:
+    with prefect_api(args.store):
         from flows.training import train
         from schemas.config import load_config
 
@@ -59,13 +56,12 @@ def main() -> None:
                         "wall_s": round(wall, 1),
                         "ppo_kl": last.get("actor/ppo_kl"),
                         "ref_kl": last.get("actor/ref_kl"),
+                        "kl_loss": last.get("actor/kl_loss"),
                         "entropy": last.get("actor/entropy"),
                     }
                 ),
                 flush=True,
             )
-    finally:
-        server.stop()
 
 
 if __name__ == "__main__":

@@ -1,12 +1,19 @@
 """Policy-update throughput on a ragged batch: raw torch loop vs TorchActor vs DeepSpeedActor ZeRO-2 / ZeRO-3.
 
-Prints one JSON line per (model, variant). ``tokens_per_s`` counts the real (unpadded) prompt + response tokens
-that go through forward and backward in one ``update`` call (times ``ppo_epochs``), divided by the median
-wall time of ``--repeats`` timed updates after one warm-up update. DeepSpeed's engine set-up is reported
-separately as ``init_s``. Models: the tiny kit Llama and a ~20M-parameter random-init Llama.
+Prints one JSON line per (model, variant). ``tokens_per_s`` counts the real (unpadded) prompt + response
+tokens that go through forward and backward in one ``update`` call (times ``ppo_epochs``), divided by the
+median wall time of ``--repeats`` timed updates after one warm-up update. DeepSpeed's engine set-up is
+reported separately as ``init_s``. Models: the tiny kit Llama and a ~20M-parameter random-init Llama.
+
+Batching section (``--batching``, on by default): TorchActor on a second ragged batch whose sequence lengths
+spread uniformly over 10-100 % of ``--max-len`` (a quarter prompt, the rest response), comparing padded vs
+packed micro-batches, each by fixed count (8 samples) and by token budget (8 x max-len tokens, the padded
+worst case). ``processed_tokens`` counts what the forward passes really process (padding included) per
+update; ``tokens_per_s`` still counts real tokens only.
 
     .venv/bin/python bench/update_throughput.py            # both models, < 3 min on 2 cores
     .venv/bin/python bench/update_throughput.py --models tiny --repeats 10
+    .venv/bin/python bench/update_throughput.py --variants none   # the batching section only
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from engines import algorithms as algos
 from engines.actor import TorchActor
-from engines.batching import build_inputs, pad_right, response_log_probs
+from engines.batching import build_inputs, micro_batch_cost, pad_right, response_log_probs
 from engines.tinykit import build_char_tokenizer, build_tiny_llama
 from schemas.config import ActorConfig, KitConfig, OptimConfig
 
@@ -57,22 +64,96 @@ def build_model(name: str, tok) -> torch.nn.Module:
     return LlamaForCausalLM(config)
 
 
+def _add_sample(batch: dict[str, list], rng: random.Random, p: list[int], r: list[int]) -> None:
+    adv = rng.gauss(0.0, 1.0)
+    batch["prompt_ids"].append(p)
+    batch["response_ids"].append(r)
+    batch["response_mask"].append([1] * len(r))
+    batch["old_log_probs"].append([-4.6 + rng.uniform(-0.2, 0.2) for _ in r])
+    batch["advantages"].append([adv] * len(r))
+
+
+def _empty_batch() -> dict[str, list]:
+    return {k: [] for k in ("prompt_ids", "response_ids", "response_mask", "old_log_probs", "advantages")}
+
+
 def ragged_batch(tok, n: int, seed: int = 0) -> dict[str, list]:
     """Prompts of 8-24 tokens and responses of 1-32 tokens, as a GRPO rollout would produce."""
     rng = random.Random(seed)
     vocab = len(tok)
-    batch: dict[str, list] = {k: [] for k in ("prompt_ids", "response_ids", "response_mask")}
-    batch.update(old_log_probs=[], advantages=[])
+    batch = _empty_batch()
     for _ in range(n):
         p = [rng.randrange(4, vocab) for _ in range(rng.randint(8, 24))]
         r = [rng.randrange(4, vocab) for _ in range(rng.randint(1, 32))]
-        adv = rng.gauss(0.0, 1.0)
-        batch["prompt_ids"].append(p)
-        batch["response_ids"].append(r)
-        batch["response_mask"].append([1] * len(r))
-        batch["old_log_probs"].append([-4.6 + rng.uniform(-0.2, 0.2) for _ in r])
-        batch["advantages"].append([adv] * len(r))
+        _add_sample(batch, rng, p, r)
     return batch
+
+
+def ragged_by_length(tok, n: int, max_len: int, seed: int = 1) -> dict[str, list]:
+    """Sequence lengths uniform over 10-100 % of ``max_len``: a quarter prompt, the rest response."""
+    rng = random.Random(seed)
+    vocab = len(tok)
+    batch = _empty_batch()
+    for _ in range(n):
+        total = rng.randint(max(2, max_len // 10), max_len)
+        p = [rng.randrange(4, vocab) for _ in range(max(1, total // 4))]
+        r = [rng.randrange(4, vocab) for _ in range(total - len(p))]
+        _add_sample(batch, rng, p, r)
+    return batch
+
+
+# variant -> ActorConfig overrides; budget 8 x max_len: the same worst-case forward size as 8 padded rows.
+BATCHING = {
+    "padded_count": lambda max_len: {},
+    "padded_tokens": lambda max_len: {"micro_batch_tokens": 8 * max_len},
+    "packed_count": lambda max_len: {"packing": True},
+    "packed_tokens": lambda max_len: {"packing": True, "micro_batch_tokens": 8 * max_len},
+}
+
+
+def processed_tokens(actor: TorchActor, batch: dict) -> tuple[int, int]:
+    """Tokens the training forwards process in one epoch (padding included) and the number of micro-batches."""
+    total = micro = 0
+    n = len(batch["prompt_ids"])
+    for m in range(0, n, actor.cfg.ppo_mini_batch_size):
+        for mb in actor._micro_batches(batch, list(range(m, min(n, m + actor.cfg.ppo_mini_batch_size)))):
+            total += micro_batch_cost(
+                [len(batch["prompt_ids"][i]) for i in mb.idx], [len(batch["response_ids"][i]) for i in mb.idx],
+                actor.cfg.packing,
+            )
+            micro += 1
+    return total, micro
+
+
+def run_batching_variant(
+    name: str, variant: str, tok, weights: dict, batch: dict, cfg: ActorConfig, max_len: int, repeats: int
+) -> dict:
+    model = build_model(name, tok)
+    model.load_state_dict(weights)
+    cfg = cfg.model_copy(update=BATCHING[variant](max_len))
+    actor = TorchActor(model, cfg, tok.pad_token_id, 1000)
+    actor.update(batch, 1.0, 0)  # warm-up
+    times = []
+    for r in range(repeats):
+        t = time.perf_counter()
+        actor.update(batch, 1.0, r + 1)
+        times.append(time.perf_counter() - t)
+    sec = statistics.median(times)
+    tokens = real_tokens(batch, cfg.ppo_epochs)
+    processed, micro = processed_tokens(actor, batch)
+    return {
+        "model": name,
+        "section": "batching",
+        "variant": variant,
+        "threads": torch.get_num_threads(),
+        "samples": len(batch["prompt_ids"]),
+        "max_len": max_len,
+        "tokens": tokens,
+        "processed_tokens": processed * cfg.ppo_epochs,
+        "micro_batches": micro * cfg.ppo_epochs,
+        "update_s": round(sec, 4),
+        "tokens_per_s": round(tokens / sec, 1),
+    }
 
 
 def raw_update(model: torch.nn.Module, cfg: ActorConfig, pad_id: int) -> Callable[[dict, float, int], dict]:
@@ -164,8 +245,13 @@ def main() -> None:
     ap.add_argument(
         "--repeats", type=int, default=None, help="timed updates per variant (default: per model)"
     )
+    ap.add_argument("--batching", default=",".join(BATCHING), help="batching-section variants, or 'none'")
+    ap.add_argument("--max-len", type=int, default=128, help="longest sequence of the batching section's batch")
     args = ap.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # Adam's second moments of tiny gradients decay into denormal floats: without flushing them, the 20m
+    # model's updates slowed 4-20x from the second update on (x86), which measured the FPU, not the engines.
+    torch.set_flush_denormal(True)
     import deepspeed
 
     deepspeed.utils.logger.setLevel("WARNING")  # keep stdout to the JSON lines (and DeepSpeed's warnings)
@@ -184,8 +270,14 @@ def main() -> None:
             shuffle=False,
             optim=OptimConfig(lr=1e-5),
         )
-        for variant in args.variants.split(","):
+        for variant in [] if args.variants == "none" else args.variants.split(","):
             row = run_variant(name, variant, tok, weights, batch, cfg, args.repeats or repeats)
+            print(json.dumps({"params": n_params, **row}), flush=True)
+        ragged = ragged_by_length(tok, n, args.max_len)
+        for variant in [] if args.batching == "none" else args.batching.split(","):
+            row = run_batching_variant(
+                name, variant, tok, weights, ragged, cfg, args.max_len, args.repeats or repeats
+            )
             print(json.dumps({"params": n_params, **row}), flush=True)
     if torch.distributed.is_initialized():
         deepspeed.comm.destroy_process_group()

@@ -2,14 +2,17 @@
 
 ``DeepSpeedActor`` subclasses ``TorchActor`` and reuses its ``_micro_step`` (the policy loss, entropy and KL
 terms) and ``compute_log_probs``; the forward (ZeRO-3 parameter gathering), gradient reduction, clipping and
-optimizer step go through the DeepSpeed engine, and ZeRO 0-3 give the same parameters as the torch loop. Optimizer: torch's AdamW handed to DeepSpeed (FusedAdam and
-CPUAdam would JIT-build C++ ops for minutes). Precision: fp32 on CPU; bf16 only on CUDA with a bf16 model.
+optimizer step go through the DeepSpeed engine, and ZeRO 0-3 give the same parameters as the torch loop.
+Optimizer: torch's AdamW handed to DeepSpeed (FusedAdam and CPUAdam would JIT-build C++ ops for minutes).
+Precision: fp32 on CPU (a bf16 model is cast to fp32 in place); bf16 only on CUDA with a bf16 model.
 
 Gradient accumulation: DeepSpeed runs with ``managed_gradient_accumulation: false`` and
 ``gradient_accumulation_steps: 1``, so it neither divides the loss nor picks the step boundary itself: each
 micro-batch loss is scaled by ``len(micro) / len(mini)`` exactly as in ``TorchActor`` (ragged last
 micro-batches included) and every ``engine.step()`` is one optimizer step with DeepSpeed's gradient clipping
-(``cfg.optim.grad_clip``) applied to the accumulated, data-parallel-averaged gradient.
+(``cfg.optim.grad_clip``) applied to the accumulated, data-parallel-averaged gradient. With
+``micro_batch_tokens`` (one process only) the token-budget micro-batches and their exact loss weights are
+``TorchActor``'s too (``engines.batching``); so are ``packing`` and the mini-batch loop.
 
 Data parallelism (``WORLD_SIZE > 1``): ``cfg.ppo_mini_batch_size`` stays the GLOBAL number of samples per
 optimizer step; each rank steps on ``ppo_mini_batch_size // world_size`` samples of its own shard, scales its
@@ -26,13 +29,12 @@ from __future__ import annotations
 import copy
 import os
 import socket
-from collections import defaultdict
 from contextlib import nullcontext
 
 import torch
 
-from engines import algorithms as algos
-from engines.actor import TorchActor, lr_lambda
+from engines.actor import TorchActor
+from engines.batching import check_packing_supported, lr_lambda
 from schemas.config import ActorConfig
 
 # The port this module picked for a single-process group; a later group after a teardown gets a fresh one.
@@ -79,7 +81,7 @@ def disable_shm_comm_build() -> None:
 
 
 def _detached_copy(obj: object) -> object:
-    """Deep copy with tensors detached: ZeRO state dicts hold live buffers and non-leaf views (no deepcopy)."""
+    """Deep copy with detached tensors: ZeRO state dicts hold live buffers and non-leaf views."""
     if isinstance(obj, torch.Tensor):
         return obj.detach().clone()
     if isinstance(obj, dict):
@@ -143,6 +145,12 @@ class DeepSpeedActor(TorchActor):
                 f"actor.ppo_mini_batch_size={cfg.ppo_mini_batch_size} must be divisible by the data-parallel "
                 f"world size {world_size}"
             )
+        if cfg.micro_batch_tokens is not None and world_size > 1:
+            # Exact token weighting would need the global token counts (an all-reduce) and ranks would run
+            # different numbers of micro-batches; not implemented.
+            raise ValueError("actor.micro_batch_tokens is not supported with data parallelism (WORLD_SIZE > 1)")
+        if cfg.packing:
+            check_packing_supported(model)
         bf16 = torch.cuda.is_available() and next(model.parameters()).dtype == torch.bfloat16
         if not bf16:
             # fp16 is refused on CPU and bf16 is only used on CUDA: train in fp32 (a no-op for fp32 models).
@@ -162,7 +170,7 @@ class DeepSpeedActor(TorchActor):
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(base, lr_lambda(o, o.total_steps or total_steps))
         self._z0_grad_norm: float | None = None
         if not self._uses_zero_optimizer():
-            # fp32 ZeRO-0: the engine clips with its own helper and drops the norm; use torch's (as TorchActor).
+            # fp32 ZeRO-0: the engine clips with its own helper and drops the norm; clip as TorchActor does.
             self.engine.clip_fp32_gradients = self._clip_fp32_gradients
         direct_backward = getattr(self.engine, "_support_torch_style_backward", False)
         if self._uses_zero_optimizer() and not direct_backward:
@@ -182,38 +190,27 @@ class DeepSpeedActor(TorchActor):
         self._z0_grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.optim.grad_clip))
 
     def _optimizer_step(self) -> float:
+        """Reduce (data parallel), clip and step through the engine; the pre-clip global gradient norm."""
         self._z0_grad_norm = None
         self.engine.step()
         norm = self._z0_grad_norm if self._z0_grad_norm is not None else self.engine.get_global_grad_norm()
         return float("nan") if norm is None else float(norm)
 
+    # The loop is MiniBatchTrainer's: these three hooks put the engine in it.
+    def _mini_batch_size(self) -> int:
+        return self.local_mini_batch_size
+
+    def _zero_grad(self) -> None:
+        pass  # engine.step() zeroes the gradients after each step
+
     def update(self, batch: dict[str, list], temperature: float, seed: int) -> dict[str, float]:
         """PPO epochs over shuffled mini-batches of this rank's shard; one ``engine.step()`` per mini-batch.
 
         Same batch layout and metrics as ``TorchActor.update``; with several ranks, metrics are rank means.
+        TorchActor's ``_micro_step`` calls ``.backward()``, which goes through the engine's hooks (see class doc).
         """
-        cfg = self.cfg
-        n = len(batch["prompt_ids"])
-        self._check_equal_shards(n)
-        loss_fn = algos.get_policy_loss(cfg.policy_loss)
-        gen = torch.Generator().manual_seed(seed)
-        sums: dict[str, list[float]] = defaultdict(list)
-        self.model.train()
-        for _epoch in range(cfg.ppo_epochs):
-            order = torch.randperm(n, generator=gen).tolist() if cfg.shuffle else list(range(n))
-            for m in range(0, n, self.local_mini_batch_size):
-                mini = order[m : m + self.local_mini_batch_size]
-                for u in range(0, len(mini), cfg.micro_batch_size):
-                    idx = mini[u : u + cfg.micro_batch_size]
-                    # TorchActor's loss code; its .backward() goes through the engine's hooks (see class doc).
-                    metrics = self._micro_step(batch, idx, temperature, loss_fn, len(idx) / len(mini))
-                    for k, v in metrics.items():
-                        sums[k].append(v)
-                sums["actor/grad_norm"].append(self._optimizer_step())
-                sums["actor/lr"].append(self.scheduler.get_last_lr()[0])
-                self.scheduler.step()
-        self.model.eval()
-        return self._rank_mean({k: float(sum(v) / len(v)) for k, v in sums.items()})
+        self._check_equal_shards(len(batch["prompt_ids"]))
+        return self._rank_mean(super().update(batch, temperature, seed))
 
     def _check_equal_shards(self, n: int) -> None:
         if self.world_size == 1:
@@ -233,7 +230,7 @@ class DeepSpeedActor(TorchActor):
 
     def state_dict(self) -> dict:
         """Optimizer (this rank's ZeRO partition and fp32 master weights) and scheduler state, as copies."""
-        # A copy: ZeRO's dict references live buffers (e.g. ZeRO-3's fp32 flat groups) that later steps mutate.
+        # A copy: ZeRO's dict references live buffers (ZeRO-3's fp32 flat groups) that later steps change.
         return {
             "optimizer": _detached_copy(self.engine.optimizer.state_dict()),
             "scheduler": self.scheduler.state_dict(),
@@ -285,5 +282,5 @@ class DeepSpeedActor(TorchActor):
         return out
 
     def close(self) -> None:
-        """Release the engine; the process group stays (``deepspeed.comm.destroy_process_group()`` ends it)."""
+        """Release the engine; the process group stays (``deepspeed.comm.destroy_process_group()`` ends it)"""
         self.engine.destroy()

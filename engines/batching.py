@@ -1,10 +1,40 @@
-"""Turning ragged token lists into model inputs (prompts left-padded, responses right-padded)."""
+"""Turning ragged token lists into model inputs, planning micro-batches, and the shared mini-batch loop.
+
+Two input layouts, chosen by ``packing`` in the actor / critic config:
+
+- padded (default): prompts left-padded to P, responses right-padded to R, one row per sequence;
+- packed: the micro-batch's sequences concatenated into ONE row with no padding, position ids restarting
+  at 0 for each sequence and ``attention_mask=None``. Hugging Face models (transformers >= 4.53) read the
+  position-id restarts as sequence boundaries and build a block-diagonal causal mask (sdpa, eager, flex),
+  or run varlen flash-attention, so no token attends across sequences. Checked here for sdpa and eager
+  on CPU: the log-probs equal the padded ones within 1e-6 (``tests/test_batching.py``). ``use_cache=False``
+  is required: with a cache object the model skips the packed-sequence detection.
+
+Micro-batches hold either a fixed number of samples (``micro_batch_size``, the default) or as many as fit
+a token budget (``micro_batch_tokens``): the tokens the forward actually processes, i.e. the packed row
+length with packing and rows x padded width without. With a token budget the loss of each micro-batch is
+weighted by its share of the mini-batch's ``agg_loss`` denominator (``AggNorm``), so the accumulated
+gradient equals that of the whole mini-batch as one batch for every ``loss_agg_mode``; the fixed-count
+mode keeps verl's ``len(micro) / len(mini)`` scaling, bit for bit as before.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
+
+from schemas.config import ActorConfig, CriticConfig, OptimConfig
+
+# Attention implementations that honour packed position ids (the mask builders of transformers'
+# masking_utils, or flash-attention's varlen path). Only sdpa and eager are exercised on CPU here.
+PACKING_ATTENTION = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
+# No-grad passes keep no activations: padded chunks may be this many times larger than a training micro-batch.
+# Packed rows are not enlarged: on sdpa/eager a packed row's attention costs row_length squared.
+NO_GRAD_SCALE = 4
 
 
 def pad_right(rows: Sequence[Sequence[float]], value: float, dtype: torch.dtype, width: int | None = None) -> torch.Tensor:
@@ -39,21 +69,366 @@ def build_inputs(
     return {"input_ids": input_ids, "attention_mask": attn, "position_ids": position_ids, "prompt_width": P, "response_width": R}
 
 
-def response_log_probs(
-    model: torch.nn.Module, inputs: dict[str, torch.Tensor], temperature: float, with_entropy: bool = False
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs of the response tokens under ``model`` at ``temperature`` (as the sampler saw them)."""
+def build_packed_inputs(
+    prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]]
+) -> dict[str, torch.Tensor]:
+    """All sequences (prompt + response, no padding) in one row; position ids restart at 0 per sequence.
+
+    ``logit_index[i, t]`` is the column whose logits predict response token ``t`` of sequence ``i`` and
+    ``targets[i, t]`` that token; both are ``[B, R]`` with R the longest response (entries past a response's
+    end point at column 0 and are masked out by the callers, as padded columns are).
+    """
+    R = max((len(r) for r in response_ids), default=0)
+    B = len(prompt_ids)
+    ids: list[int] = []
+    pos: list[int] = []
+    index = torch.zeros((B, R), dtype=torch.long)
+    targets = torch.zeros((B, R), dtype=torch.long)
+    for i, (p, r) in enumerate(zip(prompt_ids, response_ids, strict=True)):
+        if not len(p):
+            raise ValueError(f"sequence {i} has an empty prompt: nothing predicts its first response token")
+        start = len(ids) + len(p) - 1
+        ids += list(p) + list(r)
+        pos += range(len(p) + len(r))
+        if len(r):
+            index[i, : len(r)] = torch.arange(start, start + len(r))
+            targets[i, : len(r)] = torch.as_tensor(list(r), dtype=torch.long)
+    return {
+        "input_ids": torch.as_tensor([ids], dtype=torch.long),
+        "position_ids": torch.as_tensor([pos], dtype=torch.long),
+        "logit_index": index,
+        "targets": targets,
+        "response_width": R,
+        "packed": True,
+    }
+
+
+def model_inputs(
+    prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]], pad_id: int, packed: bool
+) -> dict[str, torch.Tensor]:
+    return build_packed_inputs(prompt_ids, response_ids) if packed else build_inputs(prompt_ids, response_ids, pad_id)
+
+
+def check_packing_supported(model: torch.nn.Module) -> None:
+    """Refuse packing where the model would silently attend across packed sequences."""
+    config = getattr(getattr(model, "module", model), "config", None)  # a DeepSpeed engine wraps the module
+    impl = getattr(config, "_attn_implementation", None)
+    try:
+        from transformers.masking_utils import find_packed_sequence_indices  # noqa: F401
+    except ImportError as err:  # transformers < 4.53 ignores packed position ids with sdpa/eager
+        raise RuntimeError("packing needs transformers >= 4.53 (packed-sequence masks)") from err
+    if impl not in PACKING_ATTENTION:
+        raise ValueError(
+            f"packing needs one of the attention implementations {', '.join(PACKING_ATTENTION)}; "
+            f"the model uses {impl!r}"
+        )
+
+
+def response_logits(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``[B, R, V]`` logits, row ``i`` column ``t`` predicting response token ``t`` of sequence ``i``."""
+    if inputs.get("packed"):
+        out = model(
+            input_ids=inputs["input_ids"], attention_mask=None, position_ids=inputs["position_ids"], use_cache=False
+        )
+        return out.logits[0, inputs["logit_index"]]
     P, R = inputs["prompt_width"], inputs["response_width"]
     out = model(
         input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], position_ids=inputs["position_ids"]
     )
-    logits = out.logits[:, P - 1 : P + R - 1, :].float()
+    return out.logits[:, P - 1 : P + R - 1, :]
+
+
+def response_log_probs(
+    model: torch.nn.Module, inputs: dict[str, torch.Tensor], temperature: float, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs of the response tokens under ``model`` at ``temperature`` (as the sampler saw them)."""
+    logits = response_logits(model, inputs).float()
     if temperature > 0:
         logits = logits / temperature
     logp_all = torch.log_softmax(logits, dim=-1)
-    targets = inputs["input_ids"][:, P : P + R]
+    if inputs.get("packed"):
+        targets = inputs["targets"]
+    else:
+        P, R = inputs["prompt_width"], inputs["response_width"]
+        targets = inputs["input_ids"][:, P : P + R]
     logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     entropy = None
     if with_entropy:
         entropy = -(logp_all.exp() * logp_all).sum(-1)
     return logp, entropy
+
+
+# ====================================================================== micro-batch planning
+def micro_batch_cost(prompt_lens: Sequence[int], response_lens: Sequence[int], packed: bool) -> int:
+    """Tokens one forward processes: the packed row length, or rows x padded width."""
+    if packed:
+        return sum(prompt_lens) + sum(response_lens)
+    return len(prompt_lens) * (max(prompt_lens, default=0) + max(response_lens, default=0))
+
+
+def check_sequences_fit(
+    idx: Iterable[int],
+    prompt_ids: Sequence[Sequence[int]],
+    response_ids: Sequence[Sequence[int]],
+    budget: int,
+    setting: str,
+) -> None:
+    """A sequence longer than the token budget fits in no micro-batch: an error naming ``setting``."""
+    for i in idx:
+        p, r = len(prompt_ids[i]), len(response_ids[i])
+        if p + r > budget:
+            raise ValueError(
+                f"{setting}={budget} is smaller than one sequence ({p} prompt + {r} response tokens): "
+                f"raise {setting} to at least {p + r}"
+            )
+
+
+def plan_micro_batches(
+    idx: Sequence[int],
+    prompt_ids: Sequence[Sequence[int]],
+    response_ids: Sequence[Sequence[int]],
+    *,
+    count: int,
+    budget: int | None,
+    packed: bool,
+    setting: str,
+) -> list[list[int]]:
+    """Split sample ids ``idx`` into micro-batches: ``count`` at a time, or greedily up to ``budget`` tokens.
+
+    With a budget and padding, samples are taken longest first, so rows of similar length share a micro-batch
+    (less padding); with packing the given order is kept. A sequence longer than the budget is an error
+    naming ``setting``.
+    """
+    if budget is None:
+        return [list(idx[u : u + count]) for u in range(0, len(idx), count)]
+    order = list(idx)
+    if not packed:
+        order.sort(key=lambda i: len(prompt_ids[i]) + len(response_ids[i]), reverse=True)
+    plans: list[list[int]] = []
+    current: list[int] = []
+    check_sequences_fit(order, prompt_ids, response_ids, budget, setting)
+    for i in order:
+        trial = current + [i]
+        cost = micro_batch_cost(
+            [len(prompt_ids[j]) for j in trial], [len(response_ids[j]) for j in trial], packed
+        )
+        if current and cost > budget:
+            plans.append(current)
+            trial = [i]
+        current = trial
+    if current:
+        plans.append(current)
+    return plans
+
+
+# ====================================================================== exact loss weighting
+@dataclass(frozen=True)
+class AggNorm:
+    """The denominators ``agg_loss`` uses when the whole mini-batch is one batch."""
+
+    tokens: float  # sum of the response mask
+    seqs: float  # rows with at least one mask token
+    width: int  # the padded response width (longest response)
+
+
+def agg_norm(masks: Sequence[Sequence[float]]) -> AggNorm:
+    sums = [float(sum(m)) for m in masks]
+    return AggNorm(tokens=sum(sums), seqs=float(sum(s > 0 for s in sums)), width=max((len(m) for m in masks), default=0))
+
+
+def _safe(d: float) -> float:
+    # agg_loss divides an empty mini-batch by 1 (algorithms._safe_den): the same here.
+    return d if d > 0 else 1.0
+
+
+def micro_weight(mode: str, mask: torch.Tensor, norm: AggNorm) -> float:
+    """Factor turning ``agg_loss(L, mask, mode)`` of a micro-batch into its share of the mini-batch's.
+
+    Summed over the micro-batches of a mini-batch, ``weight * agg_loss(micro)`` equals ``agg_loss`` of the
+    mini-batch as one batch (``seq-mean-token-sum-norm``'s default divisor, the padded width, included).
+    The ``token-mean`` weights (a micro-batch's share of the policy tokens) also weight token-mean metrics.
+    """
+    # A micro-batch without policy tokens has loss 0 (agg_loss divides 0 by 1): its weight 0 is harmless.
+    if mode == "token-mean":
+        return float(mask.sum()) / _safe(norm.tokens)
+    seqs = float((mask.sum(dim=-1) > 0).sum())
+    weight = seqs / _safe(norm.seqs)
+    if mode == "seq-mean-token-sum-norm":
+        weight *= mask.shape[-1] / max(1, norm.width)
+    elif mode not in ("seq-mean-token-sum", "seq-mean-token-mean"):
+        raise ValueError(f"unknown loss_agg_mode {mode!r}")
+    return weight
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """One forward/backward: the sample ids and how its loss enters the mini-batch gradient.
+
+    Fixed-count mode (``norm`` None): the loss is scaled by ``scale = len(idx) / mini_len``, verl's scaling.
+    Token-budget mode: each loss term is weighted with ``micro_weight`` against ``norm`` (``scale`` is 1)
+    and the metrics come back weighted, to be summed per mini-batch.
+    """
+
+    idx: list[int]
+    mini_len: int
+    norm: AggNorm | None
+
+    @property
+    def scale(self) -> float:
+        return len(self.idx) / self.mini_len if self.norm is None else 1.0
+
+
+# ====================================================================== the shared loop
+def lr_lambda(optim: OptimConfig, total_steps: int) -> Callable[[int], float]:
+    """Linear warm-up, then constant, cosine or linear decay down to ``min_lr_ratio``."""
+
+    def fn(step: int) -> float:
+        if step < optim.warmup_steps:
+            return (step + 1) / optim.warmup_steps
+        if optim.lr_schedule == "constant":
+            return 1.0
+        span = max(1, total_steps - optim.warmup_steps)
+        progress = min(1.0, (step - optim.warmup_steps) / span)
+        if optim.lr_schedule == "cosine":
+            decay = 0.5 * (1 + math.cos(math.pi * progress))
+        else:
+            decay = 1 - progress
+        return optim.min_lr_ratio + (1 - optim.min_lr_ratio) * decay
+
+    return fn
+
+
+class MiniBatchTrainer:
+    """What the actor and the critic share: AdamW + schedule, micro-batch planning and the epoch loop.
+
+    Subclasses set ``metric_prefix`` and call ``_train_epochs`` with their micro-step. ``DeepSpeedActor``
+    overrides ``_mini_batch_size``, ``_zero_grad`` and ``_optimizer_step``.
+    """
+
+    metric_prefix = "train"
+    model: torch.nn.Module
+    cfg: ActorConfig | CriticConfig
+    pad_id: int
+
+    def __init__(self, model: torch.nn.Module, cfg: ActorConfig | CriticConfig, pad_id: int, total_steps: int) -> None:
+        self.model = model
+        self.cfg = cfg
+        self.pad_id = pad_id
+        if cfg.packing:
+            check_packing_supported(model)
+        o = cfg.optim
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(o, o.total_steps or total_steps))
+
+    # ---- inputs (these use only model, cfg and pad_id: a bare instance can run the no-grad passes)
+    def _inputs(self, prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]]) -> dict:
+        return model_inputs(prompt_ids, response_ids, self.pad_id, self.cfg.packing)
+
+    def _micro_inputs(self, batch: dict[str, list], idx: list[int], *fields: str) -> tuple[dict, list[torch.Tensor]]:
+        """Model inputs of the samples ``idx`` and their per-token ``fields``, padded to the response width."""
+        inputs = self._inputs([batch["prompt_ids"][i] for i in idx], [batch["response_ids"][i] for i in idx])
+        R = inputs["response_width"]
+        return inputs, [pad_right([batch[f][i] for i in idx], 0.0, torch.float32, R) for f in fields]
+
+    def _no_grad_chunks(
+        self, prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]]
+    ) -> Iterator[tuple[list[int], dict]]:
+        """(sample ids, model inputs) chunks covering every sample once, for the no-grad passes."""
+        cfg = self.cfg
+        scale = 1 if cfg.packing else NO_GRAD_SCALE
+        budget = None
+        if cfg.micro_batch_tokens is not None:
+            # The configured budget is the limit for a single sequence, in every pass.
+            check_sequences_fit(
+                range(len(prompt_ids)), prompt_ids, response_ids, cfg.micro_batch_tokens, f"{self.metric_prefix}.micro_batch_tokens"
+            )
+            budget = cfg.micro_batch_tokens * scale
+        plans = plan_micro_batches(
+            range(len(prompt_ids)),
+            prompt_ids,
+            response_ids,
+            count=cfg.micro_batch_size * scale,
+            budget=budget,
+            packed=cfg.packing,
+            setting=f"{self.metric_prefix}.micro_batch_tokens",
+        )
+        for ids in plans:
+            yield ids, self._inputs([prompt_ids[i] for i in ids], [response_ids[i] for i in ids])
+
+    def _micro_batches(self, batch: dict[str, list], mini: list[int]) -> list[MicroBatch]:
+        cfg = self.cfg
+        plans = plan_micro_batches(
+            mini,
+            batch["prompt_ids"],
+            batch["response_ids"],
+            count=cfg.micro_batch_size,
+            budget=cfg.micro_batch_tokens,
+            packed=cfg.packing,
+            setting=f"{self.metric_prefix}.micro_batch_tokens",
+        )
+        if cfg.micro_batch_tokens is None:
+            return [MicroBatch(idx, len(mini), None) for idx in plans]
+        norm = agg_norm([batch["response_mask"][i] for i in mini])
+        # A micro-batch without policy tokens has weight 0 in every mode: skipped (its width-0 loss is 0/0).
+        live = [idx for idx in plans if any(any(batch["response_mask"][i]) for i in idx)]
+        return [MicroBatch(idx, len(mini), norm) for idx in live]
+
+    # ---- the loop
+    def _mini_batch_size(self) -> int:
+        return self.cfg.ppo_mini_batch_size
+
+    def _zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _optimizer_step(self) -> float:
+        """Clip, step unless the norm is not finite; the pre-clip gradient norm."""
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
+        if torch.isfinite(grad_norm):
+            self.optimizer.step()
+        return float(grad_norm)
+
+    def _train_epochs(
+        self, batch: dict[str, list], seed: int, micro_step: Callable[[MicroBatch], dict[str, float]]
+    ) -> dict[str, float]:
+        """Epochs over shuffled mini-batches, one optimizer step per mini-batch; metric means.
+
+        Fixed-count mode records every micro-batch's metrics; token-budget mode records one value per
+        mini-batch, the sum of the micro-batches' weighted metrics (so it does not depend on the split).
+        """
+        cfg = self.cfg
+        n = len(batch["prompt_ids"])
+        mini_size = self._mini_batch_size()
+        gen = torch.Generator().manual_seed(seed)
+        sums: dict[str, list[float]] = defaultdict(list)
+        self.model.train()
+        for _epoch in range(cfg.ppo_epochs):
+            order = torch.randperm(n, generator=gen).tolist() if cfg.shuffle else list(range(n))
+            for m in range(0, n, mini_size):
+                mini = order[m : m + mini_size]
+                self._zero_grad()
+                acc: dict[str, float] = defaultdict(float)
+                for micro in self._micro_batches(batch, mini):
+                    for k, v in micro_step(micro).items():
+                        if micro.norm is None:
+                            sums[k].append(v)
+                        else:
+                            acc[k] += v
+                for k, v in acc.items():
+                    sums[k].append(v)
+                sums[f"{self.metric_prefix}/grad_norm"].append(self._optimizer_step())
+                sums[f"{self.metric_prefix}/lr"].append(self.scheduler.get_last_lr()[0])
+                self.scheduler.step()
+        self.model.eval()
+        return {k: float(sum(v) / len(v)) for k, v in sums.items()}
+
+    def state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if "zero_stage" in state:  # DeepSpeedActor.state_dict(): ZeRO's optimizer layout, not torch's
+            raise ValueError(
+                f"this optimizer state was saved by the deepspeed engine (ZeRO-{state['zero_stage']}); "
+                "the torch engine cannot resume it"
+            )
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])

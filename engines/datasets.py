@@ -19,6 +19,7 @@ from schemas.artifacts import PROMPTS, conform
 from schemas.config import KitConfig
 
 ADDITION_SOURCE = "synthetic/addition"
+MULTIPLY_SOURCE = "synthetic/multiply"
 GSM8K_SOURCE = "openai/gsm8k"
 # The instruction verl's gsm8k preprocessing appends, so rewards and prompts match verl's recipes.
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
@@ -85,6 +86,59 @@ def make_addition_splits(
     picks = random.Random(seed).sample(range(total), wanted)
     pairs = [divmod(k, base) for k in picks]
     return _addition_table(pairs[:train_size], "train"), _addition_table(pairs[train_size:], "test")
+
+
+# ---------------------------------------------------------------- synthetic multiplication (a tool task)
+
+
+def multiply_question(a: int, b: int) -> str:
+    return f"What is {a}*{b}?"
+
+
+def _multiply_table(pairs: Sequence[tuple[int, int]], split: str) -> pa.Table:
+    rows = []
+    for i, (a, b) in enumerate(pairs):
+        messages = [{"role": "user", "content": multiply_question(a, b)}]
+        rows.append(
+            {
+                "prompt_id": f"multiply-{split}-{i}",
+                "prompt": render_messages(messages),  # agent rollouts render the messages with the policy's template
+                "messages": messages,
+                "data_source": MULTIPLY_SOURCE,
+                "ground_truth": str(a * b),
+                "extra_info": _json({"split": split, "index": i, "a": a, "b": b}),
+            }
+        )
+    return _to_table(rows)
+
+
+def make_multiply_splits(
+    digits: int, train_size: int, test_size: int, seed: int
+) -> tuple[pa.Table, pa.Table]:
+    """Disjoint train/test splits of ``a*b`` with both operands exactly ``digits`` digits long.
+
+    The tiny model cannot multiply 3-digit numbers in its head; with the calculator tool it only
+    has to copy the operands into a call and the result into its answer (configs/agent_calc.yaml).
+    """
+    if digits < 1:
+        raise ValueError(f"digits must be >= 1, got {digits}")
+    low = 10 ** (digits - 1) if digits > 1 else 0
+    span = 10**digits - low
+    wanted = train_size + test_size
+    if wanted > span * span:
+        raise ValueError(f"{wanted} distinct (a, b) pairs requested, but only {span * span} exist for digits={digits}")
+    picks = random.Random(seed).sample(range(span * span), wanted)
+    pairs = [(low + k // span, low + k % span) for k in picks]
+    return _multiply_table(pairs[:train_size], "train"), _multiply_table(pairs[train_size:], "test")
+
+
+def make_task_splits(task: str, digits: int, train_size: int, test_size: int, seed: int) -> tuple[pa.Table, pa.Table]:
+    """The kit's synthetic task by name (``kit.task``): "addition" or "multiply"."""
+    if task == "addition":
+        return make_addition_splits(digits, train_size, test_size, seed)
+    if task == "multiply":
+        return make_multiply_splits(digits, train_size, test_size, seed)
+    raise ValueError(f"unknown synthetic task {task!r}; valid: addition, multiply")
 
 
 # ---------------------------------------------------------------- GSM8K

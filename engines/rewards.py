@@ -32,6 +32,7 @@ REWARD_FNS: dict[str, RewardFn] = {}
 # data_source -> reward function name; gsm8k's entry is resolved by method (strict / flexible).
 DATA_SOURCE_FNS: dict[str, str] = {
     "synthetic/addition": "exact_match",
+    "synthetic/multiply": "exact_match",
     "openai/gsm8k": "gsm8k_{method}",
 }
 GSM8K_METHODS = ("strict", "flexible")

@@ -41,11 +41,15 @@ class HFRolloutEngine:
         self.tokenizer = tokenizer
         self.batch_size = batch_size
 
-    @torch.no_grad()
     def generate(self, prompts: list[str], params: SamplingParams) -> list[Completion]:
+        encoded = [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        return self.generate_ids(encoded, params)
+
+    @torch.no_grad()
+    def generate_ids(self, encoded: list[list[int]], params: SamplingParams) -> list[Completion]:
+        """``generate`` on token ids (multi-turn rollouts continue a trajectory without re-tokenizing it)."""
         tok = self.tokenizer
-        encoded = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
-        jobs = [(i, k) for i in range(len(prompts)) for k in range(params.n)]
+        jobs = [(i, k) for i in range(len(encoded)) for k in range(params.n)]
         greedy = params.temperature == 0
         gen_cfg = GenerationConfig(
             do_sample=not greedy,

@@ -18,6 +18,19 @@ from schemas.config import KitConfig
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 # Every printable ASCII character is one token, so synthetic tasks (and tool-call JSON) all fit.
 CHARS = [c for c in string.printable if c not in "\r\x0b\x0c"]
+# A compact chat template (every character is a token): one role letter per message, the
+# assistant's turn ends with eos, and a tool role so multi-turn tool calling has a format.
+#   U:What is 12*34?\nA:<tool_call>{...}</tool_call><eos>\nR:408\nA:408<eos>\n
+CHAT_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m['role'] == 'system' %}{{ 'S:' + m['content'] + '\\n' }}"
+    "{% elif m['role'] == 'user' %}{{ 'U:' + m['content'] + '\\n' }}"
+    "{% elif m['role'] == 'assistant' %}{{ 'A:' + m['content'] + eos_token + '\\n' }}"
+    "{% elif m['role'] == 'tool' %}{{ 'R:' + m['content'] + '\\n' }}"
+    "{% else %}{{ raise_exception('unknown role ' + m['role']) }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'A:' }}{% endif %}"
+)
 
 
 def build_char_tokenizer() -> PreTrainedTokenizerFast:
@@ -33,6 +46,7 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
         unk_token="<unk>",
         padding_side="left",
     )
+    hf.chat_template = CHAT_TEMPLATE
     return hf
 
 

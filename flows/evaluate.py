@@ -20,7 +20,7 @@ from infra.store import ArtifactStore
 from schemas.config import ConfigError, build_config, merge_dicts, parse_overrides
 from schemas.stages import STAGE_FILES
 from tasks import stages
-from tasks.runtime import policy_worker
+from tasks.runtime import policy_worker, release_worker
 
 
 def eval_version(overrides: list[str]) -> str:
@@ -54,9 +54,7 @@ def evaluate_run(
             cfg, iteration, prompts, policy, version=version, meta={"eval_of": policy.version, "overrides": overrides}
         )
     finally:
-        import ray
-
-        ray.kill(worker)
+        release_worker(worker)
     return {
         "run": run_name,
         "iteration": iteration,

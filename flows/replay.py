@@ -20,7 +20,7 @@ from schemas.manifest import Manifest, PolicyRef
 from schemas.stages import STAGE_FILES
 from tasks import stages
 from tasks.kit import initial_policy, kit_run_name
-from tasks.runtime import policy_ref_from, policy_worker, store_for
+from tasks.runtime import policy_ref_from, policy_worker, release_worker, store_for
 
 REPLAYABLE = ("rollout", "reward", "advantage", "update", "eval")
 FIXED = ("run_name", "store")  # a replay may not move the run
@@ -103,9 +103,7 @@ def replay(
                 _check(original, "policy", policy.version)
                 result = stages.update(cfg, iteration, exp, policy, version=version, meta=lineage)
     finally:
-        import ray
-
-        ray.kill(worker)
+        release_worker(worker)
     return summarize(store_for(cfg), original, result.manifest)
 
 

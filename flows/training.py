@@ -12,7 +12,6 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-import ray
 from prefect import flow, get_run_logger
 from prefect.context import get_run_context
 from prefect_ray import RayTaskRunner
@@ -26,7 +25,7 @@ from schemas.config import ConfigError, RunConfig, build_config, load_config, me
 from schemas.manifest import Manifest, PolicyRef
 from tasks import stages
 from tasks.kit import initial_policy, sft_warm_start
-from tasks.runtime import critic_init_ref, policy_ref_from, policy_worker, store_for
+from tasks.runtime import critic_init_ref, policy_ref_from, policy_worker, release_worker, store_for
 
 # Fields that may differ between invocations of one run: where and how it executes, and how long.
 RUN_MUTABLE = ("run_name", "store", "ray", "tracking", "trainer.iterations", "drill")
@@ -262,7 +261,7 @@ def _run_iterations(cfg: RunConfig, store: ArtifactStore, first: int, last: int,
         }
     finally:
         tracker.finish(status)
-        ray.kill(worker)
+        release_worker(worker)
 
 
 def _publish_iteration(

@@ -15,6 +15,7 @@ _tokens = pa.list_(pa.int32())
 _floats = pa.list_(pa.float32())
 _mask = pa.list_(pa.int8())
 _messages = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
+_turns = pa.list_(pa.struct([("role", pa.string()), ("start", pa.int32()), ("end", pa.int32())]))
 
 PROMPTS = pa.schema(
     [
@@ -45,6 +46,14 @@ ROLLOUTS = pa.schema(
         ("finish_reason", pa.string()),  # "stop" | "length"
         ("prompt_length", pa.int32()),
         ("response_length", pa.int32()),
+        # Multi-turn tool-calling rollouts (agent.enable); null on single-turn rollouts.
+        ("messages_json", pa.string()),  # the whole conversation, a JSON list of {role, content[, name]}
+        ("turn_bounds", _turns),  # [start, end) of each assistant / tool turn in response_ids
+        ("truncated", pa.bool_()),  # stopped by agent.max_response_tokens at a turn boundary
+        ("num_turns", pa.int32()),  # assistant turns
+        ("tool_calls", pa.int32()),
+        ("tool_errors", pa.int32()),  # malformed, unknown tool, bad arguments, raised, timed out, over the limit
+        ("tool_timeouts", pa.int32()),
     ]
 )
 

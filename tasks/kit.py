@@ -6,6 +6,7 @@ runs with the same kit and SFT settings share it.
 
 from __future__ import annotations
 
+import json
 import tempfile
 from pathlib import Path
 
@@ -14,17 +15,31 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from engines import datasets, rewards
+from engines.agent_loop import AgentLimits, ChatFormat, agent_metrics, demonstrations, run_agent_config
 from engines.rollout import HFRolloutEngine, SamplingParams
-from engines.sft import sft_train
+from engines.sft import sft_train, sft_train_ids
 from engines.tinykit import build_char_tokenizer, build_tiny_llama, save_model_dir
+from engines.tools import CALCULATOR_PATHS, load_tools, resolve_template
 from schemas.config import RunConfig
 from schemas.manifest import PolicyRef
 from tasks.runtime import STAGE_CONFIG, policy_ref_from
 from tasks.stages import StageOutput, StageResult, run_stage
 
+# What the multiply task's warm start depends on beyond kit and sft: tool demonstrations or direct
+# answers, their format, and the agent settings of the accuracy check that stops SFT early.
+_MULTIPLY_SFT_CONFIG = (
+    "agent.enable", "agent.tools", "agent.chat_template", "agent.tools_in_prompt", "agent.max_turns",
+    "agent.max_tool_calls", "agent.max_response_tokens", "agent.max_tool_output_chars", "agent.tool_timeout_s",
+    "rollout.max_new_tokens",
+)  # fmt: skip
+
+
+def _sft_sections(cfg: RunConfig) -> tuple[str, ...]:
+    return STAGE_CONFIG["sft"] + (_MULTIPLY_SFT_CONFIG if cfg.kit.task == "multiply" else ())
+
 
 def kit_run_name(cfg: RunConfig) -> str:
-    return f"kit-{cfg.stage_hash(*STAGE_CONFIG['sft'])}"
+    return f"kit-{cfg.stage_hash(*_sft_sections(cfg))}"
 
 
 def greedy_accuracy(model, tokenizer, prompts: list[str], answers: list[str], data_source: str) -> float:
@@ -36,6 +51,47 @@ def greedy_accuracy(model, tokenizer, prompts: list[str], answers: list[str], da
     return sum(r.score for r in rewards.score_batch(rows, timeout_s=5.0)) / max(1, len(rows))
 
 
+def agent_accuracy(cfg: RunConfig, model, tokenizer, rows: list[dict]) -> tuple[float, dict[str, float]]:
+    """Greedy multi-turn answers (with the configured tools) to prompts-table rows: accuracy and tool metrics."""
+    engine = HFRolloutEngine(model, tokenizer, batch_size=512)
+    params = SamplingParams(n=1, temperature=0, max_new_tokens=cfg.rollout.max_new_tokens)
+    comps, stats = run_agent_config(engine, cfg.agent, rows, params)
+    scored = [
+        {
+            "response_text": c["text"],
+            "ground_truth": rows[c["prompt_index"]]["ground_truth"],
+            "data_source": rows[c["prompt_index"]]["data_source"],
+            "extra_info": rows[c["prompt_index"]]["extra_info"],
+        }
+        for c in comps
+    ]
+    acc = sum(r.score for r in rewards.score_batch(scored, timeout_s=5.0)) / max(1, len(scored))
+    return acc, agent_metrics(comps, stats)
+
+
+def multiply_demo_turns(cfg: RunConfig, row: dict) -> list[str]:
+    """The demonstration of one multiply row: call the calculator with the operands, then answer."""
+    tool = next((t.name for t in cfg.agent.tools if t.callable in CALCULATOR_PATHS), None)
+    if tool is None:
+        raise ValueError("kit.task=multiply with agent.enable needs a tool whose callable is engines.tools:calculator")
+    info = json.loads(row["extra_info"])
+    call = {"name": tool, "arguments": {"expression": f"{info['a']}*{info['b']}"}}
+    return [f"<tool_call>{json.dumps(call, separators=(',', ':'))}</tool_call>", row["ground_truth"]]
+
+
+def tool_demonstrations(cfg: RunConfig, tokenizer, rows: list[dict]) -> list[tuple[list[int], list[int]]]:
+    """SFT sequences ``(ids, loss_mask)`` of multiply demonstrations, masked as agent rollouts are."""
+    a = cfg.agent
+    fmt = ChatFormat(tokenizer, resolve_template(a.chat_template))
+    limits = AgentLimits(a.max_turns, a.max_tool_calls, a.max_response_tokens, a.max_tool_output_chars)
+    turns = [multiply_demo_turns(cfg, r) for r in rows]
+    trajs = demonstrations(fmt, load_tools(a.tools, a.tool_timeout_s), rows, turns, limits, tools_in_prompt=a.tools_in_prompt)
+    bad = [t for t in trajs if t.finish_reason != "stop" or t.tool_errors]
+    if bad:
+        raise ValueError(f"{len(bad)} tool demonstrations did not complete cleanly (first: {bad[0].messages})")
+    return [(t.prompt_ids + t.response_ids, [0] * len(t.prompt_ids) + t.response_mask) for t in trajs]
+
+
 @task(name="sft", cache_policy=NO_CACHE, persist_result=False)
 def sft_warm_start(cfg: RunConfig) -> StageResult:
     """Train (or reuse) the SFT checkpoint of the tiny kit, committed under the kit's own run."""
@@ -43,7 +99,7 @@ def sft_warm_start(cfg: RunConfig) -> StageResult:
     def produce() -> StageOutput:
         torch.set_num_threads(cfg.model.torch_threads)
         k, s = cfg.kit, cfg.sft
-        train, test = datasets.make_addition_splits(k.digits, k.train_size, k.test_size, k.seed)
+        train, test = datasets.make_task_splits(k.task, k.digits, k.train_size, k.test_size, k.seed)
         tok = build_char_tokenizer()
         model = build_tiny_llama(k, tok)
         examples = list(zip(train.column("prompt").to_pylist(), train.column("ground_truth").to_pylist(), strict=True))
@@ -51,16 +107,29 @@ def sft_warm_start(cfg: RunConfig) -> StageResult:
         prompts, answers = test.column("prompt").to_pylist(), test.column("ground_truth").to_pylist()
         # Early stopping looks at a slice of the test split; the reported accuracy is on all of it.
         probe = (prompts[: s.eval_size], answers[: s.eval_size])
+        agent = cfg.agent.enable and cfg.kit.task == "multiply"  # tool-call demonstrations
+        test_rows = test.to_pylist()
+        tool_metrics: dict[str, float] = {}
+
+        def accuracy(rows: list[dict] | None = None) -> float:
+            if agent:
+                acc, tool_metrics_now = agent_accuracy(cfg, model, tok, rows if rows is not None else test_rows)
+                tool_metrics.clear()  # the last check's (the full test split's) are reported
+                tool_metrics.update(tool_metrics_now)
+                return acc
+            return greedy_accuracy(model, tok, *(probe if rows is not None else (prompts, answers)), ds)
 
         def should_stop(step: int, _loss: float) -> bool:
             if s.target_accuracy is None or step % s.eval_every:
                 return False
-            return greedy_accuracy(model, tok, *probe, ds) >= s.target_accuracy
+            return accuracy(test_rows[: s.eval_size]) >= s.target_accuracy
 
-        losses = sft_train(
-            model, tok, examples, steps=s.steps, batch_size=s.batch_size, lr=s.lr, seed=s.seed, should_stop=should_stop
-        )
-        acc = greedy_accuracy(model, tok, prompts, answers, ds)
+        train_kw = {"steps": s.steps, "batch_size": s.batch_size, "lr": s.lr, "seed": s.seed, "should_stop": should_stop}
+        if agent:
+            losses = sft_train_ids(model, tok, tool_demonstrations(cfg, tok, train.to_pylist()), **train_kw)
+        else:
+            losses = sft_train(model, tok, examples, **train_kw)
+        acc = accuracy()
         with tempfile.TemporaryDirectory() as tmp:
             save_model_dir(model, tok, tmp)
             blobs = {f"model/{p.relative_to(tmp)}": p.read_bytes() for p in sorted(Path(tmp).rglob("*")) if p.is_file()}
@@ -70,11 +139,14 @@ def sft_warm_start(cfg: RunConfig) -> StageResult:
                 "sft/final_loss": losses[-1] if losses else float("nan"),
                 "sft/test_accuracy": acc,
                 "sft/steps": len(losses),
+                **{f"sft/{name}": v for name, v in tool_metrics.items() if name.startswith(("tool_calls/", "num_turns/"))},
             },
             meta={"parameters": sum(p.numel() for p in model.parameters())},
         )
 
-    return run_stage(cfg, "sft", None, {}, produce, run=kit_run_name(cfg))
+    # The agent config is an input of the multiply kit only, so addition kits keep their checkpoints.
+    inputs = {"agent_config": cfg.stage_hash(*_MULTIPLY_SFT_CONFIG)} if cfg.kit.task == "multiply" else {}
+    return run_stage(cfg, "sft", None, inputs, produce, run=kit_run_name(cfg))
 
 
 def initial_policy(cfg: RunConfig, sft: StageResult | None) -> PolicyRef:

@@ -20,12 +20,12 @@ RAY_NAMESPACE = "rlstage"
 # What each stage's output depends on, as dotted config paths: the rest of the config may change.
 STAGE_CONFIG = {
     "data_prep": ("data", "kit"),
-    "rollout": ("rollout", "data.prompts_per_iteration", "data.shuffle_seed"),
+    "rollout": ("rollout", "data.prompts_per_iteration", "data.shuffle_seed", "agent"),
     "reward": ("reward",),
     "advantage": ("algorithm", "rollout.temperature", "actor.use_kl_loss"),
     "update": ("actor", "rollout.temperature", "trainer.seed", "critic.warmup_iterations", "trainer.checkpoint_every"),
     "critic": ("critic", "trainer.seed"),
-    "eval": ("rollout", "trainer.eval_n", "data.eval_size"),
+    "eval": ("rollout", "trainer.eval_n", "data.eval_size", "agent"),
     "sft": ("kit", "sft"),
 }
 
@@ -90,3 +90,12 @@ def critic_init_ref(policy: PolicyRef) -> PolicyRef:
 
 def policy_ref_from(manifest: Manifest) -> PolicyRef:
     return PolicyRef(version=manifest.artifact_id, run=manifest.run, iteration=manifest.iteration, stage=manifest.stage)
+
+
+def release_worker(worker) -> None:
+    """Stop the run's policy worker: close its engines first (vLLM leaves /dev/shm files when killed)."""
+    try:
+        ray.get(worker.close.remote(), timeout=60)
+    except Exception:  # a dead or hung worker still gets killed
+        pass
+    ray.kill(worker)

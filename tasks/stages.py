@@ -22,6 +22,7 @@ from prefect.cache_policies import NO_CACHE
 
 from engines import algorithms as algos
 from engines import datasets, rewards
+from engines.agent_loop import agent_metrics
 from engines.cursor import prompt_batch
 from schemas import artifacts as A
 from schemas.config import ConfigError, RunConfig
@@ -123,8 +124,8 @@ def data_prep(cfg: RunConfig) -> StageResult:
     def produce() -> StageOutput:
         d = cfg.data
         if d.source == "synthetic":
-            train, test = datasets.make_addition_splits(
-                cfg.kit.digits, cfg.kit.train_size, cfg.kit.test_size, cfg.kit.seed
+            train, test = datasets.make_task_splits(
+                cfg.kit.task, cfg.kit.digits, cfg.kit.train_size, cfg.kit.test_size, cfg.kit.seed
             )
         else:
             train = datasets.load_prompts(d.source, d.train_path)
@@ -164,18 +165,20 @@ def rollout(
         batch = train.take(rows).to_pylist()
         worker = policy_worker(cfg)
         hold_policy(worker, cfg, policy)
-        texts = [p["prompt"] for p in batch]
-        comps = ray.get(worker.generate.remote(policy.version, texts, _sampling(cfg, iteration)))
+        comps, stats = _complete(cfg, worker, policy.version, batch, _sampling(cfg, iteration))
         if cfg.algorithm.adv_estimator == "remax":
             # ReMax's baseline: one greedy answer per prompt, scored like the samples (sample_index -1).
-            greedy = ray.get(worker.generate.remote(policy.version, texts, _sampling(cfg, iteration, n=1, greedy=True)))
+            greedy, _ = _complete(cfg, worker, policy.version, batch, _sampling(cfg, iteration, n=1, greedy=True))
             comps += [{**c, "sample_index": -1} for c in greedy]
         table = _rollouts_table(batch, comps, iteration)
         lengths = np.array(table.column("response_length").to_pylist())
         clipped = np.array([f == "length" for f in table.column("finish_reason").to_pylist()])
+        # Multi-turn: turns, tool calls and their failures, model vs tool time (the stage's own lengths win).
+        agent = agent_metrics([c for c in comps if c["sample_index"] >= 0], stats) if cfg.agent.enable else {}
         return StageOutput(
             tables={"rollouts.parquet": table},
             metrics={
+                **agent,
                 "response_length/mean": float(lengths.mean()),
                 "response_length/max": float(lengths.max()),
                 "response_length/min": float(lengths.min()),
@@ -187,6 +190,16 @@ def rollout(
 
     inputs = {"prompts": prompts.artifact_id, "policy": policy.version}
     return run_stage(cfg, "rollout", iteration, inputs, produce, version=version, meta=meta)
+
+
+def _complete(cfg: RunConfig, worker, version: str, batch: list[dict], params: dict) -> tuple[list[dict], dict]:
+    """Completions of prompts-table rows: single-turn, or multi-turn tool-calling rollouts (agent.enable)."""
+    if cfg.agent.enable:
+        return ray.get(worker.agent_generate.remote(version, batch, params))
+    return ray.get(worker.generate.remote(version, [p["prompt"] for p in batch], params)), {}
+
+
+_AGENT_COLUMNS = ("turn_bounds", "truncated", "num_turns", "tool_calls", "tool_errors", "tool_timeouts")
 
 
 def _rollouts_table(batch: list[dict], comps: list[dict], iteration: int) -> pa.Table:
@@ -202,7 +215,10 @@ def _rollouts_table(batch: list[dict], comps: list[dict], iteration: int) -> pa.
             cols[k].append(p[k])
         cols["prompt_ids"].append(c["prompt_ids"])
         cols["response_ids"].append(c["response_ids"])
-        cols["response_mask"].append([1] * len(c["response_ids"]))
+        cols["response_mask"].append(c.get("response_mask") or [1] * len(c["response_ids"]))
+        cols["messages_json"].append(c.get("messages"))  # agent completions only, null otherwise
+        for k in _AGENT_COLUMNS:
+            cols[k].append(c.get(k))
         cols["response_text"].append(c["text"])
         cols["rollout_log_probs"].append(c["log_probs"])
         cols["finish_reason"].append(c["finish_reason"])
@@ -376,6 +392,14 @@ def advantage(
                 "rollout/logprob_gap": float(algos.masked_mean((roll_lp - old_t).abs(), mask)),
             }
         )
+        # The rollout engine sampled with other weights than the trainer holds (a missed or broken weight
+        # sync): fail before anything trains on it.
+        gap, bound = metrics["rollout/logprob_gap"], cfg.rollout.max_logprob_gap
+        if bound is not None and not gap <= bound:
+            raise RuntimeError(
+                f"iteration {iteration}: rollout/logprob_gap {gap:.3g} > rollout.max_logprob_gap {bound:g}: the "
+                f"{cfg.rollout.engine} rollout engine's log-probs differ from the trainer's recompute on the same tokens"
+            )
         if ref_lp is not None:
             metrics["actor/ref_kl"] = float(algos.masked_mean(old_t - _padded(ref_lp, width), mask))
         if values is not None:
@@ -497,11 +521,12 @@ def evaluate(
         batch = test.to_pylist()
         worker = policy_worker(cfg)
         hold_policy(worker, cfg, policy)
-        texts = [p["prompt"] for p in batch]
-        comps = ray.get(worker.generate.remote(policy.version, texts, _sampling(cfg, iteration, n=1, greedy=True)))
+        comps, stats = _complete(cfg, worker, policy.version, batch, _sampling(cfg, iteration, n=1, greedy=True))
+        # Tool use of the greedy answers (agent mode): held-out tool-call success rate and friends.
+        agent = agent_metrics(comps, stats, prefix="val/") if cfg.agent.enable else {}
         if cfg.trainer.eval_n > 0:
             params = _sampling(cfg, iteration, n=cfg.trainer.eval_n)
-            comps += ray.get(worker.generate.remote(policy.version, texts, params))
+            comps += _complete(cfg, worker, policy.version, batch, params)[0]
         rows = [
             {
                 "response_text": c["text"],
@@ -522,7 +547,7 @@ def evaluate(
             },
             schema=A.EVAL,
         )
-        metrics: dict[str, float] = {}
+        metrics: dict[str, float] = dict(agent)
         sources = [r["data_source"] for r in rows]
         for ds in sorted(set(sources)):
             g = [s for s, src in zip(scores[:greedy_n], sources[:greedy_n], strict=True) if src == ds]

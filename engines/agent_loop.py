@@ -1,0 +1,652 @@
+"""Multi-turn tool-calling rollouts: one asyncio task per request, an explicit state machine each.
+
+A request goes ``PENDING -> GENERATING -> (TOOL_CALLING -> GENERATING)* -> COMPLETED``. In
+GENERATING it asks the policy (``AgentPolicy``) to continue the trajectory's token ids; when the
+turn holds tool calls (format: ``engines.tools``) it moves to TOOL_CALLING, runs them
+concurrently, appends the tool messages through the chat template and generates again. Many
+requests run at once against one policy, so a request waiting on a slow tool never holds up the
+others.
+
+The trajectory is assembled in tokens, never re-tokenized: the prompt is the rendered first
+messages; the response is every later token, with ``response_mask`` 1 exactly on the tokens the
+policy sampled (their sampling log-probs alongside) and 0 on tool output and template tokens.
+``turn_bounds`` lists the ``[start, end)`` spans of assistant and tool turns in the response.
+
+Policies: ``BatchingPolicy`` gathers concurrent requests into batched ``generate_ids`` calls of a
+rollout engine on one worker thread (``HFRolloutEngine``, or ``VLLMRolloutEngine``'s offline
+``LLM``). An engine with its own async interface (vLLM's ``AsyncLLM``) needs only an
+``async generate(prompt_ids, params, key) -> Generation`` per request, since it batches itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import itertools
+import json
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Protocol
+
+from engines.rollout import Completion, SamplingParams
+from engines.tools import (
+    LIMIT,
+    OK,
+    TIMEOUT,
+    SampleTools,
+    ToolConfigError,
+    ToolOutcome,
+    ToolSpec,
+    execute_tool_call,
+    parse_tool_calls,
+    sample_tools,
+)
+
+
+class AgentState(enum.Enum):
+    PENDING = "pending"
+    GENERATING = "generating"
+    TOOL_CALLING = "tool_calling"
+    COMPLETED = "completed"
+
+
+TRANSITIONS: dict[AgentState, frozenset[AgentState]] = {
+    AgentState.PENDING: frozenset({AgentState.GENERATING}),
+    AgentState.GENERATING: frozenset({AgentState.TOOL_CALLING, AgentState.COMPLETED}),
+    AgentState.TOOL_CALLING: frozenset({AgentState.GENERATING, AgentState.COMPLETED}),
+    AgentState.COMPLETED: frozenset(),
+}
+
+# Why a request ended: the model answered ("stop"), ran out of tokens ("length"), or a limit.
+FINISH_REASONS = ("stop", "length", "max_turns", "max_tool_calls")
+
+
+@dataclass(frozen=True)
+class Generation:
+    token_ids: list[int]
+    log_probs: list[float]  # sampling log-probs, one per token
+    finish_reason: str  # "stop" (eos sampled) or "length"
+
+
+class AgentPolicy(Protocol):
+    """What the loop needs from an engine: continue ``prompt_ids`` by one assistant turn.
+
+    ``params.max_new_tokens`` is this turn's cap; ``key`` orders requests (batching engines use it
+    to keep batch composition deterministic). Optional ``open_request()`` / ``close_request()``
+    hooks tell a batching engine how many requests are live.
+    """
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, key: int = 0) -> Generation: ...
+
+
+@dataclass(frozen=True)
+class AgentLimits:
+    max_turns: int = 4  # assistant turns per request
+    max_tool_calls: int = 4  # tool calls executed per request
+    max_response_tokens: int = 256  # everything after the prompt: policy, tool and template tokens
+    max_tool_output_chars: int = 2048
+
+
+# ---------------------------------------------------------------- chat format
+
+_SENT = "@@rlstage-sentinel@@"
+
+
+class ChatFormat:
+    """The chat template seen in tokens: the prompt, and what the environment appends after a turn.
+
+    After an assistant turn the template's closing of that message (less the eos the model
+    sampled), the tool messages and the next generation prompt are rendered as one text delta
+    against a reference conversation and tokenized on their own; the policy's tokens stay as sampled.
+    """
+
+    def __init__(self, tokenizer: Any, chat_template: str | None = None) -> None:
+        self.tok = tokenizer
+        self.template = chat_template or getattr(tokenizer, "chat_template", None)
+        if not self.template:
+            raise ToolConfigError("the tokenizer has no chat template (set agent.chat_template)")
+        self.eos_text = tokenizer.eos_token or ""
+        self._base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _SENT}]
+        try:
+            self._base_text = self.render(self._base, generation_prompt=False)
+        except Exception as err:
+            raise ToolConfigError(f"the chat template cannot render a user and an assistant message: {err}") from None
+        at = self._base_text.rfind(_SENT)
+        if at < 0:
+            raise ToolConfigError("the chat template drops assistant messages")
+        self._closing = self._base_text[at + len(_SENT) :]
+        probe = "@@rlstage-tool-output@@"
+        try:
+            delta = self._delta([{"role": "tool", "name": "probe", "content": probe}])
+        except Exception as err:
+            raise ToolConfigError(f"the chat template has no tool role (a tool message fails: {err})") from None
+        if probe not in delta:
+            raise ToolConfigError("the chat template has no tool role (a tool message is not rendered)")
+
+    def render(self, messages: list[dict], generation_prompt: bool, tools: list[dict] | None = None) -> str:
+        return self.tok.apply_chat_template(
+            messages, tools=tools or None, chat_template=self.template, add_generation_prompt=generation_prompt, tokenize=False
+        )
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tok(text, add_special_tokens=False)["input_ids"])
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=True)
+
+    def prompt_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        return self.encode(self.render(messages, generation_prompt=True, tools=tools))
+
+    def _delta(self, tool_messages: list[dict]) -> str:
+        full = self.render(self._base + tool_messages, generation_prompt=True)
+        if not full.startswith(self._base_text):
+            raise ToolConfigError("the chat template re-renders earlier messages when a tool message follows")
+        return full[len(self._base_text) :]
+
+    def env_ids(self, tool_messages: list[dict], stopped: bool) -> list[int]:
+        """Tokens after an assistant turn: its closing (less a sampled eos), the tool messages, the next prompt."""
+        closing = self._closing
+        if stopped and self.eos_text and closing.startswith(self.eos_text):
+            closing = closing[len(self.eos_text) :]
+        return self.encode(closing + self._delta(tool_messages))
+
+
+# ---------------------------------------------------------------- the trajectory
+
+
+@dataclass
+class Trajectory:
+    prompt_index: int
+    sample_index: int
+    prompt_ids: list[int]
+    messages: list[dict]
+    response_ids: list[int] = field(default_factory=list)
+    response_mask: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    turn_bounds: list[dict] = field(default_factory=list)  # {"role", "start", "end"} over response_ids
+    text: str = ""  # the last assistant message: the answer a reward function scores
+    finish_reason: str = ""
+    truncated: bool = False  # stopped by max_response_tokens (always at a turn boundary or the sampler's cut)
+    num_turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0  # every call whose outcome is not "ok" (timeouts included)
+    tool_timeouts: int = 0
+    tool_status: dict[str, int] = field(default_factory=dict)
+    model_s: float = 0.0  # time this request waited on the policy (queueing for a batch included)
+    tool_s: float = 0.0  # time this request spent in TOOL_CALLING (wall; a turn's calls run concurrently)
+    tool_run_s: float = 0.0  # the tools' own run time, summed over this request's calls
+    states: list[str] = field(default_factory=list)
+    done_seq: int = -1  # completion order within the batch
+
+    def append(self, ids: Sequence[int], policy: bool, log_probs: Sequence[float] | None, role: str) -> None:
+        if log_probs is not None and len(log_probs) != len(ids):
+            raise ValueError(f"the policy returned {len(ids)} tokens but {len(log_probs)} log-probs")
+        start = len(self.response_ids)
+        self.response_ids.extend(ids)
+        self.response_mask.extend([1 if policy else 0] * len(ids))
+        self.log_probs.extend(list(log_probs) if log_probs is not None else [0.0] * len(ids))
+        self.turn_bounds.append({"role": role, "start": start, "end": len(self.response_ids)})
+
+    def to_row(self) -> dict:
+        """The completion dict the rollout stage stores (``Completion`` keys plus the agent fields)."""
+        row = asdict(self)
+        row["messages"] = json.dumps(self.messages, ensure_ascii=False)
+        return row
+
+
+# ---------------------------------------------------------------- one request
+
+
+class AgentRequest:
+    """One request's state machine; ``run`` drives it to COMPLETED and returns its trajectory."""
+
+    def __init__(
+        self,
+        prompt_index: int,
+        sample_index: int,
+        messages: list[dict],
+        tools: SampleTools,
+        fmt: ChatFormat,
+        policy: AgentPolicy,
+        params: SamplingParams,
+        limits: AgentLimits,
+        *,
+        tool_executor: ThreadPoolExecutor | None = None,
+        tools_in_prompt: bool = True,
+        key: int = 0,
+    ) -> None:
+        self.tools, self.fmt, self.policy, self.params, self.limits = tools, fmt, policy, params, limits
+        self.tool_executor, self.key = tool_executor, key
+        prompt = fmt.prompt_ids(messages, tools.schemas() if tools_in_prompt else None)
+        self.traj = Trajectory(prompt_index, sample_index, prompt, [dict(m) for m in messages])
+        self.state = AgentState.PENDING
+        self.traj.states.append(self.state.value)
+
+    def _to(self, new: AgentState) -> None:
+        if new not in TRANSITIONS[self.state]:
+            raise RuntimeError(f"agent request: illegal transition {self.state.value} -> {new.value}")
+        self.state = new
+        self.traj.states.append(new.value)
+
+    def _finish(self, reason: str, truncated: bool = False) -> Trajectory:
+        t = self.traj
+        t.finish_reason, t.truncated = reason, truncated
+        t.text = next((m["content"] for m in reversed(t.messages) if m["role"] == "assistant"), "")
+        self._to(AgentState.COMPLETED)
+        return t
+
+    async def run(self) -> Trajectory:
+        t, lim = self.traj, self.limits
+        self._to(AgentState.GENERATING)
+        while True:
+            budget = lim.max_response_tokens - len(t.response_ids)
+            params = replace(self.params, n=1, max_new_tokens=max(1, min(self.params.max_new_tokens, budget)))
+            t0 = time.perf_counter()
+            gen = await self.policy.generate(t.prompt_ids + t.response_ids, params, self.key)
+            t.model_s += time.perf_counter() - t0
+            ids = list(gen.token_ids)[: params.max_new_tokens]
+            t.append(ids, True, list(gen.log_probs)[: len(ids)], "assistant")
+            t.num_turns += 1
+            text = self.fmt.decode(ids)
+            t.messages.append({"role": "assistant", "content": text})
+            calls = parse_tool_calls(text)
+            out_of_tokens = len(t.response_ids) >= lim.max_response_tokens
+            if not calls:
+                return self._finish(gen.finish_reason, truncated=out_of_tokens and gen.finish_reason == "length")
+            if out_of_tokens:
+                return self._finish("length", truncated=True)
+            if t.num_turns >= lim.max_turns:
+                return self._finish("max_turns")
+            room = lim.max_tool_calls - t.tool_calls
+            if room <= 0:
+                return self._finish("max_tool_calls")
+            self._to(AgentState.TOOL_CALLING)
+            t0 = time.perf_counter()
+            outcomes = list(
+                await asyncio.gather(
+                    *(execute_tool_call(c, self.tools, self.tool_executor, lim.max_tool_output_chars) for c in calls[:room])
+                )
+            )
+            t.tool_s += time.perf_counter() - t0
+            outcomes += [
+                ToolOutcome(f"error: tool call limit ({lim.max_tool_calls} per request) reached; not run", LIMIT, name=c.name)
+                for c in calls[room:]
+            ]
+            for o in outcomes:
+                t.tool_calls += 1
+                t.tool_run_s += o.seconds
+                t.tool_status[o.status] = t.tool_status.get(o.status, 0) + 1
+                t.tool_errors += o.status != OK
+                t.tool_timeouts += o.status == TIMEOUT
+            tool_messages = [{"role": "tool", "name": o.name or "", "content": o.content} for o in outcomes]
+            env = self.fmt.env_ids(tool_messages, stopped=gen.finish_reason == "stop")
+            # The tool turn must fit with room for at least one policy token; else end at this boundary.
+            if len(t.response_ids) + len(env) >= lim.max_response_tokens:
+                return self._finish("length", truncated=True)
+            t.messages.extend(tool_messages)
+            t.append(env, False, None, "tool")
+            self._to(AgentState.GENERATING)
+
+
+async def run_requests(requests: Sequence[AgentRequest], max_concurrency: int = 1024) -> list[Trajectory]:
+    """Run every request as its own task (at most ``max_concurrency`` at once); results in input order."""
+    gate = asyncio.Semaphore(max_concurrency)
+    seq = itertools.count()
+
+    async def one(req: AgentRequest) -> Trajectory:
+        async with gate:
+            opener, closer = getattr(req.policy, "open_request", None), getattr(req.policy, "close_request", None)
+            if opener is not None:
+                opener()
+            try:
+                traj = await req.run()
+            finally:
+                if closer is not None:
+                    closer()
+            traj.done_seq = next(seq)
+            return traj
+
+    return list(await asyncio.gather(*(one(r) for r in requests)))
+
+
+# ---------------------------------------------------------------- the HF policy
+
+
+class RolloutEngine(Protocol):
+    """What ``BatchingPolicy`` drives: ``HFRolloutEngine`` and ``VLLMRolloutEngine`` both fit."""
+
+    tokenizer: Any
+
+    def generate_ids(self, encoded: list[list[int]], params: SamplingParams) -> list[Completion]: ...
+
+
+class BatchingPolicy:
+    """Concurrent requests -> batched ``engine.generate_ids`` calls on one worker thread.
+
+    A batch starts when every live request is waiting on the model, the batch is full, or
+    ``window_s`` has passed since the first waiting request (so a request in a slow tool call
+    delays the others by at most the window). Requests in a batch are ordered by key and each
+    batch has its own seed, so with tools that answer within the window the batches — and the
+    samples — are the same on every run.
+    """
+
+    def __init__(self, engine: RolloutEngine, max_batch: int = 512, window_s: float = 0.05) -> None:
+        self.engine, self.max_batch, self.window_s = engine, max_batch, window_s
+        self._queue: list[tuple[int, list[int], SamplingParams, asyncio.Future]] = []
+        self._active = 0
+        self._wake: asyncio.Event | None = None
+        self._server: asyncio.Task | None = None
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="rlstage-agent-gen")
+        self.model_s = 0.0  # wall time of generate calls
+        self.batch_sizes: list[int] = []
+
+    def open_request(self) -> None:
+        self._active += 1
+
+    def close_request(self) -> None:
+        self._active -= 1
+        self._poke()
+
+    def _poke(self) -> None:
+        if self._wake is not None:
+            self._wake.set()
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, key: int = 0) -> Generation:
+        if self._server is None:
+            self._wake = asyncio.Event()
+            self._server = asyncio.create_task(self._serve())
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._queue.append((key, prompt_ids, params, fut))
+        self._poke()
+        return await fut
+
+    async def _serve(self) -> None:
+        try:
+            await self._serve_forever()
+        except BaseException as err:  # never leave a request waiting on a server that is gone
+            for *_, fut in self._queue:
+                if not fut.done():
+                    fut.set_exception(err if isinstance(err, Exception) else RuntimeError("generation server stopped"))
+            raise
+
+    async def _serve_forever(self) -> None:
+        loop = asyncio.get_running_loop()
+        assert self._wake is not None
+        while True:
+            if not self._queue:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            first = loop.time()
+            while len(self._queue) < min(max(self._active, 1), self.max_batch):
+                left = self.window_s - (loop.time() - first)
+                if left <= 0:
+                    break
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), left)
+                except TimeoutError:
+                    break
+            self._queue.sort(key=lambda item: item[0])
+            batch, self._queue = self._queue[: self.max_batch], self._queue[self.max_batch :]
+            groups: dict[tuple, list] = {}
+            for item in batch:
+                p = item[2]
+                groups.setdefault((p.temperature, p.top_p, p.top_k, p.seed), []).append(item)
+            for items in groups.values():
+                await self._run_batch(items)
+
+    async def _run_batch(self, items: list) -> None:
+        base = items[0][2]
+        params = replace(base, n=1, max_new_tokens=max(it[2].max_new_tokens for it in items))
+        params = replace(params, seed=base.seed * 1009 + len(self.batch_sizes))  # a fresh stream per batch
+        self.batch_sizes.append(len(items))
+        t0 = time.perf_counter()
+        try:
+            comps = await asyncio.get_running_loop().run_in_executor(
+                self._thread, self.engine.generate_ids, [it[1] for it in items], params
+            )
+        except Exception as err:  # the engine failed: every request in the batch fails with it
+            for it in items:
+                if not it[3].done():
+                    it[3].set_exception(err)
+            return
+        finally:
+            self.model_s += time.perf_counter() - t0
+        for it, c in zip(items, comps, strict=True):
+            limit = it[2].max_new_tokens
+            ids, lps, finish = c.response_ids, c.log_probs, c.finish_reason
+            if len(ids) > limit:  # the batch ran to the longest cap; this request asked for fewer
+                ids, lps, finish = ids[:limit], lps[:limit], "length"
+            if not it[3].done():
+                it[3].set_result(Generation(list(ids), list(lps), finish))
+
+    async def aclose(self) -> None:
+        if self._server is not None:
+            self._server.cancel()
+            try:
+                await self._server
+            except asyncio.CancelledError:
+                pass
+            self._server = None
+        self._thread.shutdown(wait=True)
+
+
+# ---------------------------------------------------------------- vLLM's async interface
+
+
+class AsyncVLLMPolicy:
+    """One vLLM request per assistant turn on an ``AsyncLLM``: vLLM batches continuously, so no window.
+
+    Sampling mirrors ``VLLMRolloutEngine``: sampled token log-probs (``processed_logprobs``, the
+    engine's ``logprobs_mode``), eos as the stop token, one seed per request derived from
+    ``params.seed`` and the request key.
+    """
+
+    def __init__(self, llm: Any, eos_token_id: int) -> None:
+        self.llm, self.eos_token_id = llm, eos_token_id
+        self._ids = itertools.count()
+        self.model_s = 0.0  # summed over requests: they overlap, so this is not wall time
+
+    def _sampling(self, params: SamplingParams, key: int) -> Any:
+        from vllm import SamplingParams as VSamplingParams
+
+        greedy = params.temperature == 0
+        return VSamplingParams(
+            n=1,
+            temperature=params.temperature,
+            top_p=1.0 if greedy else params.top_p,
+            top_k=0 if greedy else params.top_k,
+            max_tokens=params.max_new_tokens,
+            stop_token_ids=[self.eos_token_id],
+            logprobs=0,
+            seed=params.seed * 1_000_003 + key,
+            detokenize=False,
+        )
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, key: int = 0) -> Generation:
+        from vllm.inputs import TokensPrompt
+
+        t0 = time.perf_counter()
+        final = None
+        request_id = f"rlstage-agent-{key}-{next(self._ids)}"
+        async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt_ids)), self._sampling(params, key), request_id):
+            final = out
+        self.model_s += time.perf_counter() - t0
+        if final is None or not final.outputs:
+            raise RuntimeError(f"vLLM returned no output for request {request_id}")
+        seq = final.outputs[0]
+        ids = list(seq.token_ids)
+        lps = [step[t].logprob for step, t in zip(seq.logprobs, ids, strict=True)]
+        return Generation(ids, lps, "stop" if seq.finish_reason == "stop" else "length")
+
+
+def start_async_vllm(model_path: str, *, dtype: str = "float32", seed: int = 0, kv_cache_bytes: int = 256 << 20, max_num_seqs: int = 256) -> Any:
+    """An ``AsyncLLM`` over a Hugging Face model directory, with ``VLLMRolloutEngine``'s engine settings."""
+    from vllm import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    args = AsyncEngineArgs(
+        model=model_path,
+        skip_tokenizer_init=True,  # prompts arrive as token ids; text is decoded by our tokenizer
+        generation_config="vllm",
+        dtype=dtype,
+        seed=seed,
+        enforce_eager=True,
+        kv_cache_memory_bytes=kv_cache_bytes,
+        max_num_seqs=max_num_seqs,
+        logprobs_mode="processed_logprobs",
+    )
+    return AsyncLLM.from_engine_args(args)
+
+
+# ---------------------------------------------------------------- a batch of rows
+
+
+def row_messages(row: dict) -> list[dict]:
+    """The first messages of a prompts row: its chat messages, else its prompt text as one user turn."""
+    msgs = row.get("messages")
+    if msgs:
+        return [{"role": m["role"], "content": m["content"]} for m in msgs]
+    return [{"role": "user", "content": row["prompt"]}]
+
+
+def run_agent_batch(
+    engine: RolloutEngine,
+    fmt: ChatFormat,
+    tools: dict[str, ToolSpec],
+    rows: Sequence[dict],
+    params: SamplingParams,
+    limits: AgentLimits,
+    *,
+    tools_in_prompt: bool = True,
+    max_concurrency: int = 1024,
+    window_s: float = 0.05,
+    tool_workers: int = 8,
+) -> tuple[list[dict], dict[str, float]]:
+    """``params.n`` agent rollouts of every row on ``engine``; completion dicts and timing stats."""
+    policy = BatchingPolicy(engine, max_batch=getattr(engine, "batch_size", 1024), window_s=window_s)
+    executor = ThreadPoolExecutor(tool_workers, thread_name_prefix="rlstage-tool")
+    requests = [
+        AgentRequest(
+            i, k, row_messages(row), sample_tools(tools, row.get("extra_info")), fmt, policy, params, limits,
+            tool_executor=executor, tools_in_prompt=tools_in_prompt, key=i * params.n + k,
+        )
+        for i, row in enumerate(rows)
+        for k in range(params.n)
+    ]  # fmt: skip
+
+    async def main() -> list[Trajectory]:
+        try:
+            return await run_requests(requests, max_concurrency)
+        finally:
+            await policy.aclose()
+
+    t0 = time.perf_counter()
+    try:
+        trajs = asyncio.run(main())
+    finally:
+        # A sync tool stuck past its timeout keeps its thread; it is not waited for.
+        executor.shutdown(wait=False, cancel_futures=True)
+    stats = {
+        "wall_s": time.perf_counter() - t0,
+        "model_s": policy.model_s,
+        "tool_s": sum(t.tool_run_s for t in trajs),
+        "tool_wait_s": sum(t.tool_s for t in trajs),
+        "batches": float(len(policy.batch_sizes)),
+    }
+    return [t.to_row() for t in trajs], stats
+
+
+def agent_metrics(rows: Sequence[dict], stats: dict[str, float] | None = None, prefix: str = "") -> dict[str, float]:
+    """verl-style metrics of a batch of agent completions (dicts from ``Trajectory.to_row``)."""
+    n = max(1, len(rows))
+    calls = sum(r["tool_calls"] for r in rows)
+    errors = sum(r["tool_errors"] for r in rows)
+    out = {
+        "num_turns/mean": sum(r["num_turns"] for r in rows) / n,
+        "num_turns/max": float(max((r["num_turns"] for r in rows), default=0)),
+        "tool_calls/mean": calls / n,
+        "tool_calls/errors": float(errors),
+        "tool_calls/timeouts": float(sum(r["tool_timeouts"] for r in rows)),
+        "tool_calls/success_rate": (calls - errors) / calls if calls else 0.0,
+        "response_length/mean": sum(len(r["response_ids"]) for r in rows) / n,
+        "response_length/policy_tokens_mean": sum(sum(r["response_mask"]) for r in rows) / n,
+        "rollout/truncated_ratio": sum(bool(r["truncated"]) for r in rows) / n,
+    }
+    for status in sorted({s for r in rows for s in r["tool_status"]}):
+        out[f"tool_calls/status/{status}"] = float(sum(r["tool_status"].get(status, 0) for r in rows))
+    for reason in FINISH_REASONS:
+        out[f"rollout/finish/{reason}"] = sum(r["finish_reason"] == reason for r in rows) / n
+    if stats is not None:
+        out["timing_s/gen_model"] = stats["model_s"]
+        out["timing_s/gen_tools"] = stats["tool_s"]
+        out["timing_s/gen_tool_wait"] = stats.get("tool_wait_s", 0.0)
+        out["timing_s/gen_wall"] = stats["wall_s"]
+        out["rollout/gen_batches"] = stats["batches"]
+    return {prefix + k: v for k, v in out.items()}
+
+
+def run_agent_config(
+    engine: RolloutEngine, agent: Any, rows: Sequence[dict], params: SamplingParams
+) -> tuple[list[dict], dict[str, float]]:
+    """``run_agent_batch`` with everything taken from the ``agent`` config section."""
+    from engines.tools import load_tools, resolve_template
+
+    fmt = ChatFormat(engine.tokenizer, resolve_template(agent.chat_template))
+    limits = AgentLimits(agent.max_turns, agent.max_tool_calls, agent.max_response_tokens, agent.max_tool_output_chars)
+    return run_agent_batch(
+        engine, fmt, load_tools(agent.tools, agent.tool_timeout_s), rows, params, limits,
+        tools_in_prompt=agent.tools_in_prompt, max_concurrency=agent.max_concurrency,
+        window_s=agent.batch_window_ms / 1000, tool_workers=agent.tool_workers,
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------- demonstrations for SFT
+
+
+class TeacherPolicy:
+    """Replays given assistant turns (``turns[key][k]`` is request ``key``'s k-th turn), each ended by eos."""
+
+    def __init__(self, fmt: ChatFormat, turns: Sequence[Sequence[str]]) -> None:
+        self.fmt, self.turns = fmt, turns
+        self._next: dict[int, int] = {}
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, key: int = 0) -> Generation:
+        k = self._next.get(key, 0)
+        self._next[key] = k + 1
+        ids = self.fmt.encode(self.turns[key][k]) + [self.fmt.tok.eos_token_id]
+        return Generation(ids, [0.0] * len(ids), "stop")
+
+
+def demonstrations(
+    fmt: ChatFormat,
+    tools: dict[str, ToolSpec],
+    rows: Sequence[dict],
+    turns: Sequence[Sequence[str]],
+    limits: AgentLimits,
+    *,
+    tools_in_prompt: bool = True,
+    tool_workers: int = 8,
+) -> list[Trajectory]:
+    """Run the scripted assistant ``turns`` of each row through the loop with the real tools.
+
+    The result is tokenized and masked exactly as an RL rollout would be, so SFT on
+    ``(prompt_ids + response_ids, [0] * len(prompt_ids) + response_mask)`` teaches the same format.
+    """
+    policy = TeacherPolicy(fmt, turns)
+    executor = ThreadPoolExecutor(tool_workers, thread_name_prefix="rlstage-tool")
+    params = SamplingParams(max_new_tokens=limits.max_response_tokens)
+    requests = [
+        AgentRequest(
+            i, 0, row_messages(row), sample_tools(tools, row.get("extra_info")), fmt, policy, params, limits,
+            tool_executor=executor, tools_in_prompt=tools_in_prompt, key=i,
+        )
+        for i, row in enumerate(rows)
+    ]  # fmt: skip
+    try:
+        return asyncio.run(run_requests(requests))
+    finally:
+        executor.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,275 @@
+"""Micro-batching: packed vs padded inputs, token-budget planning, exact gradient accumulation."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import LlamaForTokenClassification
+
+from engines.actor import TorchActor
+from engines.batching import (
+    build_inputs,
+    build_packed_inputs,
+    micro_batch_cost,
+    plan_micro_batches,
+    response_log_probs,
+)
+from engines.critic import TorchCritic, response_values
+from engines.tinykit import build_char_tokenizer, build_tiny_llama
+from schemas.config import ActorConfig, ConfigError, CriticConfig, KitConfig, OptimConfig, load_config
+
+KIT = KitConfig(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64)
+MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    torch.set_num_threads(1)
+    return build_char_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def weights(tok):
+    torch.manual_seed(0)
+    return {k: v.clone() for k, v in build_tiny_llama(KIT, tok).state_dict().items()}
+
+
+def new_model(tok, weights, attn: str = "sdpa"):
+    model = build_tiny_llama(KIT, tok)
+    model.load_state_dict(weights)
+    model.config._attn_implementation = attn
+    return model
+
+
+def make_batch(tok, n: int, seed: int = 0) -> dict[str, list]:
+    """Ragged prompts (1-12) and responses (0-10 tokens, one empty), masked tokens, a fully masked row."""
+    rng = random.Random(seed)
+    vocab = len(tok)
+    keys = ("prompt_ids", "response_ids", "response_mask", "old_log_probs", "advantages", "ref_log_probs")
+    batch: dict[str, list] = {k: [] for k in keys}
+    batch.update(values=[], returns=[])
+    for i in range(n):
+        p = [rng.randrange(4, vocab) for _ in range(rng.randint(1, 12))]
+        r = [] if i == 5 else [rng.randrange(4, vocab) for _ in range(rng.randint(1, 10))]
+        mask = [1] * len(r)
+        if i % 4 == 1 and len(r) > 1:
+            mask[-1] = 0
+        if i == 2:
+            mask = [0] * len(r)  # a row with no policy token: excluded from the seq-mean counts
+        batch["prompt_ids"].append(p)
+        batch["response_ids"].append(r)
+        batch["response_mask"].append(mask)
+        batch["advantages"].append([rng.uniform(-1.5, 1.5)] * len(r))
+        batch["old_log_probs"].append([-4.6 + rng.uniform(-0.6, 0.6) for _ in r])
+        batch["ref_log_probs"].append([-4.6 + rng.uniform(-0.3, 0.3) for _ in r])
+        batch["values"].append([rng.uniform(-1, 1) for _ in r])
+        batch["returns"].append([rng.uniform(-1, 1) for _ in r])
+    return batch
+
+
+# ---------------------------------------------------------------- packing
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_packed_log_probs_equal_padded(tok, weights, attn):
+    model = new_model(tok, weights, attn).eval()
+    batch = make_batch(tok, 9)
+    P, R = batch["prompt_ids"], batch["response_ids"]
+    with torch.no_grad():
+        padded, pad_ent = response_log_probs(model, build_inputs(P, R, tok.pad_token_id), 0.7, with_entropy=True)
+        packed_in = build_packed_inputs(P, R)
+        packed, pack_ent = response_log_probs(model, packed_in, 0.7, with_entropy=True)
+    assert packed_in["input_ids"].shape == (1, sum(len(p) + len(r) for p, r in zip(P, R, strict=True)))
+    for i, r in enumerate(R):
+        torch.testing.assert_close(packed[i, : len(r)], padded[i, : len(r)], atol=1e-5, rtol=0)
+        torch.testing.assert_close(pack_ent[i, : len(r)], pad_ent[i, : len(r)], atol=1e-5, rtol=0)
+    # The check can fail: one row with continuous position ids lets tokens attend across sequences.
+    leaky = dict(packed_in, position_ids=torch.arange(packed_in["input_ids"].shape[1])[None])
+    with torch.no_grad():
+        crossed, _ = response_log_probs(model, leaky, 0.7)
+    assert max((crossed[i, : len(r)] - padded[i, : len(r)]).abs().max().item() for i, r in enumerate(R) if r) > 1e-3
+
+
+def test_packed_values_and_actor_passes_equal_padded(tok, weights):
+    batch = make_batch(tok, 9, seed=1)
+    P, R = batch["prompt_ids"], batch["response_ids"]
+    base = new_model(tok, weights)
+    critic_model = LlamaForTokenClassification(base.config.__class__(**{**base.config.to_dict(), "num_labels": 1}))
+    critic_model.model.load_state_dict(base.model.state_dict())
+    critic_model.eval()
+    with torch.no_grad():
+        padded = response_values(critic_model, build_inputs(P, R, tok.pad_token_id))
+        packed = response_values(critic_model, build_packed_inputs(P, R))
+    for i, r in enumerate(R):
+        torch.testing.assert_close(packed[i, : len(r)], padded[i, : len(r)], atol=1e-5, rtol=0)
+    # Through the engines' no-grad passes, with token budgets (outputs in the input order).
+    for packing, budget in ((True, 40), (True, None), (False, 40)):
+        cfg = ActorConfig(micro_batch_size=2, ppo_mini_batch_size=2, packing=packing, micro_batch_tokens=budget)
+        got = TorchActor(base, cfg, tok.pad_token_id, 10).compute_log_probs(P, R, 1.0)
+        ccfg = CriticConfig(micro_batch_size=2, ppo_mini_batch_size=2, packing=packing, micro_batch_tokens=budget)
+        vals = TorchCritic(critic_model, ccfg, tok.pad_token_id, 10).compute_values(P, R)
+        want = TorchActor(base, ActorConfig(), tok.pad_token_id, 10).compute_log_probs(P, R, 1.0)
+        want_v = TorchCritic(critic_model, CriticConfig(), tok.pad_token_id, 10).compute_values(P, R)
+        for g, w in ((got, want), (vals, want_v)):
+            assert [len(x) for x in g] == [len(r) for r in R]
+            assert max((abs(a - b) for gi, wi in zip(g, w, strict=True) for a, b in zip(gi, wi, strict=True))) < 1e-5
+
+
+def test_packing_refuses_an_unknown_attention_implementation(tok, weights):
+    model = new_model(tok, weights)
+    model.config._attn_implementation = "paged_attention"
+    with pytest.raises(ValueError, match="packing needs one of"):
+        TorchActor(model, ActorConfig(packing=True), tok.pad_token_id, 10)
+
+
+# ---------------------------------------------------------------- planning
+def test_token_budget_plans_cover_every_sample_within_budget(tok):
+    batch = make_batch(tok, 30, seed=2)
+    P, R = batch["prompt_ids"], batch["response_ids"]
+    ids = list(range(30))
+    random.Random(0).shuffle(ids)
+    for packed in (True, False):
+        plans = plan_micro_batches(ids, P, R, count=4, budget=45, packed=packed, setting="actor.micro_batch_tokens")
+        assert sorted(i for p in plans for i in p) == sorted(ids)
+        costs = [micro_batch_cost([len(P[i]) for i in p], [len(R[i]) for i in p], packed) for p in plans]
+        assert max(costs) <= 45
+        assert len(plans) > 2  # really split
+        if packed:  # order kept
+            assert [i for p in plans for i in p] == ids
+    # Without a budget: fixed counts in the given order (the default path).
+    assert plan_micro_batches(ids, P, R, count=7, budget=None, packed=False, setting="x") == [
+        ids[u : u + 7] for u in range(0, 30, 7)
+    ]
+
+
+def test_budget_smaller_than_one_sequence_is_a_clear_error(tok, weights):
+    batch = make_batch(tok, 6)
+    longest = max(len(p) + len(r) for p, r in zip(batch["prompt_ids"], batch["response_ids"], strict=True))
+    with pytest.raises(ValueError, match=rf"actor\.micro_batch_tokens={longest - 1} is smaller than one sequence"):
+        plan_micro_batches(
+            range(6), batch["prompt_ids"], batch["response_ids"], count=2, budget=longest - 1, packed=True,
+            setting="actor.micro_batch_tokens",
+        )
+    actor = TorchActor(
+        new_model(tok, weights), ActorConfig(ppo_mini_batch_size=6, micro_batch_tokens=longest - 1), tok.pad_token_id, 10
+    )
+    with pytest.raises(ValueError, match=r"raise actor\.micro_batch_tokens to at least"):
+        actor.update(batch, 1.0, 0)
+    critic = TorchCritic(new_model(tok, weights), CriticConfig(micro_batch_tokens=3), tok.pad_token_id, 10)
+    with pytest.raises(ValueError, match=r"critic\.micro_batch_tokens=3"):
+        critic.compute_values(batch["prompt_ids"], batch["response_ids"])
+    # At config load, against the longest sequence the run can produce.
+    with pytest.raises(ConfigError, match=r"actor\.micro_batch_tokens=100 is smaller than the longest sequence"):
+        load_config(None, ["actor.micro_batch_tokens=100", "data.max_prompt_length=96", "rollout.max_new_tokens=8"])
+    with pytest.raises(ConfigError, match=r"critic\.micro_batch_tokens=10"):
+        load_config(
+            None,
+            ["critic.enable=true", "algorithm.adv_estimator=gae", "critic.micro_batch_tokens=10", "data.max_prompt_length=8"],
+        )
+    cfg = load_config(None, ["actor.micro_batch_tokens=104", "data.max_prompt_length=96", "rollout.max_new_tokens=8"])
+    assert cfg.actor.micro_batch_tokens == 104
+
+
+# ---------------------------------------------------------------- exact accumulation
+class GradRecordingActor(TorchActor):
+    """A TorchActor that keeps a copy of the accumulated gradient of every optimizer step."""
+
+    def _optimizer_step(self) -> float:
+        self.grads = getattr(self, "grads", [])
+        self.grads.append(torch.cat([p.grad.flatten() for p in self.model.parameters() if p.grad is not None]))
+        return super()._optimizer_step()
+
+
+class GradRecordingCritic(TorchCritic):
+    def _optimizer_step(self) -> float:
+        self.grads = getattr(self, "grads", [])
+        self.grads.append(torch.cat([p.grad.flatten() for p in self.model.parameters() if p.grad is not None]))
+        return super()._optimizer_step()
+
+
+def actor_cfg(mode: str, **kw) -> ActorConfig:
+    base = dict(
+        ppo_mini_batch_size=6,
+        micro_batch_size=6,  # the reference: each mini-batch as one batch
+        ppo_epochs=2,
+        loss_agg_mode=mode,
+        entropy_coeff=0.01,
+        use_kl_loss=True,
+        kl_loss_coef=0.1,
+        optim=OptimConfig(lr=5e-3, warmup_steps=1, lr_schedule="cosine", grad_clip=0.5),
+    )
+    base.update(kw)
+    return ActorConfig(**base)
+
+
+def run_actor(tok, weights, cfg: ActorConfig, batch: dict):
+    model = new_model(tok, weights)
+    actor = GradRecordingActor(model, cfg, tok.pad_token_id, 20)
+    metrics = actor.update(batch, 0.9, 5)
+    return metrics, actor.grads, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def assert_same_update(got, want) -> None:
+    """Every step's accumulated gradient, the final parameters and the metrics agree."""
+    (gm, gg, gp), (wm, wg, wp) = got, want
+    assert len(gg) == len(wg)
+    for a, b in zip(gg, wg, strict=True):
+        torch.testing.assert_close(a, b, atol=2e-6, rtol=1e-5)
+    for k in wp:
+        # Adam divides by sqrt(v): near-zero gradient entries turn float noise into up to ~lr/100 here.
+        torch.testing.assert_close(gp[k], wp[k], atol=5e-5, rtol=0)
+    assert set(gm) == set(wm)
+    for k in wm:
+        assert gm[k] == pytest.approx(wm[k], rel=1e-5, abs=1e-6), k
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
+def test_token_budget_accumulation_equals_one_batch(tok, weights, mode, packing):
+    batch = make_batch(tok, 12, seed=3)
+    want = run_actor(tok, weights, actor_cfg(mode), batch)
+    assert want[0]["actor/grad_norm"] > 0.5  # clipping is active, so the gradient scale matters
+    cfg = actor_cfg(mode, micro_batch_tokens=30, packing=packing)
+    plans = plan_micro_batches(
+        range(6), batch["prompt_ids"], batch["response_ids"], count=6, budget=30, packed=packing, setting="x"
+    )
+    assert len(plans) >= 3  # several micro-batches per mini-batch
+    assert_same_update(run_actor(tok, weights, cfg, batch), want)
+
+
+def test_gspo_fixed_aggregation_is_weighted_as_its_own(tok, weights):
+    """GSPO aggregates seq-mean-token-mean whatever loss_agg_mode says; its micro weights must follow."""
+    batch = make_batch(tok, 12, seed=4)
+    want = run_actor(tok, weights, actor_cfg("token-mean", policy_loss="gspo"), batch)
+    got = run_actor(tok, weights, actor_cfg("token-mean", policy_loss="gspo", micro_batch_tokens=30), batch)
+    assert_same_update(got, want)
+
+
+def test_fixed_count_micro_batches_are_not_exact(tok, weights):
+    """Why the token-budget weighting exists: verl's len(micro)/len(mini) scaling differs for token-mean."""
+    batch = make_batch(tok, 12, seed=3)
+    want = run_actor(tok, weights, actor_cfg("token-mean"), batch)
+    _, grads, _ = run_actor(tok, weights, actor_cfg("token-mean", micro_batch_size=2), batch)
+    assert (grads[0] - want[1][0]).abs().max().item() > 1e-4
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum-norm"])
+def test_critic_token_budget_accumulation_equals_one_batch(tok, weights, mode):
+    batch = make_batch(tok, 12, seed=5)
+    base = new_model(tok, weights)
+    # No dropout in the value head (HF's token-classification default is 0.1): runs must be comparable.
+    config = base.config.__class__(**{**base.config.to_dict(), "num_labels": 1, "classifier_dropout": 0.0})
+    torch.manual_seed(1)
+    init = {k: v.clone() for k, v in LlamaForTokenClassification(config).state_dict().items()}
+
+    def run(**kw):
+        model = LlamaForTokenClassification(config)
+        model.load_state_dict(init)
+        cfg = CriticConfig(ppo_mini_batch_size=6, micro_batch_size=6, ppo_epochs=2, loss_agg_mode=mode, **kw)
+        critic = GradRecordingCritic(model, cfg, tok.pad_token_id, 20)
+        metrics = critic.update(batch, 3)
+        return metrics, critic.grads, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    want = run()
+    assert_same_update(run(micro_batch_tokens=30, packing=True), want)
+    assert_same_update(run(micro_batch_tokens=30), want)
