@@ -359,6 +359,19 @@ def _ref_for(name: str) -> _Ref:
     return (module, qualname, getattr(sys.modules.get(module), "__file__", None))
 
 
+def completion_rows(prompts: list[dict], completions: list[dict]) -> list[dict]:
+    """The rows ``score_batch`` takes, one per completion, its prompt found by ``prompt_index``."""
+    return [
+        {
+            "response_text": c["text"],
+            "ground_truth": prompts[c["prompt_index"]]["ground_truth"],
+            "data_source": prompts[c["prompt_index"]]["data_source"],
+            "extra_info": prompts[c["prompt_index"]]["extra_info"],
+        }
+        for c in completions
+    ]
+
+
 def score_batch(
     rows: list[dict],
     *,

@@ -13,11 +13,9 @@ import json
 from prefect import flow
 
 from flows.nightly import last_completed_iteration
-from flows.replay import FIXED, need, policy_before
-from flows.training import stored_config
+from flows.replay import need, policy_before, stored_config_with
 from infra.ray_runtime import ensure_ray
-from infra.store import ArtifactStore
-from schemas.config import ConfigError, build_config, merge_dicts, parse_overrides
+from schemas.config import ConfigError
 from schemas.stages import STAGE_FILES
 from tasks import stages
 from tasks.runtime import policy_worker, release_worker
@@ -33,13 +31,7 @@ def evaluate_run(
 ) -> dict:
     """Score the policy after update ``iteration`` (default: the last committed; 0: the start policy)."""
     overrides = list(overrides or [])
-    for item in overrides:
-        if item.split("=", 1)[0].split(".")[0] in FIXED:
-            raise ConfigError(f"config error: {item.split('=', 1)[0]}: an evaluation cannot change it")
-    store = ArtifactStore(store_root)
-    base = stored_config(store, run_name)
-    cfg = build_config(merge_dicts(base.model_dump(mode="json"), parse_overrides(overrides)))
-    cfg = cfg.model_copy(update={"store": cfg.store.model_copy(update={"root": store_root})})
+    store, cfg = stored_config_with(store_root, run_name, overrides, "an evaluation")
     last = last_completed_iteration(store, run_name)
     iteration = last if iteration is None else iteration
     if not 0 <= iteration <= last:

@@ -49,6 +49,17 @@ def _check(original: Manifest, name: str, current: str) -> None:
         )
 
 
+def stored_config_with(store_root: str, run_name: str, overrides: list[str], what: str) -> tuple[ArtifactStore, RunConfig]:
+    """The run's store and its stored config plus ``overrides`` (which may not move the run)."""
+    for item in overrides:
+        if item.split("=", 1)[0].split(".")[0] in FIXED:
+            raise ConfigError(f"config error: {item.split('=', 1)[0]}: {what} cannot change it")
+    store = ArtifactStore(store_root)
+    base = stored_config(store, run_name)
+    cfg = build_config(merge_dicts(base.model_dump(mode="json"), parse_overrides(overrides)))
+    return store, cfg.model_copy(update={"store": cfg.store.model_copy(update={"root": store_root})})
+
+
 def replay_version(overrides: list[str]) -> str:
     return "replay-" + hashlib.sha256(json.dumps(sorted(overrides)).encode()).hexdigest()[:10]
 
@@ -61,13 +72,7 @@ def replay(
     if stage not in REPLAYABLE:
         raise ConfigError(f"config error: stage {stage!r} cannot be replayed; valid: {', '.join(REPLAYABLE)}")
     overrides = list(overrides or [])
-    for item in overrides:
-        if item.split("=", 1)[0].split(".")[0] in FIXED:
-            raise ConfigError(f"config error: {item.split('=', 1)[0]}: a replay cannot change it")
-    store = ArtifactStore(store_root)
-    base = stored_config(store, run_name)
-    cfg = build_config(merge_dicts(base.model_dump(mode="json"), parse_overrides(overrides)))
-    cfg = cfg.model_copy(update={"store": cfg.store.model_copy(update={"root": store_root})})
+    store, cfg = stored_config_with(store_root, run_name, overrides, "a replay")
     original = need(store, run_name, iteration, stage)
     version = replay_version(overrides)
     lineage = {"replay_of": original.artifact_id, "overrides": overrides}

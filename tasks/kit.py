@@ -56,15 +56,7 @@ def agent_accuracy(cfg: RunConfig, model, tokenizer, rows: list[dict]) -> tuple[
     engine = HFRolloutEngine(model, tokenizer, batch_size=512)
     params = SamplingParams(n=1, temperature=0, max_new_tokens=cfg.rollout.max_new_tokens)
     comps, stats = run_agent_config(engine, cfg.agent, rows, params)
-    scored = [
-        {
-            "response_text": c["text"],
-            "ground_truth": rows[c["prompt_index"]]["ground_truth"],
-            "data_source": rows[c["prompt_index"]]["data_source"],
-            "extra_info": rows[c["prompt_index"]]["extra_info"],
-        }
-        for c in comps
-    ]
+    scored = rewards.completion_rows(rows, comps)
     acc = sum(r.score for r in rewards.score_batch(scored, timeout_s=5.0)) / max(1, len(scored))
     return acc, agent_metrics(comps, stats)
 

@@ -527,15 +527,7 @@ def evaluate(
         if cfg.trainer.eval_n > 0:
             params = _sampling(cfg, iteration, n=cfg.trainer.eval_n)
             comps += _complete(cfg, worker, policy.version, batch, params)[0]
-        rows = [
-            {
-                "response_text": c["text"],
-                "ground_truth": batch[c["prompt_index"]]["ground_truth"],
-                "data_source": batch[c["prompt_index"]]["data_source"],
-                "extra_info": batch[c["prompt_index"]]["extra_info"],
-            }
-            for c in comps
-        ]
+        rows = rewards.completion_rows(batch, comps)
         scores = [r.score for r in score_rows(cfg, rows)]
         greedy_n = len(batch)
         table = pa.table(
