@@ -180,9 +180,10 @@ class PolicyWorker:
         return self.critic.compute_values(prompt_ids, response_ids)
 
     def update(
-        self, version: str, batch: dict, temperature: float, seed: int, skip: bool = False
+        self, version: str, batch: dict, temperature: float, seed: int, skip: bool = False, checkpoint: bool = True
     ) -> tuple[dict, dict[str, bytes]]:
-        """One iteration's policy update (``skip`` during critic warm-up); returns metrics and checkpoint files."""
+        """One iteration's policy update (``skip`` during critic warm-up); returns metrics and, when
+        ``checkpoint``, the checkpoint files (between checkpoints nothing is serialised)."""
         self._require(version)
         torch.manual_seed(seed)
         metrics = {"actor/skipped": 1.0} if skip else self.actor.update(batch, temperature, seed)
@@ -191,7 +192,7 @@ class PolicyWorker:
             self._push_rollout_weights()
         # The worker now holds an uncommitted policy until the task commits it and calls set_version.
         self.versions["policy"] = None
-        return metrics, self._checkpoint(self.model, self.actor.state_dict())
+        return metrics, self._checkpoint(self.model, self.actor.state_dict()) if checkpoint else {}
 
     def critic_update(self, version: str, batch: dict, seed: int) -> tuple[dict, dict[str, bytes]]:
         self._require(version, "critic")

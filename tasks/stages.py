@@ -480,7 +480,7 @@ def hold_policy(worker, cfg: RunConfig, ref: PolicyRef) -> None:
     experience = store.manifest(m.run, m.iteration, "advantage")
     if experience is None or experience.artifact_id != m.inputs["experience"]:
         raise FileNotFoundError(f"experience {m.inputs['experience']} of iteration {m.iteration} is not committed")
-    ray.get(worker.update.remote(previous.version, *_update_args(cfg, m.iteration, experience)))
+    ray.get(worker.update.remote(previous.version, *_update_args(cfg, m.iteration, experience), checkpoint=False))
     ray.get(worker.set_version.remote(m.artifact_id))
 
 
@@ -493,12 +493,12 @@ def update(
     def produce() -> StageOutput:
         args = _update_args(cfg, iteration, experience)
         hold_policy(worker, cfg, policy)
-        metrics, files = ray.get(worker.update.remote(policy.version, *args))
         checkpoint = is_checkpoint(cfg, iteration)
+        # Between checkpoints only the metrics are stored: the weights follow from the inputs.
+        metrics, files = ray.get(worker.update.remote(policy.version, *args, checkpoint=checkpoint))
         return StageOutput(
             tables={"metrics.parquet": A.metrics_table(metrics)},
-            # Between checkpoints only the metrics are stored: the weights follow from the inputs.
-            blobs=files if checkpoint else {},
+            blobs=files,
             metrics=metrics,
             meta={"policy_ref": policy.model_dump(mode="json"), "between_checkpoints": not checkpoint},
             # The worker already holds these weights: mark them as the committed version.
