@@ -35,7 +35,22 @@ import torch
 
 from engines.actor import TorchActor
 from engines.batching import check_packing_supported, lr_lambda
+from engines.checkpoint import register_type
 from schemas.config import ActorConfig
+
+
+def _register_state_types() -> None:
+    """The non-tensor objects in a ZeRO optimizer state, stored by value (engines.checkpoint)."""
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    register_type("deepspeed.ZeroStageEnum", ZeroStageEnum, int, ZeroStageEnum)
+    register_type("deepspeed.fragment_address", fragment_address, lambda f: [f.numel, f.start], lambda v: fragment_address(*v))
+    register_type("deepspeed.LossScaler", LossScaler, lambda s: float(s.cur_scale), LossScaler)
+
+
+_register_state_types()
 
 # The port this module picked for a single-process group; a later group after a teardown gets a fresh one.
 _OWN_MASTER_PORT: str | None = None

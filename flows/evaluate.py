@@ -18,7 +18,7 @@ from infra.ray_runtime import ensure_ray
 from schemas.config import ConfigError
 from schemas.stages import STAGE_FILES
 from tasks import stages
-from tasks.runtime import policy_worker, release_worker
+from workers.group import open_group
 
 
 def eval_version(overrides: list[str]) -> str:
@@ -40,13 +40,13 @@ def evaluate_run(
     policy = policy_before(cfg, store, iteration + 1)  # the policy after update k
     version = eval_version(overrides)
     ensure_ray(cfg)
-    worker = policy_worker(cfg)  # held for the flow so the stage task finds it alive
+    group = open_group(cfg, version)  # its own worker (never a training run's), held for the stage task
     try:
         result = stages.evaluate(
             cfg, iteration, prompts, policy, version=version, meta={"eval_of": policy.version, "overrides": overrides}
         )
     finally:
-        release_worker(worker)
+        group.release()
     return {
         "run": run_name,
         "iteration": iteration,

@@ -20,7 +20,8 @@ from schemas.manifest import Manifest, PolicyRef
 from schemas.stages import STAGE_FILES
 from tasks import stages
 from tasks.kit import initial_policy, kit_run_name
-from tasks.runtime import policy_ref_from, policy_worker, release_worker, store_for
+from tasks.runtime import policy_ref_from, store_for
+from workers.group import open_group
 
 REPLAYABLE = ("rollout", "reward", "advantage", "update", "eval")
 FIXED = ("run_name", "store")  # a replay may not move the run
@@ -78,7 +79,7 @@ def replay(
     lineage = {"replay_of": original.artifact_id, "overrides": overrides}
     prompts = need(store, run_name, None, "data_prep")
     ensure_ray(cfg)
-    worker = policy_worker(cfg)  # held for the replay so stage tasks find it alive
+    group = open_group(cfg, version)  # its own worker (never a training run's), held for the stage tasks
     try:
         if stage == "eval":
             policy = policy_before(cfg, store, iteration + 1)  # eval k scores the policy after update k
@@ -108,7 +109,7 @@ def replay(
                 _check(original, "policy", policy.version)
                 result = stages.update(cfg, iteration, exp, policy, version=version, meta=lineage)
     finally:
-        release_worker(worker)
+        group.release()
     return summarize(store_for(cfg), original, result.manifest)
 
 

@@ -25,7 +25,8 @@ from schemas.config import ConfigError, RunConfig, build_config, load_config, me
 from schemas.manifest import Manifest, PolicyRef
 from tasks import stages
 from tasks.kit import initial_policy, sft_warm_start
-from tasks.runtime import critic_init_ref, policy_ref_from, policy_worker, release_worker, store_for
+from tasks.runtime import policy_ref_from, store_for
+from workers.group import critic_init_ref, open_group
 
 # Fields that may differ between invocations of one run: where and how it executes, and how long.
 RUN_MUTABLE = ("run_name", "store", "ray", "tracking", "trainer.iterations", "drill")
@@ -211,7 +212,7 @@ def _run_iterations(cfg: RunConfig, store: ArtifactStore, first: int, last: int,
     one_iteration = iteration_flow.with_options(task_runner=runner, flow_run_name=f"{cfg.run_name}-iter-{{iteration}}")
     # The driver owns the policy worker: a non-detached actor dies with its last handle, so this
     # one keeps it alive for the run while stage tasks look it up by name.
-    worker = policy_worker(cfg)
+    group = open_group(cfg)
     status = "FAILED"
     try:
         prep = stages.submit_stage(stages.data_prep, cfg, "data_prep").result()
@@ -261,7 +262,7 @@ def _run_iterations(cfg: RunConfig, store: ArtifactStore, first: int, last: int,
         }
     finally:
         tracker.finish(status)
-        release_worker(worker)
+        group.release()
 
 
 def _publish_iteration(

@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
-import ray
 import torch
 from prefect import task
 from prefect.cache_policies import NO_CACHE
@@ -25,16 +24,10 @@ from engines import datasets, rewards
 from engines.agent_loop import agent_metrics
 from engines.cursor import prompt_batch
 from schemas import artifacts as A
-from schemas.config import ConfigError, RunConfig
+from schemas.config import RunConfig
 from schemas.manifest import Manifest, PolicyRef
-from tasks.runtime import (
-    STAGE_CONFIG,
-    code_version,
-    ensure_policy,
-    policy_worker,
-    stage_key,
-    store_for,
-)
+from tasks.runtime import STAGE_CONFIG, code_version, stage_key, store_for
+from workers.group import PolicyGroup, open_group
 
 
 @dataclass
@@ -51,7 +44,9 @@ class StageOutput:
     blobs: dict[str, bytes] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
     meta: dict = field(default_factory=dict)
-    on_commit: Callable[[Manifest], None] | None = None
+    # Set when a worker holds files to commit (a checkpoint): it writes them to the store itself, given
+    # ArtifactStore.commit's keyword arguments and the tables; returns the manifest.
+    commit_in_worker: Callable[[dict, dict[str, pa.Table]], Manifest] | None = None
 
 
 def run_stage(
@@ -79,21 +74,21 @@ def run_stage(
     out = produce()
     seconds = time.perf_counter() - t0
     fault_point(cfg, stage, iteration)
-    manifest = store.commit(
-        run,
-        iteration,
-        stage,
-        key=key,
-        config_hash=config_hash,
-        code_version=code_version(),
-        inputs=inputs,
-        tables=out.tables,
-        blobs=out.blobs,
-        meta={**out.meta, **(meta or {}), "metrics": out.metrics, "compute_s": seconds},
-        version=version,
-    )
-    if out.on_commit is not None:
-        out.on_commit(manifest)
+    commit = {
+        "run": run,
+        "iteration": iteration,
+        "stage": stage,
+        "key": key,
+        "config_hash": config_hash,
+        "code_version": code_version(),
+        "inputs": inputs,
+        "meta": {**out.meta, **(meta or {}), "metrics": out.metrics, "compute_s": seconds},
+        "version": version,
+    }
+    if out.commit_in_worker is not None:
+        manifest = out.commit_in_worker(commit, out.tables)
+    else:
+        manifest = store.commit(**commit, tables=out.tables, blobs=out.blobs)
     return StageResult(manifest, executed=True, seconds=seconds, metrics=out.metrics)
 
 
@@ -163,12 +158,12 @@ def rollout(
         train = _read(cfg, prompts, "train.parquet")
         rows = prompt_batch(train.num_rows, iteration, cfg.data.prompts_per_iteration, cfg.data.shuffle_seed)
         batch = train.take(rows).to_pylist()
-        worker = policy_worker(cfg)
-        hold_policy(worker, cfg, policy)
-        comps, stats = _complete(cfg, worker, policy.version, batch, _sampling(cfg, iteration))
+        group = open_group(cfg, version)
+        hold_policy(group, cfg, policy)
+        comps, stats = _complete(cfg, group, policy.version, batch, _sampling(cfg, iteration))
         if cfg.algorithm.adv_estimator == "remax":
             # ReMax's baseline: one greedy answer per prompt, scored like the samples (sample_index -1).
-            greedy, _ = _complete(cfg, worker, policy.version, batch, _sampling(cfg, iteration, n=1, greedy=True))
+            greedy, _ = _complete(cfg, group, policy.version, batch, _sampling(cfg, iteration, n=1, greedy=True))
             comps += [{**c, "sample_index": -1} for c in greedy]
         table = _rollouts_table(batch, comps, iteration)
         lengths = np.array(table.column("response_length").to_pylist())
@@ -192,11 +187,11 @@ def rollout(
     return run_stage(cfg, "rollout", iteration, inputs, produce, version=version, meta=meta)
 
 
-def _complete(cfg: RunConfig, worker, version: str, batch: list[dict], params: dict) -> tuple[list[dict], dict]:
+def _complete(cfg: RunConfig, group: PolicyGroup, version: str, batch: list[dict], params: dict) -> tuple[list[dict], dict]:
     """Completions of prompts-table rows: single-turn, or multi-turn tool-calling rollouts (agent.enable)."""
     if cfg.agent.enable:
-        return ray.get(worker.agent_generate.remote(version, batch, params))
-    return ray.get(worker.generate.remote(version, [p["prompt"] for p in batch], params)), {}
+        return group.call("agent_generate", version, batch, params)
+    return group.call("generate", version, [p["prompt"] for p in batch], params), {}
 
 
 _AGENT_COLUMNS = ("turn_bounds", "truncated", "num_turns", "tool_calls", "tool_errors", "tool_timeouts")
@@ -318,20 +313,19 @@ def advantage(
         lens = [len(r) for r in response_ids]
         width = max(lens)
         mask = _padded(masks, width)
-        worker = policy_worker(cfg)
-        store = store_for(cfg)
-        hold_policy(worker, cfg, policy)
+        group = open_group(cfg, version)
+        hold_policy(group, cfg, policy)
         temp = cfg.rollout.temperature
-        old = ray.get(worker.log_probs.remote(policy.version, prompt_ids, response_ids, temp))
+        old = group.call("log_probs", policy.version, prompt_ids, response_ids, temp)
         old_t = _padded(old, width)
         metrics: dict[str, float] = {}
         ref_lp = values = None
         if ref is not None:
-            ensure_policy(worker, store, ref, role="ref")
-            ref_lp = ray.get(worker.ref_log_probs.remote(ref.version, prompt_ids, response_ids, temp))
+            group.acquire(ref, role="ref")
+            ref_lp = group.call("ref_log_probs", ref.version, prompt_ids, response_ids, temp)
         if critic is not None:
-            ensure_policy(worker, store, critic, role="critic")
-            values = ray.get(worker.values.remote(critic.version, prompt_ids, response_ids))
+            group.acquire(critic, role="critic")
+            values = group.call("values", critic.version, prompt_ids, response_ids)
         # Outcome reward sits on the last policy token of each response.
         token_scores = torch.zeros_like(mask)
         for i, m in enumerate(masks):
@@ -422,20 +416,16 @@ def advantage(
 def critic_update(
     cfg: RunConfig, iteration: int, experience: Manifest, critic: PolicyRef, version: str = "main", meta: dict | None = None
 ) -> StageResult:
-    """Fit the value model to this iteration's returns; commits the new critic checkpoint."""
-    worker = policy_worker(cfg)
+    """Fit the value model to this iteration's returns; the worker commits the new critic checkpoint."""
 
     def produce() -> StageOutput:
-        exp = _read(cfg, experience, "experience.parquet")
-        batch = {c: exp.column(c).to_pylist() for c in ("prompt_ids", "response_ids", "response_mask", "values", "returns")}
-        ensure_policy(worker, store_for(cfg), critic, role="critic")
-        seed = cfg.trainer.seed * 1_000_003 + iteration
-        metrics, files = ray.get(worker.critic_update.remote(critic.version, batch, seed))
+        group = open_group(cfg, version)
+        group.acquire(critic, role="critic")
+        metrics = group.call("critic_update", critic.version, experience.model_dump(mode="json"), iteration)
         return StageOutput(
             tables={"metrics.parquet": A.metrics_table(metrics)},
-            blobs=files,
             metrics=metrics,
-            on_commit=lambda m: ray.get(worker.set_version.remote(m.artifact_id, "critic")),
+            commit_in_worker=lambda commit, tables: group.commit("critic", commit, tables),
         )
 
     inputs = {"experience": experience.artifact_id, "critic": critic.version}
@@ -443,66 +433,31 @@ def critic_update(
 
 
 # ---------------------------------------------------------------- update
-def _update_args(cfg: RunConfig, iteration: int, experience: Manifest) -> tuple[dict, float, int, bool]:
-    """The worker's ``update`` arguments for ``iteration``: batch, temperature, seed, critic warm-up skip."""
-    exp = _read(cfg, experience, "experience.parquet")
-    cols = ["prompt_ids", "response_ids", "response_mask", "old_log_probs", "advantages"]
-    if cfg.actor.use_kl_loss:
-        cols.append("ref_log_probs")
-    batch = {c: exp.column(c).to_pylist() for c in cols}
-    seed = cfg.trainer.seed * 1_000_003 + iteration
-    skip = iteration <= cfg.critic.warmup_iterations and cfg.critic.enable  # critic warm-up
-    return batch, cfg.rollout.temperature, seed, skip
-
-
 def is_checkpoint(cfg: RunConfig, iteration: int) -> bool:
     return iteration % cfg.trainer.checkpoint_every == 0
 
 
-def hold_policy(worker, cfg: RunConfig, ref: PolicyRef) -> None:
-    """Make the worker hold policy ``ref``; one committed between checkpoints is rebuilt by
-    re-running its update (and, recursively, the ones before it) from the stored experience."""
-    store = store_for(cfg)
-    if ray.get(worker.version.remote("policy")) == ref.version:
-        return
-    m = store.manifest(ref.run, ref.iteration, ref.stage) if ref.stage == "update" and ref.path is None else None
-    if m is None or m.artifact_id != ref.version or not m.meta.get("between_checkpoints"):
-        ensure_policy(worker, store, ref)
-        return
-    if m.config_hash != cfg.stage_hash(*STAGE_CONFIG["update"]):
-        raise ConfigError(
-            f"config error: the policy of iteration {m.iteration} lies between checkpoints "
-            f"(trainer.checkpoint_every={cfg.trainer.checkpoint_every}) and was trained with other actor "
-            "settings; replay from a checkpointed iteration or keep the actor settings"
-        )
-    previous = PolicyRef.model_validate(m.meta["policy_ref"])
-    hold_policy(worker, cfg, previous)
-    experience = store.manifest(m.run, m.iteration, "advantage")
-    if experience is None or experience.artifact_id != m.inputs["experience"]:
-        raise FileNotFoundError(f"experience {m.inputs['experience']} of iteration {m.iteration} is not committed")
-    ray.get(worker.update.remote(previous.version, *_update_args(cfg, m.iteration, experience), checkpoint=False))
-    ray.get(worker.set_version.remote(m.artifact_id))
+def hold_policy(group: PolicyGroup, cfg: RunConfig, ref: PolicyRef) -> None:
+    """Make the group hold policy ``ref``; one committed between checkpoints is rebuilt in the worker by
+    re-running its updates from stored experience, valid only under this config's update settings."""
+    group.acquire(ref, "policy", update_hash=cfg.stage_hash(*STAGE_CONFIG["update"]))
 
 
 @_stage_task("update")
 def update(
     cfg: RunConfig, iteration: int, experience: Manifest, policy: PolicyRef, version: str = "main", meta: dict | None = None
 ) -> StageResult:
-    worker = policy_worker(cfg)
-
     def produce() -> StageOutput:
-        args = _update_args(cfg, iteration, experience)
-        hold_policy(worker, cfg, policy)
+        group = open_group(cfg, version)
+        hold_policy(group, cfg, policy)
         checkpoint = is_checkpoint(cfg, iteration)
-        # Between checkpoints only the metrics are stored: the weights follow from the inputs.
-        metrics, files = ray.get(worker.update.remote(policy.version, *args, checkpoint=checkpoint))
+        # The worker reads the experience itself; between checkpoints only the metrics are stored.
+        metrics = group.call("update", policy.version, experience.model_dump(mode="json"), iteration, checkpoint)
         return StageOutput(
             tables={"metrics.parquet": A.metrics_table(metrics)},
-            blobs=files,
             metrics=metrics,
             meta={"policy_ref": policy.model_dump(mode="json"), "between_checkpoints": not checkpoint},
-            # The worker already holds these weights: mark them as the committed version.
-            on_commit=lambda m: ray.get(worker.set_version.remote(m.artifact_id)),
+            commit_in_worker=lambda commit, tables: group.commit("policy", commit, tables),
         )
 
     inputs = {"experience": experience.artifact_id, "policy": policy.version}
@@ -519,14 +474,14 @@ def evaluate(
         if cfg.data.eval_size is not None:
             test = test.slice(0, cfg.data.eval_size)
         batch = test.to_pylist()
-        worker = policy_worker(cfg)
-        hold_policy(worker, cfg, policy)
-        comps, stats = _complete(cfg, worker, policy.version, batch, _sampling(cfg, iteration, n=1, greedy=True))
+        group = open_group(cfg, version)
+        hold_policy(group, cfg, policy)
+        comps, stats = _complete(cfg, group, policy.version, batch, _sampling(cfg, iteration, n=1, greedy=True))
         # Tool use of the greedy answers (agent mode): held-out tool-call success rate and friends.
         agent = agent_metrics(comps, stats, prefix="val/") if cfg.agent.enable else {}
         if cfg.trainer.eval_n > 0:
             params = _sampling(cfg, iteration, n=cfg.trainer.eval_n)
-            comps += _complete(cfg, worker, policy.version, batch, params)[0]
+            comps += _complete(cfg, group, policy.version, batch, params)[0]
         rows = rewards.completion_rows(batch, comps)
         scores = [r.score for r in score_rows(cfg, rows)]
         greedy_n = len(batch)

@@ -285,28 +285,67 @@ def worker_weights(worker) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in worker.model.state_dict().items()}
 
 
+def commit_experience(store, batch: dict, iteration: int):
+    """The experience artifact an advantage stage would commit for ``batch`` (the worker reads it itself)."""
+    import pyarrow as pa
+
+    from schemas import artifacts as A
+
+    n = len(batch["prompt_ids"])
+    table = pa.table(
+        {
+            "sample_id": [f"s{i}" for i in range(n)],
+            "group_id": list(range(n)),
+            **{c: batch[c] for c in ("prompt_ids", "response_ids", "response_mask", "old_log_probs", "advantages")},
+            "score": [0.0] * n,
+            "ref_log_probs": batch["ref_log_probs"],
+            "values": [None] * n,
+            "token_level_rewards": batch["advantages"],
+            "returns": batch["advantages"],
+        }
+    )
+    return store.commit(
+        "w", iteration, "advantage", key=f"k{iteration}", config_hash="c", code_version="t", inputs={},
+        tables={"experience.parquet": A.conform(table, A.EXPERIENCE)},
+    )  # fmt: skip
+
+
 @pytest.mark.parametrize("stage", [2, 3])
 def test_policy_worker_checkpoint_round_trip(tok, weights, tmp_path, stage):
-    """PolicyWorker with actor.engine=deepspeed: update, checkpoint files, reload them, update again == torch."""
+    """PolicyWorker with actor.engine=deepspeed: update, commit its checkpoint to the store (safetensors + a
+    pickle-free trainer state), a second worker acquires it from the store and updates again == torch."""
     from engines.tinykit import save_model_dir
-    from tasks.policy_actor import PolicyWorker
+    from schemas.manifest import PolicyRef
+    from tasks.runtime import policy_ref_from
+    from workers.policy import PolicyWorker
 
     start = save_model_dir(new_model(tok, weights), tok, tmp_path / "start")
     batch = make_batch(tok, 8, seed=5)
     runs = {}
     for engine in ("torch", "deepspeed"):
-        first = PolicyWorker(worker_cfg(tmp_path, engine, stage), 20)
-        first.load("v0", path=str(start))
-        m1, files = first.update("v0", batch, 0.9, 11)
+        cfg = worker_cfg(tmp_path / engine, engine, stage)
+        first = PolicyWorker(cfg, 20)
+        store = first.store
+        exps = [commit_experience(store, batch, it) for it in (1, 2)]
+        first.acquire(PolicyRef(version="v0", path=str(start)).model_dump(mode="json"))
+        m1 = first.update("v0", exps[0].model_dump(mode="json"), 1, True)
+        assert first.version() is None  # trained but not committed: no stage may use it yet
+        commit = {"run": "w", "iteration": 1, "stage": "update", "key": "u1", "config_hash": "c", "code_version": "t", "inputs": {}}
+        manifest = first.commit("policy", commit, {})
+        assert not any(f.endswith(".pt") for f in manifest["files"])
+        assert {"trainer_state/trainer_state.safetensors", "trainer_state/trainer_state.json"} <= set(manifest["files"])
         after_one = worker_weights(first)  # what rollout and eval use (ZeRO-3: gathered back after the update)
-        second = PolicyWorker(worker_cfg(tmp_path, engine, stage), 20)
-        second.load("v1", files=files)  # the stored checkpoint: model/ + actor_state.pt
+        second = PolicyWorker(cfg, 20)
+        ref = policy_ref_from(store.manifest("w", 1, "update"))
+        second.acquire(ref.model_dump(mode="json"))
         assert_close_state(worker_weights(second), after_one)
-        m2, _ = second.update("v1", batch, 0.9, 12)
+        m2 = second.update(ref.version, exps[1].model_dump(mode="json"), 2, False)
         runs[engine] = (m1, m2, worker_weights(second))
         for w in (first, second):
             if hasattr(w.actor, "close"):
                 w.actor.close()
+            w.close()
+            assert not w.scratch.exists()  # fetched and staged checkpoints are removed with the worker
     (tm1, tm2, tw), (dm1, dm2, dw) = runs["torch"], runs["deepspeed"]
     assert_close_metrics(dm1, tm1)
     assert_close_metrics(dm2, tm2)  # the optimizer and schedule state came back from the checkpoint

@@ -45,7 +45,7 @@ def test_two_iterations_commit_every_artifact(first_run):
         rollouts = store.read_table(store.manifest("it", it, "rollout"), "rollouts.parquet")
         assert rollouts.num_rows == 8 * 4
         update = store.manifest("it", it, "update")
-        assert "model/model.safetensors" in update.files and "actor_state.pt" in update.files
+        assert "model/model.safetensors" in update.files and "trainer_state/trainer_state.safetensors" in update.files
         # lineage: each stage records the artifact ids it read
         adv = store.manifest("it", it, "advantage")
         assert adv.inputs["rollouts"] == store.manifest("it", it, "rollout").artifact_id

@@ -1,0 +1,316 @@
+"""The policy worker: one Ray actor holding the colocated roles of a run — the policy with its
+optimizer and rollout engine, the frozen reference policy and the critic.
+
+Weights never leave it as bytes. It reads checkpoints from the store itself (``acquire``), trains,
+stages the new checkpoint in a local folder and writes it to the store itself (``commit``); stage
+tasks pass references (``PolicyRef``, manifests) and get back metrics, log-probs and manifests.
+Checkpoints are Hugging Face safetensors folders plus a pickle-free trainer state
+(``engines.checkpoint``), so a store others can write cannot run code here.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+
+import pyarrow as pa
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
+
+from engines.actor import TorchActor
+from engines.checkpoint import load_trainer_state, save_trainer_state
+from engines.critic import TorchCritic
+from engines.rollout import HFRolloutEngine, SamplingParams
+from infra.store import ArtifactStore
+from schemas.config import ConfigError, RunConfig
+from schemas.manifest import Manifest, PolicyRef
+
+ROLES = ("policy", "ref", "critic")
+CRITIC_INIT = "critic-init:"  # a critic version made from a policy checkpoint plus a fresh value head
+MODEL_DIR = "model"  # the Hugging Face folder inside a checkpoint artifact
+STATE_DIR = "trainer_state"  # engines.checkpoint's files inside a checkpoint artifact
+LEGACY_STATE = "actor_state.pt"  # the pickled format of earlier versions: never loaded
+
+
+# What a checkpoint folder may hold: weights as safetensors, configs, tokenizers and templates as text.
+# Anything else (pickled .bin/.pt, Python files a remote-code model would import) is refused unread.
+SAFE_SUFFIXES = (".safetensors", ".json", ".txt", ".jinja", ".model", ".md")
+
+
+def check_loadable(manifest: Manifest, where: str) -> None:
+    """Refuse a checkpoint holding a file whose loading could run code (one line naming it)."""
+    for name in sorted(manifest.files):
+        if name == LEGACY_STATE:
+            raise ConfigError(
+                f"checkpoint {where} holds a pickled {LEGACY_STATE} (an earlier format, unsafe to load); "
+                "replay its update to store it anew"
+            )
+        if not name.endswith(SAFE_SUFFIXES) and name.startswith((MODEL_DIR + "/", STATE_DIR + "/")):
+            raise ConfigError(f"checkpoint {where} holds {name}, a file type that is never loaded (not safetensors/JSON/text)")
+
+
+def iteration_seed(seed: int, iteration: int) -> int:
+    """The seed of one iteration's update (policy and critic): the same on every rerun."""
+    return seed * 1_000_003 + iteration
+
+
+def update_batch(exp: pa.Table, columns: tuple[str, ...]) -> dict[str, list]:
+    """The columns of an experience table the trainer reads, as lists."""
+    return {c: exp.column(c).to_pylist() for c in columns}
+
+
+class PolicyWorker:
+    def __init__(self, cfg_json: dict, total_steps: int) -> None:
+        self.cfg = RunConfig.model_validate(cfg_json)
+        torch.set_num_threads(self.cfg.model.torch_threads)
+        self.store = ArtifactStore(self.cfg.store.root, self.cfg.store.storage_options, retries=self.cfg.store.retries)
+        self.total_steps = total_steps
+        self.versions: dict[str, str | None] = dict.fromkeys(ROLES)
+        self.tokenizer = None
+        self.model = None
+        self.actor: TorchActor | None = None
+        self.rollout = None  # HFRolloutEngine or VLLMRolloutEngine (rollout.engine)
+        self.ref_model = None
+        self.critic: TorchCritic | None = None
+        # Checkpoints fetched from the store and checkpoints waiting to be committed: removed on close.
+        self.scratch = Path(tempfile.mkdtemp(prefix="rlstage-worker-"))
+        self.staged: dict[str, Path] = {}
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def version(self, role: str = "policy") -> str | None:
+        return self.versions[role]
+
+    # ------------------------------------------------------------------ the version protocol
+    def acquire(self, ref_json: dict, role: str = "policy", update_hash: str | None = None) -> str:
+        """Hold version ``ref`` in ``role`` (a no-op when already held); returns the version.
+
+        A committed checkpoint is read from the store; a local model folder (``path:``) directly. A
+        policy committed between checkpoints is rebuilt by re-running its updates from the stored
+        experience, which is only valid under the same update settings (``update_hash``).
+        """
+        ref = PolicyRef.model_validate(ref_json)
+        if self.versions[role] == ref.version:
+            return ref.version
+        if ref.path is not None:
+            self._load(ref.version, Path(ref.path), None, role)
+            return ref.version
+        manifest = self.store.manifest(ref.run, ref.iteration, ref.stage)
+        wanted = ref.version.removeprefix(CRITIC_INIT)
+        if manifest is None or manifest.artifact_id != wanted:
+            raise FileNotFoundError(f"checkpoint {ref.run}/iter-{ref.iteration}/{ref.stage} ({wanted}) is not committed")
+        if role == "policy" and manifest.meta.get("between_checkpoints"):
+            self._rebuild(manifest, update_hash)
+            return ref.version
+        check_loadable(manifest, self.store.artifact_dir(ref.run, ref.iteration, ref.stage))
+        folder = self.scratch / f"load-{role}"
+        shutil.rmtree(folder, ignore_errors=True)
+        model_dir = Path(self.store.fetch_dir(manifest, MODEL_DIR, str(folder / MODEL_DIR)))
+        state = None
+        if any(f.startswith(STATE_DIR + "/") for f in manifest.files) and not ref.version.startswith(CRITIC_INIT):
+            state = load_trainer_state(self.store.fetch_dir(manifest, STATE_DIR, str(folder / STATE_DIR)))
+        self._load(ref.version, model_dir, state, role)
+        return ref.version
+
+    def _rebuild(self, m: Manifest, update_hash: str | None) -> None:
+        if update_hash is not None and m.config_hash != update_hash:
+            raise ConfigError(
+                f"config error: the policy of iteration {m.iteration} lies between checkpoints "
+                f"(trainer.checkpoint_every={self.cfg.trainer.checkpoint_every}) and was trained with other actor "
+                "settings; replay from a checkpointed iteration or keep the actor settings"
+            )
+        previous = PolicyRef.model_validate(m.meta["policy_ref"])
+        self.acquire(previous.model_dump(mode="json"), "policy", update_hash)
+        experience = self.store.manifest(m.run, m.iteration, "advantage")
+        if experience is None or experience.artifact_id != m.inputs["experience"]:
+            raise FileNotFoundError(f"experience {m.inputs['experience']} of iteration {m.iteration} is not committed")
+        self.update(previous.version, experience.model_dump(mode="json"), m.iteration, checkpoint=False)
+        self.versions["policy"] = m.artifact_id
+
+    def commit(self, role: str, commit_json: dict, tables: dict[str, pa.Table]) -> dict:
+        """Write ``role``'s staged checkpoint (if any) and ``tables`` as one artifact; hold it as that version.
+
+        ``commit_json`` holds ``ArtifactStore.commit``'s keyword arguments (run, iteration, stage, key, ...).
+        """
+        staged = self.staged.pop(role, None)
+        dirs = {} if staged is None else {p.name: str(p) for p in sorted(staged.iterdir())}
+        try:
+            manifest = self.store.commit(**commit_json, tables=tables, dirs=dirs)
+        finally:
+            if staged is not None:
+                shutil.rmtree(staged, ignore_errors=True)
+        self.versions[role] = manifest.artifact_id
+        return manifest.model_dump(mode="json")
+
+    # ------------------------------------------------------------------ loading
+    def _load(self, version: str, path: Path, state: dict | None, role: str) -> None:
+        if not path.is_dir():
+            raise FileNotFoundError(f"model path {path} does not exist or is not a directory")
+        dtype = torch.bfloat16 if self.cfg.model.dtype == "bfloat16" else torch.float32
+        if self.tokenizer is None or role == "policy":
+            self.tokenizer = AutoTokenizer.from_pretrained(path)
+            self.tokenizer.padding_side = "left"
+        pad_id = self.tokenizer.pad_token_id
+        if role == "policy":
+            self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+            self.actor = self._new_actor(pad_id)
+            if state is not None:
+                self.actor.load_state_dict(state)
+            self.rollout = self._rollout_engine(str(path))
+        elif role == "ref":
+            self.ref_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval().requires_grad_(False)
+        elif role == "critic":
+            torch.manual_seed(self.cfg.trainer.seed)  # the fresh value head is the same on every load
+            # classifier_dropout=0: a deterministic value head, as verl's (HF's default is 0.1)
+            config = AutoConfig.from_pretrained(path, num_labels=1)
+            config.classifier_dropout = 0.0  # not every config class declares it, so set after loading
+            model = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=dtype).eval()
+            self.critic = TorchCritic(model, self.cfg.critic, pad_id, self.total_steps)
+            if state is not None:
+                self.critic.load_state_dict(state)
+        else:
+            raise ValueError(f"unknown role {role!r}; valid: {', '.join(ROLES)}")
+        self.versions[role] = version
+
+    def _new_actor(self, pad_id: int) -> TorchActor:
+        """The train engine ``actor.engine`` names, training ``self.model`` (ZeRO-3: a copy of it)."""
+        if self.cfg.actor.engine == "torch":
+            return TorchActor(self.model, self.cfg.actor, pad_id, self.total_steps)
+        import deepspeed  # lazy: only runs with actor.engine=deepspeed pay for the import
+
+        from engines.actor_deepspeed import DeepSpeedActor
+
+        deepspeed.utils.logger.setLevel("WARNING")  # its INFO lines would flood the Ray worker's log
+        if isinstance(self.actor, DeepSpeedActor):
+            self.actor.close()  # a reload (resume, replay): release the old engine; the process group stays
+        if not torch.distributed.is_initialized():
+            # This worker is a world of one. Values inherited from the driver's environment describe another
+            # process (a reused MASTER_PORT is EADDRINUSE); DeepSpeedActor picks a free port when none is set.
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+            os.environ.pop("MASTER_PORT", None)
+        # DeepSpeedActor skips the shm_comm op build. ZeRO-3 partitions the module it trains, while rollout
+        # and checkpoints need whole weights: it trains a copy (_sync_policy_weights).
+        train_model = copy.deepcopy(self.model) if self.cfg.actor.zero_stage == 3 else self.model
+        return DeepSpeedActor(train_model, self.cfg.actor, pad_id, self.total_steps)
+
+    def _sync_policy_weights(self) -> None:
+        """After an update: ZeRO-3's gathered weights into the whole model (a no-op for other engines)."""
+        engine = getattr(self.actor, "engine", None)
+        if engine is not None and engine.module is not self.model:
+            self.model.load_state_dict(self.actor.export_model())
+
+    def _rollout_engine(self, path: str):
+        """The ``rollout.engine`` for policy weights just loaded from ``path``.
+
+        HF shares ``self.model``. A running vLLM engine takes the new weights in place (a resume or
+        replay reloads the policy): starting one costs 15-60 s on CPU.
+        """
+        r = self.cfg.rollout
+        if r.engine == "hf":
+            return HFRolloutEngine(self.model, self.tokenizer, r.batch_size)
+        from engines.rollout_vllm import VLLMRolloutEngine  # lazy: vllm is an optional extra
+
+        if isinstance(self.rollout, VLLMRolloutEngine):
+            self.rollout.load_weights(path)
+            return self.rollout
+        return VLLMRolloutEngine(
+            path,
+            self.tokenizer,
+            dtype=self.cfg.model.dtype,
+            seed=r.seed,
+            kv_cache_bytes=r.vllm_kv_cache_bytes,
+            enforce_eager=r.vllm_enforce_eager,
+            max_num_seqs=r.vllm_max_num_seqs,
+            cpu_threads_bind=r.vllm_cpu_threads_bind,
+        )
+
+    def _push_rollout_weights(self) -> None:
+        """After an update: the trained weights into a separate rollout engine (HF shares the model)."""
+        if hasattr(self.rollout, "load_weights"):
+            self.rollout.load_weights(self.model)
+
+    def close(self) -> None:
+        """Call before ``ray.kill``: a vLLM engine killed with the actor leaves ~400 MB of /dev/shm/psm_* behind."""
+        if hasattr(self.rollout, "close"):
+            self.rollout.close()
+        shutil.rmtree(self.scratch, ignore_errors=True)
+
+    def _require(self, version: str, role: str = "policy") -> None:
+        if self.versions[role] != version:
+            raise RuntimeError(f"worker holds {role} version {self.versions[role]}, stage needs {version}")
+
+    # ------------------------------------------------------------------ compute
+    def generate(self, version: str, prompts: list[str], params: dict) -> list[dict]:
+        self._require(version)
+        return [asdict(c) for c in self.rollout.generate(prompts, SamplingParams(**params))]
+
+    def agent_generate(self, version: str, rows: list[dict], params: dict) -> tuple[list[dict], dict]:
+        """Multi-turn tool-calling rollouts of prompts-table rows (``agent`` config); completions and timings."""
+        self._require(version)
+        from engines.agent_loop import run_agent_config
+
+        return run_agent_config(self.rollout, self.cfg.agent, rows, SamplingParams(**params))
+
+    def log_probs(self, version: str, prompt_ids: list, response_ids: list, temperature: float) -> list:
+        self._require(version)
+        return self.actor.compute_log_probs(prompt_ids, response_ids, temperature)
+
+    def ref_log_probs(self, version: str, prompt_ids: list, response_ids: list, temperature: float) -> list:
+        self._require(version, "ref")
+        # The same batching and temperature as the actor's recompute, on the frozen weights.
+        frozen = TorchActor.__new__(TorchActor)
+        frozen.model, frozen.cfg, frozen.pad_id = self.ref_model, self.cfg.actor, self.tokenizer.pad_token_id
+        return frozen.compute_log_probs(prompt_ids, response_ids, temperature)
+
+    def values(self, version: str, prompt_ids: list, response_ids: list) -> list:
+        self._require(version, "critic")
+        return self.critic.compute_values(prompt_ids, response_ids)
+
+    def update(self, version: str, experience_json: dict, iteration: int, checkpoint: bool = True) -> dict:
+        """One iteration's policy update from a committed experience artifact (read here, not shipped).
+
+        Skipped during critic warm-up. With ``checkpoint`` the new weights and trainer state are staged
+        for ``commit``; between checkpoints nothing is written. The worker then holds an uncommitted
+        policy (version None) until ``commit``.
+        """
+        self._require(version)
+        cfg = self.cfg
+        exp = self.store.read_table(Manifest.model_validate(experience_json), "experience.parquet")
+        columns = ("prompt_ids", "response_ids", "response_mask", "old_log_probs", "advantages")
+        batch = update_batch(exp, columns + (("ref_log_probs",) if cfg.actor.use_kl_loss else ()))
+        seed = iteration_seed(cfg.trainer.seed, iteration)
+        skip = cfg.critic.enable and iteration <= cfg.critic.warmup_iterations
+        torch.manual_seed(seed)
+        metrics = {"actor/skipped": 1.0} if skip else self.actor.update(batch, cfg.rollout.temperature, seed)
+        self._sync_policy_weights()
+        if not skip:
+            self._push_rollout_weights()
+        self.versions["policy"] = None
+        if checkpoint:
+            self._stage("policy", self.model, self.actor.state_dict())
+        return metrics
+
+    def critic_update(self, version: str, experience_json: dict, iteration: int) -> dict:
+        self._require(version, "critic")
+        exp = self.store.read_table(Manifest.model_validate(experience_json), "experience.parquet")
+        batch = update_batch(exp, ("prompt_ids", "response_ids", "response_mask", "values", "returns"))
+        seed = iteration_seed(self.cfg.trainer.seed, iteration)
+        torch.manual_seed(seed)
+        metrics = self.critic.update(batch, seed)
+        self.versions["critic"] = None
+        self._stage("critic", self.critic.model, self.critic.state_dict())
+        return metrics
+
+    def _stage(self, role: str, model, state: dict) -> None:
+        """Write a checkpoint into a local folder that ``commit`` moves into the store."""
+        folder = self.scratch / f"staged-{role}"
+        shutil.rmtree(folder, ignore_errors=True)
+        model.save_pretrained(folder / MODEL_DIR)
+        self.tokenizer.save_pretrained(folder / MODEL_DIR)
+        save_trainer_state(state, folder / STATE_DIR)
+        self.staged[role] = folder
