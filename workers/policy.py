@@ -77,7 +77,7 @@ class PolicyWorker:
         self.ref_model = None
         self.critic: TorchCritic | None = None
         # Checkpoints fetched from the store and checkpoints waiting to be committed: removed on close.
-        self.scratch = Path(tempfile.mkdtemp(prefix="rlstage-worker-"))
+        self.scratch = Path(tempfile.mkdtemp(prefix=f"rlstage-worker-{self.cfg.run_name}-"))
         self.staged: dict[str, Path] = {}
 
     def pid(self) -> int:
