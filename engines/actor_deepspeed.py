@@ -14,14 +14,15 @@ micro-batches included) and every ``engine.step()`` is one optimizer step with D
 ``micro_batch_tokens`` (one process only) the token-budget micro-batches and their exact loss weights are
 ``TorchActor``'s too (``engines.batching``); so are ``packing`` and the mini-batch loop.
 
-Data parallelism (``WORLD_SIZE > 1``): ``cfg.ppo_mini_batch_size`` stays the GLOBAL number of samples per
-optimizer step; each rank steps on ``ppo_mini_batch_size // world_size`` samples of its own shard, scales its
-micro-batch losses by ``len(micro) / len(local mini)``, and DeepSpeed AVERAGES the gradients over ranks. With
-equal shards that is ``sum_micro len(micro) / len(global mini) * grad(loss_micro)``: the single-process
-TorchActor update on the concatenated batch, provided each rank's micro-batches are the ones the single
-process would form (give rank ``r`` the ``r``-th contiguous slice of each global mini-batch; ``shuffle``
-permutes within a rank's shard only). Returned metrics are averaged over ranks; ``actor/grad_norm`` is the
-global norm. Every rank must receive the same number of samples (checked; otherwise collectives would hang).
+Data parallelism (``WORLD_SIZE > 1``): every rank receives the WHOLE batch and draws the same shuffle;
+``cfg.ppo_mini_batch_size`` stays the GLOBAL number of samples per optimizer step and rank ``r`` trains the
+``r``-th contiguous slice of each global mini-batch (``MiniBatchTrainer._rank_slice``). DeepSpeed AVERAGES the
+gradients over ranks, so each rank's loss weights are multiplied by the world size: fixed-count micro-batches
+are scaled by ``len(micro) / len(local mini)`` (times N, divided by N by the average: ``len(micro) / len(global
+mini)``), token-budget micro-batches by their share of the GLOBAL mini-batch's tokens or sequences times N
+(``engines.batching.AggNorm.dp_size``, verl's global-batch normalisation). N ranks then take the step one
+process takes on the whole batch. Returned metrics are averaged over ranks; ``actor/grad_norm`` is the
+global norm. Every rank must receive the same batch (its size is checked; otherwise collectives would hang).
 """
 
 from __future__ import annotations
@@ -160,10 +161,6 @@ class DeepSpeedActor(TorchActor):
                 f"actor.ppo_mini_batch_size={cfg.ppo_mini_batch_size} must be divisible by the data-parallel "
                 f"world size {world_size}"
             )
-        if cfg.micro_batch_tokens is not None and world_size > 1:
-            # Exact token weighting would need the global token counts (an all-reduce) and ranks would run
-            # different numbers of micro-batches; not implemented.
-            raise ValueError("actor.micro_batch_tokens is not supported with data parallelism (WORLD_SIZE > 1)")
         if cfg.packing:
             check_packing_supported(model)
         bf16 = torch.cuda.is_available() and next(model.parameters()).dtype == torch.bfloat16
@@ -174,7 +171,8 @@ class DeepSpeedActor(TorchActor):
         self.cfg = cfg
         self.pad_id = pad_id
         self.world_size = world_size
-        self.local_mini_batch_size = cfg.ppo_mini_batch_size // world_size
+        self.dp_size = world_size
+        self.dp_rank = int(os.environ["RANK"])
         o = cfg.optim
         optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
@@ -211,15 +209,12 @@ class DeepSpeedActor(TorchActor):
         norm = self._z0_grad_norm if self._z0_grad_norm is not None else self.engine.get_global_grad_norm()
         return float("nan") if norm is None else float(norm)
 
-    # The loop is MiniBatchTrainer's: these three hooks put the engine in it.
-    def _mini_batch_size(self) -> int:
-        return self.local_mini_batch_size
-
+    # The loop is MiniBatchTrainer's: these two hooks put the engine in it.
     def _zero_grad(self) -> None:
         pass  # engine.step() zeroes the gradients after each step
 
     def update(self, batch: dict[str, list], temperature: float, seed: int) -> dict[str, float]:
-        """PPO epochs over shuffled mini-batches of this rank's shard; one ``engine.step()`` per mini-batch.
+        """PPO epochs over shuffled global mini-batches (this rank trains its slice); one ``engine.step()`` each.
 
         Same batch layout and metrics as ``TorchActor.update``; with several ranks, metrics are rank means.
         TorchActor's ``_micro_step`` calls ``.backward()``, which goes through the engine's hooks (see class doc).

@@ -224,16 +224,23 @@ def plan_micro_batches(
 # ====================================================================== exact loss weighting
 @dataclass(frozen=True)
 class AggNorm:
-    """The denominators ``agg_loss`` uses when the whole mini-batch is one batch."""
+    """The denominators ``agg_loss`` uses when the whole (global) mini-batch is one batch.
+
+    ``dp_size``: data-parallel ranks whose gradients are AVERAGED; each rank's weights are multiplied by it
+    so that the average equals the single-process sum (verl's global token count times dp size).
+    """
 
     tokens: float  # sum of the response mask
     seqs: float  # rows with at least one mask token
     width: int  # the padded response width (longest response)
+    dp_size: int = 1
 
 
-def agg_norm(masks: Sequence[Sequence[float]]) -> AggNorm:
+def agg_norm(masks: Sequence[Sequence[float]], dp_size: int = 1) -> AggNorm:
     sums = [float(sum(m)) for m in masks]
-    return AggNorm(tokens=sum(sums), seqs=float(sum(s > 0 for s in sums)), width=max((len(m) for m in masks), default=0))
+    return AggNorm(
+        tokens=sum(sums), seqs=float(sum(s > 0 for s in sums)), width=max((len(m) for m in masks), default=0), dp_size=dp_size
+    )
 
 
 def _safe(d: float) -> float:
@@ -250,14 +257,14 @@ def micro_weight(mode: str, mask: torch.Tensor, norm: AggNorm) -> float:
     """
     # A micro-batch without policy tokens has loss 0 (agg_loss divides 0 by 1): its weight 0 is harmless.
     if mode == "token-mean":
-        return float(mask.sum()) / _safe(norm.tokens)
+        return float(mask.sum()) / _safe(norm.tokens) * norm.dp_size
     seqs = float((mask.sum(dim=-1) > 0).sum())
     weight = seqs / _safe(norm.seqs)
     if mode == "seq-mean-token-sum-norm":
         weight *= mask.shape[-1] / max(1, norm.width)
     elif mode not in ("seq-mean-token-sum", "seq-mean-token-mean"):
         raise ValueError(f"unknown loss_agg_mode {mode!r}")
-    return weight
+    return weight * norm.dp_size
 
 
 @dataclass(frozen=True)
@@ -302,13 +309,17 @@ class MiniBatchTrainer:
     """What the actor and the critic share: AdamW + schedule, micro-batch planning and the epoch loop.
 
     Subclasses set ``metric_prefix`` and call ``_train_epochs`` with their micro-step. ``DeepSpeedActor``
-    overrides ``_mini_batch_size``, ``_zero_grad`` and ``_optimizer_step``.
+    overrides ``_zero_grad`` and ``_optimizer_step`` and sets ``dp_rank``/``dp_size``.
     """
 
     metric_prefix = "train"
     model: torch.nn.Module
     cfg: ActorConfig | CriticConfig
     pad_id: int
+    # Data parallelism: every rank gets the whole batch and trains the ``dp_rank``-th contiguous slice of each
+    # global mini-batch (the same shuffle on every rank), so N ranks step exactly as one process would.
+    dp_rank: int = 0
+    dp_size: int = 1
 
     def __init__(self, model: torch.nn.Module, cfg: ActorConfig | CriticConfig, pad_id: int, total_steps: int) -> None:
         self.model = model
@@ -355,10 +366,11 @@ class MiniBatchTrainer:
         for ids in plans:
             yield ids, self._inputs([prompt_ids[i] for i in ids], [response_ids[i] for i in ids])
 
-    def _micro_batches(self, batch: dict[str, list], mini: list[int]) -> list[MicroBatch]:
+    def _micro_batches(self, batch: dict[str, list], mini: list[int], local: list[int]) -> list[MicroBatch]:
+        """This rank's micro-batches of ``local`` (its slice of the global mini-batch ``mini``)."""
         cfg = self.cfg
         plans = plan_micro_batches(
-            mini,
+            local,
             batch["prompt_ids"],
             batch["response_ids"],
             count=cfg.micro_batch_size,
@@ -367,15 +379,18 @@ class MiniBatchTrainer:
             setting=f"{self.metric_prefix}.micro_batch_tokens",
         )
         if cfg.micro_batch_tokens is None:
-            return [MicroBatch(idx, len(mini), None) for idx in plans]
-        norm = agg_norm([batch["response_mask"][i] for i in mini])
+            return [MicroBatch(idx, len(local), None) for idx in plans]
+        norm = agg_norm([batch["response_mask"][i] for i in mini], self.dp_size)
         # A micro-batch without policy tokens has weight 0 in every mode: skipped (its width-0 loss is 0/0).
         live = [idx for idx in plans if any(any(batch["response_mask"][i]) for i in idx)]
         return [MicroBatch(idx, len(mini), norm) for idx in live]
 
     # ---- the loop
-    def _mini_batch_size(self) -> int:
-        return self.cfg.ppo_mini_batch_size
+    def _rank_slice(self, mini: list[int]) -> list[int]:
+        if len(mini) % self.dp_size:
+            raise ValueError(f"a mini-batch of {len(mini)} samples does not split over {self.dp_size} data-parallel ranks")
+        per = len(mini) // self.dp_size
+        return mini[self.dp_rank * per : (self.dp_rank + 1) * per]
 
     def _zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -397,7 +412,7 @@ class MiniBatchTrainer:
         """
         cfg = self.cfg
         n = len(batch["prompt_ids"])
-        mini_size = self._mini_batch_size()
+        mini_size = cfg.ppo_mini_batch_size  # global: every rank walks the same mini-batches
         gen = torch.Generator().manual_seed(seed)
         sums: dict[str, list[float]] = defaultdict(list)
         self.model.train()
@@ -407,7 +422,7 @@ class MiniBatchTrainer:
                 mini = order[m : m + mini_size]
                 self._zero_grad()
                 acc: dict[str, float] = defaultdict(float)
-                for micro in self._micro_batches(batch, mini):
+                for micro in self._micro_batches(batch, mini, self._rank_slice(mini)):
                     for k, v in micro_step(micro).items():
                         if micro.norm is None:
                             sums[k].append(v)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import os
 import random
 
@@ -185,9 +186,7 @@ def test_bad_zero_stage_is_a_clear_error(tok, weights):
     assert not torch.distributed.is_initialized()  # rejected before any process group starts
 
 
-def _dp_worker(
-    rank: int, world: int, port: int, weights: dict, shard: dict, cfg_json: dict, out: str
-) -> None:
+def _dp_worker(rank: int, world: int, port: int, weights: dict, batch: dict, cfg_json: dict, out: str) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)  # two processes on two cores
@@ -196,53 +195,60 @@ def _dp_worker(
     actor = DeepSpeedActor(
         new_model(tok, weights), ActorConfig.model_validate(cfg_json), tok.pad_token_id, 20
     )
-    metrics = actor.update(shard, 0.9, 7)
+    metrics = actor.update(batch, 0.9, 7)
     state = actor.export_model()
     # ZeRO-3: each rank holds only its half (padded) of every parameter.
     owned = [p.ds_tensor.numel() for p in actor.engine.module.parameters() if hasattr(p, "ds_tensor")]
     if rank == 0:
-        torch.save({"metrics": metrics, "state": state, "owned": sum(owned)}, out)
+        from safetensors.torch import save_file
+
+        save_file({f"w/{k}": v.clone() for k, v in state.items()}, out)  # clone: tied weights share storage
+        with open(out + ".json", "w") as f:
+            json.dump({"metrics": metrics, "owned": sum(owned)}, f)
     actor.close()
     deepspeed.comm.destroy_process_group()
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_data_parallel_matches_single_process(tok, weights, tmp_path, stage):
-    """Two gloo ranks, each with half of every global mini-batch, equal one TorchActor on the full batch.
+@pytest.mark.parametrize(
+    "stage,budget,mode",
+    [(2, None, "token-mean"), (3, None, "token-mean"), (0, 24, "token-mean"), (0, 24, "seq-mean-token-mean")],
+)
+def test_data_parallel_matches_single_process(tok, weights, tmp_path, stage, budget, mode):
+    """Two gloo ranks, each given the whole batch, equal one TorchActor on it.
 
-    Global mini-batch 8 = 2 ranks x 4; micro-batch 2 on both sides, so the micro-batches are the same sets.
-    Per rank, micro losses are scaled by 2/4 and DeepSpeed averages over the 2 ranks: 2/8 per micro-batch,
-    exactly TorchActor's scale on the full batch. AdamW and clipping hide a uniform gradient scale in the
-    parameters, so the compared ``actor/grad_norm`` metric is what pins the scaling down.
+    Global mini-batch 8 = 2 ranks x 4, shuffled alike on every rank, 2 epochs. Fixed count (micro-batch 2):
+    per rank, micro losses are scaled by 2/4 and DeepSpeed averages over the 2 ranks: 2/8 per micro-batch,
+    TorchActor's scale. Token budgets: each rank plans its own micro-batches (their number may differ) and
+    weights them against the GLOBAL mini-batch's tokens or sequences times 2. AdamW and clipping hide a uniform
+    gradient scale in the parameters, so the compared ``actor/grad_norm`` metric pins the scaling down.
     """
     world, n, mini = 2, 16, 8
     batch = make_batch(tok, n, seed=3)
-    cfg = actor_cfg(stage, ppo_mini_batch_size=mini, micro_batch_size=2, ppo_epochs=1, shuffle=False)
+    kw = {"micro_batch_tokens": budget} if budget else {}
+    cfg = actor_cfg(stage, ppo_mini_batch_size=mini, micro_batch_size=2, ppo_epochs=2, loss_agg_mode=mode, **kw)
     ref_metrics, ref_params = torch_reference(tok, weights, cfg, batch, [7])
-
-    per_rank = mini // world
-    shards = []
-    for r in range(world):  # rank r takes the r-th contiguous slice of each global mini-batch
-        idx = [i for m in range(0, n, mini) for i in range(m + r * per_rank, m + (r + 1) * per_rank)]
-        shards.append({k: [v[i] for i in idx] for k, v in batch.items()})
-    out = str(tmp_path / "rank0.pt")
+    out = str(tmp_path / "rank0.safetensors")
     ctx = torch.multiprocessing.get_context("spawn")
     port = _free_port()
     procs = [
-        ctx.Process(target=_dp_worker, args=(r, world, port, weights, shards[r], cfg.model_dump(), out))
+        ctx.Process(target=_dp_worker, args=(r, world, port, weights, batch, cfg.model_dump(), out))
         for r in range(world)
     ]
     for p in procs:
         p.start()
     for p in procs:
-        p.join(timeout=90)
+        p.join(timeout=120)
     for p in procs:
         if p.is_alive():
             p.kill()
     assert [p.exitcode for p in procs] == [0, 0]
-    result = torch.load(out, weights_only=False)
+    from safetensors.torch import load_file
+
+    with open(out + ".json") as f:
+        result = json.load(f)
+    state = {k.removeprefix("w/"): v for k, v in load_file(out).items()}
     assert_close_metrics(result["metrics"], ref_metrics[0])
-    assert_close_state(result["state"], ref_params)
+    assert_close_state(state, ref_params)
     if stage == 3:
         total = sum(p.numel() for p in new_model(tok, weights).parameters())
         assert 0 < result["owned"] <= total // world + 64
