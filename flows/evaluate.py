@@ -18,7 +18,7 @@ from infra.ray_runtime import ensure_ray
 from schemas.config import ConfigError
 from schemas.stages import STAGE_FILES
 from tasks import stages
-from workers.group import open_group
+from workers.group import check_placement, open_group
 
 
 def eval_version(overrides: list[str]) -> str:
@@ -40,6 +40,7 @@ def evaluate_run(
     policy = policy_before(cfg, store, iteration + 1)  # the policy after update k
     version = eval_version(overrides)
     ensure_ray(cfg)
+    check_placement(cfg)
     group = open_group(cfg, version)  # its own worker (never a training run's), held for the stage task
     try:
         result = stages.evaluate(

@@ -21,7 +21,7 @@ from schemas.stages import STAGE_FILES
 from tasks import stages
 from tasks.kit import initial_policy, kit_run_name
 from tasks.runtime import policy_ref_from, store_for
-from workers.group import open_group
+from workers.group import check_placement, open_group
 
 REPLAYABLE = ("rollout", "reward", "advantage", "update", "eval")
 FIXED = ("run_name", "store")  # a replay may not move the run
@@ -79,6 +79,7 @@ def replay(
     lineage = {"replay_of": original.artifact_id, "overrides": overrides}
     prompts = need(store, run_name, None, "data_prep")
     ensure_ray(cfg)
+    check_placement(cfg)
     group = open_group(cfg, version)  # its own worker (never a training run's), held for the stage tasks
     try:
         if stage == "eval":

@@ -26,7 +26,7 @@ from schemas.manifest import Manifest, PolicyRef
 from tasks import stages
 from tasks.kit import initial_policy, sft_warm_start
 from tasks.runtime import policy_ref_from, store_for
-from workers.group import critic_init_ref, open_group
+from workers.group import check_placement, critic_init_ref, open_group
 
 # Fields that may differ between invocations of one run: where and how it executes, and how long.
 RUN_MUTABLE = ("run_name", "store", "ray", "tracking", "trainer.iterations", "drill")
@@ -201,6 +201,7 @@ def run_training(cfg: RunConfig, first: int = 1, last: int | None = None) -> dic
     store.check_writable()
     record_run_config(store, cfg)
     ensure_ray(cfg)
+    check_placement(cfg)
     _emit(f"rlstage: run {cfg.run_name!r}, iterations {first}..{last}, artifacts under {store.root}/{cfg.run_name}")
     with run_lease(store, cfg.run_name, label=f"flow run {_flow_run_id() or os.getpid()}") as renew:
         return _run_iterations(cfg, store, first, last, renew)

@@ -267,8 +267,11 @@ class RayConfig(_Section):
     address: str | None = None  # None starts a local Ray; "auto" or ray://host:port joins one
     num_cpus: int | None = Field(None, ge=1)
     object_store_memory_mb: int = Field(128, ge=75)
-    worker_num_cpus: float = Field(1, ge=0)  # the long-lived engine actor
+    worker_num_cpus: float = Field(1, ge=0)  # each long-lived engine actor (rank)
     worker_num_gpus: float = Field(0, ge=0)
+    # Data-parallel trainer ranks (DeepSpeed over gloo on CPU, NCCL on GPU). Rank 0 also holds the rollout
+    # engine, the reference and the critic; N > 1 needs actor.engine=deepspeed (ZeRO-0 for now).
+    trainer_world_size: int = Field(1, ge=1)
     stages: dict[str, StageResources] = Field(default_factory=dict)
 
     @field_validator("stages")
@@ -333,6 +336,19 @@ class RunConfig(_Section):
             raise ValueError(f"rollout.n={self.rollout.n}: algorithm.adv_estimator={est} needs groups of n >= 2")
         if self.actor.ppo_mini_batch_size % self.actor.micro_batch_size:
             raise ValueError("actor.ppo_mini_batch_size must be a multiple of actor.micro_batch_size")
+        world = self.ray.trainer_world_size
+        if world > 1:
+            if self.actor.engine != "deepspeed" or self.actor.zero_stage != 0:
+                raise ValueError(
+                    f"ray.trainer_world_size={world} trains with actor.engine=deepspeed and actor.zero_stage=0 "
+                    f"(got {self.actor.engine}, ZeRO-{self.actor.zero_stage}: sharded optimizer states are not checkpointed yet)"
+                )
+            samples = self.data.prompts_per_iteration * self.rollout.n
+            if self.actor.ppo_mini_batch_size % world or samples % self.actor.ppo_mini_batch_size:
+                raise ValueError(
+                    f"ray.trainer_world_size={world} must divide actor.ppo_mini_batch_size={self.actor.ppo_mini_batch_size}, "
+                    f"which must divide the {samples} samples of an iteration (data.prompts_per_iteration x rollout.n)"
+                )
         if self.critic.ppo_mini_batch_size % self.critic.micro_batch_size:
             raise ValueError("critic.ppo_mini_batch_size must be a multiple of critic.micro_batch_size")
         # A token budget must hold the longest possible sequence (as verl's ppo_max_token_len_per_gpu).

@@ -452,7 +452,7 @@ def update(
         hold_policy(group, cfg, policy)
         checkpoint = is_checkpoint(cfg, iteration)
         # The worker reads the experience itself; between checkpoints only the metrics are stored.
-        metrics = group.call("update", policy.version, experience.model_dump(mode="json"), iteration, checkpoint)
+        metrics = group.update(policy.version, experience, iteration, checkpoint)
         return StageOutput(
             tables={"metrics.parquet": A.metrics_table(metrics)},
             metrics=metrics,

@@ -2,9 +2,11 @@
 
 One owner for which weights a role holds: ``acquire(ref)`` makes a role hold exactly the version a
 stage asks for (or raises before anything is computed) and ``commit`` writes a role's new checkpoint
-from the worker straight to the store. A flow owns the actor for its lifetime (``open_group`` ...
-``release``); a replay or eval gets an actor of its own (its ``version`` is in the actor's name), so
-it never relabels the weights of a run that is training.
+from the worker straight to the store. Rank 0 holds every colocated role (policy with its optimizer and
+rollout engine, reference, critic); with ``ray.trainer_world_size`` N > 1, ranks 1..N-1 are trainer-only
+actors that load and train the policy in the same DeepSpeed process group. A flow owns the actors for its
+lifetime (``open_group`` ... ``release``); a replay or eval gets actors of its own (its ``version`` is in
+their names), so it never relabels the weights of a run that is training.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import ray
 from ray.exceptions import ActorUnavailableError
 
 from infra.ray_runtime import RAY_NAMESPACE
-from schemas.config import RunConfig
+from schemas.config import ConfigError, RunConfig
 from schemas.manifest import Manifest, PolicyRef
 from workers.policy import CRITIC_INIT, PolicyWorker
 
@@ -30,57 +32,99 @@ def total_update_steps(cfg: RunConfig) -> int:
     return max(1, per_iter * max(1, cfg.trainer.iterations))
 
 
-def actor_name(run: str, version: str = "main") -> str:
-    return f"policy-{run}" if version == "main" else f"policy-{run}@{version}"
+def actor_name(run: str, version: str = "main", rank: int = 0) -> str:
+    base = f"policy-{run}" if version == "main" else f"policy-{run}@{version}"
+    return base if rank == 0 else f"{base}-rank{rank}"
+
+
+def _wait_restart(fn):
+    """Run ``fn`` (a ``ray.get``); a worker Ray is restarting is waited for, not raced."""
+    deadline = time.monotonic() + RESTART_WAIT_S
+    while True:
+        try:
+            return fn()
+        except ActorUnavailableError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
 
 
 @dataclass
 class PolicyGroup:
-    """The colocated policy, reference and critic roles of one run (one Ray actor, restarted on death)."""
+    """A run's policy roles: ``ranks[0]`` holds them all, ``ranks[1:]`` are extra data-parallel trainers."""
 
-    handle: Any
+    ranks: list[Any]
     name: str
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """``ray.get`` of one worker call; a worker Ray is restarting is waited for, not raced."""
-        deadline = time.monotonic() + RESTART_WAIT_S
-        while True:
-            try:
-                return ray.get(getattr(self.handle, method).remote(*args, **kwargs))
-            except ActorUnavailableError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.5)
+        """One call on rank 0 (generation, log-probs, reference, critic)."""
+        return _wait_restart(lambda: ray.get(getattr(self.ranks[0], method).remote(*args, **kwargs)))
+
+    def call_all(self, method: str, *args: Any, **kwargs: Any) -> list:
+        """The same call on every rank at once (collectives: every rank must enter them)."""
+        return _wait_restart(lambda: ray.get([getattr(r, method).remote(*args, **kwargs) for r in self.ranks]))
 
     def acquire(self, ref: PolicyRef, role: str = "policy", update_hash: str | None = None) -> str:
-        return self.call("acquire", ref.model_dump(mode="json"), role, update_hash)
+        args = (ref.model_dump(mode="json"), role, update_hash)
+        if role != "policy" or len(self.ranks) == 1:
+            return self.call("acquire", *args)
+        if all(v == ref.version for v in self.call_all("version")):
+            return ref.version
+        # Some rank lacks it (a restart, a resume): every rank joins a new process group and loads it.
+        addr, port = self.call("rendezvous")
+        self.call_all("join", addr, port)
+        return self.call_all("acquire", *args)[0]
+
+    def update(self, version: str, experience: Manifest, iteration: int, checkpoint: bool) -> dict:
+        """Every rank trains its slice of each mini-batch; metrics are the ranks' means (rank 0 reports)."""
+        return self.call_all("update", version, experience.model_dump(mode="json"), iteration, checkpoint)[0]
 
     def commit(self, role: str, commit: dict, tables: dict) -> Manifest:
-        return Manifest.model_validate(self.call("commit", role, commit, tables))
+        """Rank 0 writes the checkpoint to the store; the other ranks name their (identical) weights alike."""
+        manifest = Manifest.model_validate(self.call("commit", role, commit, tables))
+        if role == "policy" and len(self.ranks) > 1:
+            self.call_all("adopt", manifest.artifact_id)  # a rank that lost them reloads at the next acquire
+        return manifest
 
     def release(self) -> None:
-        """Stop the worker: close its engines and scratch folder first (vLLM leaves /dev/shm files when killed)."""
-        try:
-            ray.get(self.handle.close.remote(), timeout=60)
-        except Exception:  # a dead or hung worker still gets killed
-            pass
-        ray.kill(self.handle)
+        """Stop the workers: close engines and scratch folders first (vLLM leaves /dev/shm files when killed)."""
+        for r in self.ranks:
+            try:
+                ray.get(r.close.remote(), timeout=60)
+            except Exception:  # a dead or hung worker still gets killed
+                pass
+            ray.kill(r)
+
+
+def check_placement(cfg: RunConfig) -> None:
+    """Refuse, before any stage, a placement the Ray cluster cannot hold (Ray would wait forever)."""
+    have = ray.cluster_resources().get("CPU", 0.0)
+    world, per = cfg.ray.trainer_world_size, cfg.ray.worker_num_cpus
+    stage = max([cfg.ray.resources(s).num_cpus for s in ("rollout", "advantage", "update", "eval")])
+    if world * per + stage > have:
+        raise ConfigError(
+            f"config error: ray.trainer_world_size={world} x ray.worker_num_cpus={per:g} plus a stage task's "
+            f"{stage:g} CPUs need {world * per + stage:g} CPUs; the Ray cluster has {have:g}"
+        )
 
 
 def open_group(cfg: RunConfig, version: str = "main") -> PolicyGroup:
-    """The run's policy worker, created on first use (the flow keeps the handle: the actor lives as long)."""
-    name = actor_name(cfg.run_name, version)
+    """The run's policy workers, created on first use (the flow keeps the handles: the actors live as long)."""
     cls = ray.remote(PolicyWorker)
-    handle = cls.options(
-        name=name,
-        namespace=RAY_NAMESPACE,
-        get_if_exists=True,
-        num_cpus=cfg.ray.worker_num_cpus,
-        num_gpus=cfg.ray.worker_num_gpus,
-        max_restarts=-1,
-        max_task_retries=0,
-    ).remote(cfg.model_dump(mode="json"), total_update_steps(cfg))
-    return PolicyGroup(handle, name)
+    world = cfg.ray.trainer_world_size
+    ranks = [
+        cls.options(
+            name=actor_name(cfg.run_name, version, rank),
+            namespace=RAY_NAMESPACE,
+            get_if_exists=True,
+            num_cpus=cfg.ray.worker_num_cpus,
+            num_gpus=cfg.ray.worker_num_gpus,
+            max_restarts=-1,
+            max_task_retries=0,
+        ).remote(cfg.model_dump(mode="json"), total_update_steps(cfg), rank, world)
+        for rank in range(world)
+    ]
+    return PolicyGroup(ranks, actor_name(cfg.run_name, version))
 
 
 def critic_init_ref(policy: PolicyRef) -> PolicyRef:

@@ -64,8 +64,12 @@ def update_batch(exp: pa.Table, columns: tuple[str, ...]) -> dict[str, list]:
 
 
 class PolicyWorker:
-    def __init__(self, cfg_json: dict, total_steps: int) -> None:
+    """Rank 0 holds every colocated role; ranks 1..N-1 (``ray.trainer_world_size``) only train the policy."""
+
+    def __init__(self, cfg_json: dict, total_steps: int, rank: int = 0, world_size: int = 1) -> None:
         self.cfg = RunConfig.model_validate(cfg_json)
+        self.rank, self.world_size = rank, world_size
+        self.pending = False  # holds trained weights that a commit (on rank 0) has not named yet
         torch.set_num_threads(self.cfg.model.torch_threads)
         self.store = ArtifactStore(self.cfg.store.root, self.cfg.store.storage_options, retries=self.cfg.store.retries)
         self.total_steps = total_steps
@@ -87,6 +91,36 @@ class PolicyWorker:
         return self.versions[role]
 
     # ------------------------------------------------------------------ the version protocol
+    def rendezvous(self) -> tuple[str, int]:
+        """A free port on this node for a new data-parallel process group (called on rank 0)."""
+        import socket
+
+        import ray
+
+        addr = ray.util.get_node_ip_address()
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((addr, 0))
+            return addr, s.getsockname()[1]
+
+    def join(self, addr: str, port: int) -> None:
+        """Start over in a new process group (all ranks at once): the policy is loaded again after this."""
+        if torch.distributed.is_initialized():
+            import deepspeed  # a process group here is DeepSpeed's (world size > 1 trains with it)
+
+            if self.actor is not None and hasattr(self.actor, "close"):
+                self.actor.close()
+            deepspeed.comm.destroy_process_group()
+        self.actor, self.versions["policy"], self.pending = None, None, False
+        os.environ.update(
+            RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK="0", MASTER_ADDR=addr, MASTER_PORT=str(port)
+        )
+
+    def adopt(self, version: str) -> bool:
+        """Name the weights this rank just trained with the version rank 0 committed (False: it holds none)."""
+        if self.pending:
+            self.versions["policy"], self.pending = version, False
+        return self.versions["policy"] == version
+
     def acquire(self, ref_json: dict, role: str = "policy", update_hash: str | None = None) -> str:
         """Hold version ``ref`` in ``role`` (a no-op when already held); returns the version.
 
@@ -130,7 +164,7 @@ class PolicyWorker:
         if experience is None or experience.artifact_id != m.inputs["experience"]:
             raise FileNotFoundError(f"experience {m.inputs['experience']} of iteration {m.iteration} is not committed")
         self.update(previous.version, experience.model_dump(mode="json"), m.iteration, checkpoint=False)
-        self.versions["policy"] = m.artifact_id
+        self.versions["policy"], self.pending = m.artifact_id, False
 
     def commit(self, role: str, commit_json: dict, tables: dict[str, pa.Table]) -> dict:
         """Write ``role``'s staged checkpoint (if any) and ``tables`` as one artifact; hold it as that version.
@@ -145,6 +179,7 @@ class PolicyWorker:
             if staged is not None:
                 shutil.rmtree(staged, ignore_errors=True)
         self.versions[role] = manifest.artifact_id
+        self.pending = False
         return manifest.model_dump(mode="json")
 
     # ------------------------------------------------------------------ loading
@@ -161,7 +196,8 @@ class PolicyWorker:
             self.actor = self._new_actor(pad_id)
             if state is not None:
                 self.actor.load_state_dict(state)
-            self.rollout = self._rollout_engine(str(path))
+            # Only rank 0 generates: the other ranks are trainer-only.
+            self.rollout = self._rollout_engine(str(path)) if self.rank == 0 else None
         elif role == "ref":
             self.ref_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval().requires_grad_(False)
         elif role == "critic":
@@ -188,7 +224,7 @@ class PolicyWorker:
         deepspeed.utils.logger.setLevel("WARNING")  # its INFO lines would flood the Ray worker's log
         if isinstance(self.actor, DeepSpeedActor):
             self.actor.close()  # a reload (resume, replay): release the old engine; the process group stays
-        if not torch.distributed.is_initialized():
+        if not torch.distributed.is_initialized() and self.world_size == 1:
             # This worker is a world of one. Values inherited from the driver's environment describe another
             # process (a reused MASTER_PORT is EADDRINUSE); DeepSpeedActor picks a free port when none is set.
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
@@ -290,8 +326,9 @@ class PolicyWorker:
         self._sync_policy_weights()
         if not skip:
             self._push_rollout_weights()
-        self.versions["policy"] = None
-        if checkpoint:
+        self.versions["policy"], self.pending = None, True
+        # ZeRO-0's optimizer state is whole on every rank: rank 0's checkpoint is the group's.
+        if checkpoint and self.rank == 0:
             self._stage("policy", self.model, self.actor.state_dict())
         return metrics
 
