@@ -75,7 +75,7 @@ def test_a_checkpoint_larger_than_the_object_store_never_crosses_it(prefect_api,
     m = store.manifest("wide", 2, "update")
     ckpt = sum(e.bytes for e in m.files.values())
     assert ckpt > ray.available_resources().get("object_store_memory", 0) and ckpt > 128 << 20
-    assert any((a - b).abs().max() > 0 for a, b in zip(_weights(store, "wide", 2).values(), _weights(store, "wide", 1).values()))
+    assert any((a - b).abs().max() > 0 for a, b in zip(_weights(store, "wide", 2).values(), _weights(store, "wide", 1).values(), strict=True))
     # Iteration 2's rollout started from iteration 1's committed update: the worker held it, nothing reloaded.
     assert store.manifest("wide", 2, "rollout").inputs["policy"] == store.manifest("wide", 1, "update").artifact_id
     leftover = set(glob.glob(os.path.join(tempfile.gettempdir(), "rlstage-worker-wide-*"))) - before
