@@ -16,6 +16,7 @@ from prefect import flow, get_run_logger
 from prefect.context import get_run_context
 from prefect_ray import RayTaskRunner
 
+from infra.drill import fault_point
 from infra.env import apply_defaults
 from infra.lease import run_lease
 from infra.ray_runtime import RAY_NAMESPACE, ensure_ray
@@ -70,7 +71,7 @@ def _run_stage(outcome: IterationOutcome, label: str, task_fn, cfg: RunConfig, s
     wall = time.perf_counter() - t0
     outcome.results[stage] = result
     outcome.wall_s[stage] = wall
-    stages.fault_point(cfg, stage, outcome.iteration, where="kill_flow_after")
+    fault_point(cfg, stage, outcome.iteration, where="kill_flow_after")
     state = "done" if result.executed else "skipped (committed)"
     _emit(f"  {label} {stage:<9} {state} in {wall:.2f}s")
     return result

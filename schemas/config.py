@@ -299,6 +299,8 @@ class DrillConfig(_Section):
 
     kill_at: list[str] = Field(default_factory=list)  # stage tasks, after computing, before committing
     kill_flow_after: list[str] = Field(default_factory=list)  # the flow process, after a stage returns
+    # policy worker processes, inside the call that trains: "update:<k>" (rank 0), "update@rank1:<k>", ...
+    kill_worker_at: list[str] = Field(default_factory=list)
     markers: str | None = None  # folder of fired-once markers
 
 

@@ -7,8 +7,6 @@ so rerunning an interrupted run continues where it stopped. Retries and Ray reso
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,6 +21,7 @@ from engines import algorithms as algos
 from engines import datasets, rewards
 from engines.agent_loop import agent_metrics
 from engines.cursor import prompt_batch
+from infra.drill import fault_point
 from schemas import artifacts as A
 from schemas.config import RunConfig
 from schemas.manifest import Manifest, PolicyRef
@@ -90,23 +89,6 @@ def run_stage(
     else:
         manifest = store.commit(**commit, tables=out.tables, blobs=out.blobs)
     return StageResult(manifest, executed=True, seconds=seconds, metrics=out.metrics)
-
-
-def fault_point(cfg: RunConfig, stage: str, iteration: int | None, where: str = "kill_at") -> None:
-    """Failure drill: SIGKILL this process once at a point named in ``cfg.drill``.
-
-    A marker file per point under ``drill.markers`` makes each fire once, so the retry that
-    follows runs to completion.
-    """
-    point = f"{stage}:{iteration}"
-    if not cfg.drill.markers or point not in getattr(cfg.drill, where):
-        return
-    try:
-        fd = os.open(os.path.join(cfg.drill.markers, f"{where}-{stage}-{iteration}"), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-    except FileExistsError:
-        return
-    os.close(fd)
-    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _stage_task(name: str):

@@ -25,6 +25,7 @@ from engines.actor import TorchActor
 from engines.checkpoint import load_trainer_state, save_trainer_state
 from engines.critic import TorchCritic
 from engines.rollout import HFRolloutEngine, SamplingParams
+from infra.drill import fault_point
 from infra.store import ArtifactStore
 from schemas.config import ConfigError, RunConfig
 from schemas.manifest import Manifest, PolicyRef
@@ -322,6 +323,7 @@ class PolicyWorker:
         seed = iteration_seed(cfg.trainer.seed, iteration)
         skip = cfg.critic.enable and iteration <= cfg.critic.warmup_iterations
         torch.manual_seed(seed)
+        fault_point(cfg, "update" if self.rank == 0 else f"update@rank{self.rank}", iteration, where="kill_worker_at")
         metrics = {"actor/skipped": 1.0} if skip else self.actor.update(batch, cfg.rollout.temperature, seed)
         self._sync_policy_weights()
         if not skip:

@@ -1,0 +1,25 @@
+"""Failure drills for tests: SIGKILL a process once at a point named in ``cfg.drill``."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+from schemas.config import RunConfig
+
+
+def fault_point(cfg: RunConfig, stage: str, iteration: int | None, where: str = "kill_at") -> None:
+    """Failure drill: SIGKILL this process once at a point named in ``cfg.drill``.
+
+    A marker file per point under ``drill.markers`` makes each fire once, so the retry that
+    follows runs to completion.
+    """
+    point = f"{stage}:{iteration}"
+    if not cfg.drill.markers or point not in getattr(cfg.drill, where):
+        return
+    try:
+        fd = os.open(os.path.join(cfg.drill.markers, f"{where}-{stage}-{iteration}"), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return
+    os.close(fd)
+    os.kill(os.getpid(), signal.SIGKILL)
