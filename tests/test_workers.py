@@ -40,7 +40,7 @@ def test_two_trainer_ranks_train_the_policy_one_rank_does(prefect_api, tmp_path,
 
     common = ["trainer.iterations=1", f"actor.loss_agg_mode={mode}", "actor.ppo_epochs=2"]
     if budget:
-        common.append(f"actor.micro_batch_tokens={budget}")
+        common += [f"actor.micro_batch_tokens={budget}", "data.max_prompt_length=16"]
     one = _cfg(tmp_path, "dp1", *common)
     two = _cfg(
         tmp_path, "dp2", *common, "ray.trainer_world_size=2", "ray.worker_num_cpus=0.5", "actor.engine=deepspeed"
