@@ -62,7 +62,22 @@ class PolicyGroup:
 
     def call_all(self, method: str, *args: Any, **kwargs: Any) -> list:
         """The same call on every rank at once (collectives: every rank must enter them)."""
-        return _wait_restart(lambda: ray.get([getattr(r, method).remote(*args, **kwargs) for r in self.ranks]))
+        return _wait_restart(lambda: self._gather([getattr(r, method).remote(*args, **kwargs) for r in self.ranks]))
+
+    def _gather(self, futures: list) -> list:
+        """Results in rank order; when one rank fails, every rank is restarted: the others would wait in a
+        collective for the lost one (gloo's timeout is 30 min), and the retry re-forms the group anyway."""
+        pending = list(futures)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            try:
+                ray.get(done[0])
+            except Exception:
+                if len(self.ranks) > 1:
+                    for r in self.ranks:
+                        ray.kill(r, no_restart=False)
+                raise
+        return ray.get(futures)
 
     def acquire(self, ref: PolicyRef, role: str = "policy", update_hash: str | None = None) -> str:
         args = (ref.model_dump(mode="json"), role, update_hash)
