@@ -272,6 +272,14 @@ class RayConfig(_Section):
     # Data-parallel trainer ranks (DeepSpeed over gloo on CPU, NCCL on GPU). Rank 0 also holds the rollout
     # engine, the reference and the critic; N > 1 needs actor.engine=deepspeed (ZeRO-0 for now).
     trainer_world_size: int = Field(1, ge=1)
+    # The rollout role: on trainer rank 0 (colocated, sharing its weights) or an actor of its own that gets
+    # new weights by a same-node file handoff or from the store, so generation can run while the trainer trains.
+    rollout_placement: Literal["colocated", "separate"] = "colocated"
+    rollout_num_cpus: float = Field(1, ge=0)
+    rollout_num_gpus: float = Field(0, ge=0)
+    # Custom Ray resources each role's actors require, e.g. {"node_a": 1}: puts roles on chosen nodes.
+    trainer_resources: dict[str, float] = Field(default_factory=dict)
+    rollout_resources: dict[str, float] = Field(default_factory=dict)
     stages: dict[str, StageResources] = Field(default_factory=dict)
 
     @field_validator("stages")

@@ -141,7 +141,7 @@ def rollout(
         rows = prompt_batch(train.num_rows, iteration, cfg.data.prompts_per_iteration, cfg.data.shuffle_seed)
         batch = train.take(rows).to_pylist()
         group = open_group(cfg, version)
-        hold_policy(group, cfg, policy)
+        group.acquire_rollout(policy, update_hash(cfg))
         comps, stats = _complete(cfg, group, policy.version, batch, _sampling(cfg, iteration))
         if cfg.algorithm.adv_estimator == "remax":
             # ReMax's baseline: one greedy answer per prompt, scored like the samples (sample_index -1).
@@ -154,6 +154,7 @@ def rollout(
         agent = agent_metrics([c for c in comps if c["sample_index"] >= 0], stats) if cfg.agent.enable else {}
         return StageOutput(
             tables={"rollouts.parquet": table},
+            meta={"generated_by": group.generator_info()},
             metrics={
                 **agent,
                 "response_length/mean": float(lengths.mean()),
@@ -172,8 +173,8 @@ def rollout(
 def _complete(cfg: RunConfig, group: PolicyGroup, version: str, batch: list[dict], params: dict) -> tuple[list[dict], dict]:
     """Completions of prompts-table rows: single-turn, or multi-turn tool-calling rollouts (agent.enable)."""
     if cfg.agent.enable:
-        return group.call("agent_generate", version, batch, params)
-    return group.call("generate", version, [p["prompt"] for p in batch], params), {}
+        return group.generate("agent_generate", version, batch, params)
+    return group.generate("generate", version, [p["prompt"] for p in batch], params), {}
 
 
 _AGENT_COLUMNS = ("turn_bounds", "truncated", "num_turns", "tool_calls", "tool_errors", "tool_timeouts")
@@ -419,10 +420,15 @@ def is_checkpoint(cfg: RunConfig, iteration: int) -> bool:
     return iteration % cfg.trainer.checkpoint_every == 0
 
 
+def update_hash(cfg: RunConfig) -> str:
+    """The update settings a policy committed between checkpoints must have been trained with to be rebuilt
+    (by re-running its updates from stored experience)."""
+    return cfg.stage_hash(*STAGE_CONFIG["update"])
+
+
 def hold_policy(group: PolicyGroup, cfg: RunConfig, ref: PolicyRef) -> None:
-    """Make the group hold policy ``ref``; one committed between checkpoints is rebuilt in the worker by
-    re-running its updates from stored experience, valid only under this config's update settings."""
-    group.acquire(ref, "policy", update_hash=cfg.stage_hash(*STAGE_CONFIG["update"]))
+    """Make the trainer hold policy ``ref`` (rebuilt in the worker when it lies between checkpoints)."""
+    group.acquire(ref, "policy", update_hash=update_hash(cfg))
 
 
 @_stage_task("update")
@@ -438,7 +444,11 @@ def update(
         return StageOutput(
             tables={"metrics.parquet": A.metrics_table(metrics)},
             metrics=metrics,
-            meta={"policy_ref": policy.model_dump(mode="json"), "between_checkpoints": not checkpoint},
+            meta={
+                "policy_ref": policy.model_dump(mode="json"),
+                "between_checkpoints": not checkpoint,
+                "trained_on": [group.call_rank(r, "info") for r in range(len(group.ranks))],
+            },
             commit_in_worker=lambda commit, tables: group.commit("policy", commit, tables),
         )
 
@@ -457,7 +467,7 @@ def evaluate(
             test = test.slice(0, cfg.data.eval_size)
         batch = test.to_pylist()
         group = open_group(cfg, version)
-        hold_policy(group, cfg, policy)
+        group.acquire_rollout(policy, update_hash(cfg))
         comps, stats = _complete(cfg, group, policy.version, batch, _sampling(cfg, iteration, n=1, greedy=True))
         # Tool use of the greedy answers (agent mode): held-out tool-call success rate and friends.
         agent = agent_metrics(comps, stats, prefix="val/") if cfg.agent.enable else {}

@@ -129,3 +129,111 @@ def test_killed_trainer_ranks_are_rebuilt_to_identical_artifacts(prefect_api, tm
     assert _checksums(store, "k", 2) == _checksums(ref_store, "k", 2)
     w1, w2 = _weights(store, "k", 1), _weights(store, "k", 2)
     assert any((w1[k] - w2[k]).abs().max() > 0 for k in w1)  # the drills ran where the weights change
+
+
+def test_rollout_placed_apart_takes_weights_by_handoff_and_overlaps_the_trainer(prefect_api, tmp_path):
+    """The rollout role on an actor of its own: same artifacts as colocated, and a generating stage runs
+    while an update of the trainer role trains (two stages of different roles overlap in time)."""
+    from prefect import flow
+    from prefect.task_runners import ThreadPoolTaskRunner
+
+    from flows.training import train
+    from schemas.manifest import PolicyRef
+    from tasks import stages
+    from tasks.runtime import policy_ref_from, store_for
+    from workers.group import open_group
+
+    colocated = _cfg(tmp_path / "co", "p")
+    apart = _cfg(tmp_path / "apart", "p", "ray.rollout_placement=separate", "ray.worker_num_cpus=0.5", "ray.rollout_num_cpus=0.5")
+    train(config=colocated)
+    train(config=apart)
+    store = store_for(apart)
+    assert _checksums(store, "p", 2) == _checksums(store_for(colocated), "p", 2)
+    ro2 = store.manifest("p", 2, "rollout")
+    assert ro2.meta["generated_by"]["placement"] == "separate"
+    assert ro2.meta["generated_by"]["weights"] == "handoff"  # same node: the trainer's folder, not the store
+    assert ro2.meta["generated_by"]["pid"] != store.manifest("p", 2, "update").meta["trained_on"][0]["pid"]
+
+    long = apart.model_copy(
+        update={
+            "actor": apart.actor.model_copy(update={"ppo_epochs": 30}),
+            "trainer": apart.trainer.model_copy(update={"eval_n": 16}),
+        }
+    )
+    prompts = store.manifest("p", None, "data_prep")
+    experience = store.manifest("p", 1, "advantage")
+    start = PolicyRef.model_validate(store.manifest("p", 1, "update").meta["policy_ref"])  # update 1's input policy
+    after = policy_ref_from(store.manifest("p", 1, "update"))
+
+    @flow(task_runner=ThreadPoolTaskRunner(max_workers=2))
+    def both():
+        u = stages.update.submit(long, 1, experience, start, version="overlap")
+        e = stages.evaluate.submit(long, 1, prompts, after, version="overlap")
+        return u.result(), e.result()
+
+    group = open_group(long, "overlap")  # held by the test so both stage tasks find the same actors
+    try:
+        both()
+        trained = group.call("busy_intervals")
+        generated = ray_get(group.rollout.busy_intervals.remote())
+    finally:
+        group.release()
+    assert trained and generated
+    overlap = max(min(te, ge) - max(ts, gs) for ts, te in trained for gs, ge in generated)
+    assert overlap > 0, (trained, generated)
+
+
+def ray_get(ref):
+    import ray
+
+    return ray.get(ref)
+
+
+MULTINODE = r"""
+import json, sys
+import psutil, ray
+from ray.cluster_utils import Cluster
+from schemas.config import load_config
+from flows.training import train
+from tasks.runtime import store_for
+
+if __name__ == "__main__":
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"node_a": 1}, "node_ip_address": "127.0.0.1", "include_dashboard": False, "object_store_memory": 80 << 20})
+    cluster.add_node(num_cpus=1, resources={"node_b": 1}, node_ip_address="127.0.0.1", object_store_memory=80 << 20)
+    cluster.wait_for_nodes()
+    cfg = load_config(None, sys.argv[1:] + [f"ray.address={cluster.address}"])
+    train(config=cfg)
+    store = store_for(cfg)
+    out = {
+        "rollout": [store.manifest(cfg.run_name, k, "rollout").meta["generated_by"] for k in (1, 2)],
+        "update": [store.manifest(cfg.run_name, k, "update").meta["trained_on"] for k in (1, 2)],
+        "nodes": {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()},
+        "listening": sorted({c.laddr.ip for p in psutil.Process().children(recursive=True) for c in p.net_connections() if c.status == "LISTEN"}),
+    }
+    print("RESULT " + json.dumps(out))
+    ray.shutdown()
+    cluster.shutdown()
+"""
+
+
+def test_two_node_cluster_trainer_on_one_node_rollout_on_the_other(prefect_api, tmp_path):
+    """A two-raylet Ray cluster on this machine: the trainer on node_a, the rollout worker on node_b, new
+    weights crossing nodes through the store, every listener on 127.0.0.1."""
+    import json
+    import subprocess
+    import sys
+
+    args = [
+        f"store.root={tmp_path / 'store'}", "run_name=mn", *tiny_overrides(), "actor.entropy_coeff=0.01",
+        "ray.rollout_placement=separate", "ray.worker_num_cpus=0.5", "ray.rollout_num_cpus=0.5",
+        "ray.trainer_resources={node_a: 1}", "ray.rollout_resources={node_b: 1}",
+        "ray.stages={rollout: {num_cpus: 0.25}, reward: {num_cpus: 0.25}, advantage: {num_cpus: 0.25}, update: {num_cpus: 0.25}, eval: {num_cpus: 0.25}, data_prep: {num_cpus: 0.25}}",
+    ]  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", MULTINODE, *args], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    assert len(out["nodes"]) == 2 and set(out["nodes"].values()) == {"127.0.0.1"}
+    for gen, trained in zip(out["rollout"], out["update"], strict=True):
+        assert gen["placement"] == "separate" and gen["node"] != trained[0]["node"]
+    assert out["rollout"][1]["weights"] == "store"  # iteration 1's update reached node_b through the store
+    assert out["listening"] and set(out["listening"]) <= {"127.0.0.1"}, out["listening"]

@@ -22,6 +22,7 @@ from infra.ray_runtime import RAY_NAMESPACE
 from schemas.config import ConfigError, RunConfig
 from schemas.manifest import Manifest, PolicyRef
 from workers.policy import CRITIC_INIT, PolicyWorker
+from workers.rollout import RolloutWorker
 
 RESTART_WAIT_S = 120.0  # how long a call waits for Ray to restart a killed worker (7-19 s seen on 2 cores)
 
@@ -55,10 +56,14 @@ class PolicyGroup:
 
     ranks: list[Any]
     name: str
+    rollout: Any = None  # the rollout role's actor when placed apart (ray.rollout_placement: separate)
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """One call on rank 0 (generation, log-probs, reference, critic)."""
         return _wait_restart(lambda: ray.get(getattr(self.ranks[0], method).remote(*args, **kwargs)))
+
+    def call_rank(self, rank: int, method: str, *args: Any) -> Any:
+        return _wait_restart(lambda: ray.get(getattr(self.ranks[rank], method).remote(*args)))
 
     def call_all(self, method: str, *args: Any, **kwargs: Any) -> list:
         """The same call on every rank at once (collectives: every rank must enter them)."""
@@ -90,6 +95,27 @@ class PolicyGroup:
         self.call_all("join", addr, port)
         return self.call_all("acquire", *args)[0]
 
+    def acquire_rollout(self, ref: PolicyRef, update_hash: str | None = None) -> None:
+        """Make the generating role hold ``ref``: rank 0 when colocated, else the rollout actor, which takes
+        the trainer's same-node handoff when the trainer holds ``ref`` and reads the store otherwise."""
+        if self.rollout is None:
+            self.acquire(ref, "policy", update_hash)
+            return
+        if _wait_restart(lambda: ray.get(self.rollout.version.remote())) == ref.version:
+            return
+        handoff = self.call("handoff", ref.version)
+        _wait_restart(lambda: ray.get(self.rollout.acquire.remote(ref.model_dump(mode="json"), handoff)))
+
+    def generate(self, method: str, *args: Any) -> Any:
+        """A generation call (``generate`` or ``agent_generate``) on the role that generates."""
+        target = self.rollout if self.rollout is not None else self.ranks[0]
+        return _wait_restart(lambda: ray.get(getattr(target, method).remote(*args)))
+
+    def generator_info(self) -> dict:
+        """Where generation ran and how its weights arrived."""
+        target = self.rollout if self.rollout is not None else self.ranks[0]
+        return {"placement": "separate" if self.rollout is not None else "colocated", **ray.get(target.info.remote())}
+
     def update(self, version: str, experience: Manifest, iteration: int, checkpoint: bool) -> dict:
         """Every rank trains its slice of each mini-batch; metrics are the ranks' means (rank 0 reports)."""
         return self.call_all("update", version, experience.model_dump(mode="json"), iteration, checkpoint)[0]
@@ -103,7 +129,7 @@ class PolicyGroup:
 
     def release(self) -> None:
         """Stop the workers: close engines and scratch folders first (vLLM leaves /dev/shm files when killed)."""
-        for r in self.ranks:
+        for r in self.ranks + ([self.rollout] if self.rollout is not None else []):
             try:
                 ray.get(r.close.remote(), timeout=60)
             except Exception:  # a dead or hung worker still gets killed
@@ -113,33 +139,55 @@ class PolicyGroup:
 
 def check_placement(cfg: RunConfig) -> None:
     """Refuse, before any stage, a placement the Ray cluster cannot hold (Ray would wait forever)."""
-    have = ray.cluster_resources().get("CPU", 0.0)
-    world, per = cfg.ray.trainer_world_size, cfg.ray.worker_num_cpus
-    stage = max([cfg.ray.resources(s).num_cpus for s in ("rollout", "advantage", "update", "eval")])
-    if world * per + stage > have:
+    cluster = ray.cluster_resources()
+    have = cluster.get("CPU", 0.0)
+    r = cfg.ray
+    world, per = r.trainer_world_size, r.worker_num_cpus
+    apart = r.rollout_num_cpus if r.rollout_placement == "separate" else 0.0
+    stage = max([r.resources(s).num_cpus for s in ("rollout", "advantage", "update", "eval")])
+    if world * per + apart + stage > have:
+        rollout = f" + ray.rollout_num_cpus={apart:g}" if apart else ""
         raise ConfigError(
-            f"config error: ray.trainer_world_size={world} x ray.worker_num_cpus={per:g} plus a stage task's "
-            f"{stage:g} CPUs need {world * per + stage:g} CPUs; the Ray cluster has {have:g}"
+            f"config error: ray.trainer_world_size={world} x ray.worker_num_cpus={per:g}{rollout} plus a stage task's "
+            f"{stage:g} CPUs need {world * per + apart + stage:g} CPUs; the Ray cluster has {have:g}"
         )
+    for key, wanted in (("ray.trainer_resources", r.trainer_resources), ("ray.rollout_resources", r.rollout_resources)):
+        for name, amount in wanted.items():
+            if cluster.get(name, 0.0) < amount:
+                raise ConfigError(f"config error: {key}.{name}={amount:g}: the Ray cluster has {cluster.get(name, 0.0):g} of it")
 
 
 def open_group(cfg: RunConfig, version: str = "main") -> PolicyGroup:
     """The run's policy workers, created on first use (the flow keeps the handles: the actors live as long)."""
-    cls = ray.remote(PolicyWorker)
-    world = cfg.ray.trainer_world_size
+    r = cfg.ray
+    common = {"namespace": RAY_NAMESPACE, "get_if_exists": True, "max_restarts": -1, "max_task_retries": 0}
+    cfg_json = cfg.model_dump(mode="json")
     ranks = [
-        cls.options(
+        ray.remote(PolicyWorker)
+        .options(
             name=actor_name(cfg.run_name, version, rank),
-            namespace=RAY_NAMESPACE,
-            get_if_exists=True,
-            num_cpus=cfg.ray.worker_num_cpus,
-            num_gpus=cfg.ray.worker_num_gpus,
-            max_restarts=-1,
-            max_task_retries=0,
-        ).remote(cfg.model_dump(mode="json"), total_update_steps(cfg), rank, world)
-        for rank in range(world)
+            num_cpus=r.worker_num_cpus,
+            num_gpus=r.worker_num_gpus,
+            resources=dict(r.trainer_resources),
+            **common,
+        )
+        .remote(cfg_json, total_update_steps(cfg), rank, r.trainer_world_size)
+        for rank in range(r.trainer_world_size)
     ]
-    return PolicyGroup(ranks, actor_name(cfg.run_name, version))
+    rollout = None
+    if r.rollout_placement == "separate":
+        rollout = (
+            ray.remote(RolloutWorker)
+            .options(
+                name=actor_name(cfg.run_name, version) + "-rollout",
+                num_cpus=r.rollout_num_cpus,
+                num_gpus=r.rollout_num_gpus,
+                resources=dict(r.rollout_resources),
+                **common,
+            )
+            .remote(cfg_json)
+        )
+    return PolicyGroup(ranks, actor_name(cfg.run_name, version), rollout)
 
 
 def critic_init_ref(policy: PolicyRef) -> PolicyRef:

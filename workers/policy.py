@@ -14,6 +14,7 @@ import copy
 import os
 import shutil
 import tempfile
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -64,6 +65,38 @@ def update_batch(exp: pa.Table, columns: tuple[str, ...]) -> dict[str, list]:
     return {c: exp.column(c).to_pylist() for c in columns}
 
 
+def rollout_engine(cfg: RunConfig, model, tokenizer, path: str, current=None):
+    """The ``rollout.engine`` for weights just loaded from ``path`` (``model`` holds them in memory).
+
+    HF shares ``model``. A running vLLM engine (``current``) takes the new weights in place: starting one
+    costs 15-60 s on CPU.
+    """
+    r = cfg.rollout
+    if r.engine == "hf":
+        return HFRolloutEngine(model, tokenizer, r.batch_size)
+    from engines.rollout_vllm import VLLMRolloutEngine  # lazy: vllm is an optional extra
+
+    if isinstance(current, VLLMRolloutEngine):
+        current.load_weights(path)
+        return current
+    return VLLMRolloutEngine(
+        path,
+        tokenizer,
+        dtype=cfg.model.dtype,
+        seed=r.seed,
+        kv_cache_bytes=r.vllm_kv_cache_bytes,
+        enforce_eager=r.vllm_enforce_eager,
+        max_num_seqs=r.vllm_max_num_seqs,
+        cpu_threads_bind=r.vllm_cpu_threads_bind,
+    )
+
+
+def node_id() -> str:
+    import ray
+
+    return ray.get_runtime_context().get_node_id()
+
+
 class PolicyWorker:
     """Rank 0 holds every colocated role; ranks 1..N-1 (``ray.trainer_world_size``) only train the policy."""
 
@@ -84,9 +117,17 @@ class PolicyWorker:
         # Checkpoints fetched from the store and checkpoints waiting to be committed: removed on close.
         self.scratch = Path(tempfile.mkdtemp(prefix=f"rlstage-worker-{self.cfg.run_name}-"))
         self.staged: dict[str, Path] = {}
+        self.busy: list[tuple[float, float]] = []  # (start, end) of each update, for overlap checks
 
     def pid(self) -> int:
         return os.getpid()
+
+    def busy_intervals(self) -> list[tuple[float, float]]:
+        return list(self.busy)
+
+    def info(self) -> dict:
+        """Where this worker runs (recorded in the manifests of the stages it served)."""
+        return {"node": node_id(), "pid": os.getpid(), "rank": self.rank}
 
     def version(self, role: str = "policy") -> str | None:
         return self.versions[role]
@@ -197,8 +238,9 @@ class PolicyWorker:
             self.actor = self._new_actor(pad_id)
             if state is not None:
                 self.actor.load_state_dict(state)
-            # Only rank 0 generates: the other ranks are trainer-only.
-            self.rollout = self._rollout_engine(str(path)) if self.rank == 0 else None
+            # Rank 0 generates unless the rollout role is placed apart; the other ranks only train.
+            colocated = self.rank == 0 and self.cfg.ray.rollout_placement == "colocated"
+            self.rollout = rollout_engine(self.cfg, self.model, self.tokenizer, str(path), self.rollout) if colocated else None
         elif role == "ref":
             self.ref_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval().requires_grad_(False)
         elif role == "critic":
@@ -240,31 +282,6 @@ class PolicyWorker:
         engine = getattr(self.actor, "engine", None)
         if engine is not None and engine.module is not self.model:
             self.model.load_state_dict(self.actor.export_model())
-
-    def _rollout_engine(self, path: str):
-        """The ``rollout.engine`` for policy weights just loaded from ``path``.
-
-        HF shares ``self.model``. A running vLLM engine takes the new weights in place (a resume or
-        replay reloads the policy): starting one costs 15-60 s on CPU.
-        """
-        r = self.cfg.rollout
-        if r.engine == "hf":
-            return HFRolloutEngine(self.model, self.tokenizer, r.batch_size)
-        from engines.rollout_vllm import VLLMRolloutEngine  # lazy: vllm is an optional extra
-
-        if isinstance(self.rollout, VLLMRolloutEngine):
-            self.rollout.load_weights(path)
-            return self.rollout
-        return VLLMRolloutEngine(
-            path,
-            self.tokenizer,
-            dtype=self.cfg.model.dtype,
-            seed=r.seed,
-            kv_cache_bytes=r.vllm_kv_cache_bytes,
-            enforce_eager=r.vllm_enforce_eager,
-            max_num_seqs=r.vllm_max_num_seqs,
-            cpu_threads_bind=r.vllm_cpu_threads_bind,
-        )
 
     def _push_rollout_weights(self) -> None:
         """After an update: the trained weights into a separate rollout engine (HF shares the model)."""
@@ -324,15 +341,30 @@ class PolicyWorker:
         skip = cfg.critic.enable and iteration <= cfg.critic.warmup_iterations
         torch.manual_seed(seed)
         fault_point(cfg, "update" if self.rank == 0 else f"update@rank{self.rank}", iteration, where="kill_worker_at")
+        t0 = time.time()
         metrics = {"actor/skipped": 1.0} if skip else self.actor.update(batch, cfg.rollout.temperature, seed)
+        self.busy.append((t0, time.time()))
         self._sync_policy_weights()
         if not skip:
             self._push_rollout_weights()
         self.versions["policy"], self.pending = None, True
-        # ZeRO-0's optimizer state is whole on every rank: rank 0's checkpoint is the group's.
-        if checkpoint and self.rank == 0:
-            self._stage("policy", self.model, self.actor.state_dict())
+        # ZeRO-0's optimizer state is whole on every rank: rank 0's checkpoint is the group's. A rollout role
+        # placed apart reads every policy's weights from the store (or a same-node handoff): always stored.
+        if self.rank == 0 and (checkpoint or cfg.ray.rollout_placement == "separate"):
+            self._stage("policy", self.model, self.actor.state_dict() if checkpoint else None)
         return metrics
+
+    def handoff(self, version: str) -> tuple[str, str] | None:
+        """The weights of ``version`` as a Hugging Face folder on this node, for a rollout worker placed apart
+        on the same node (the local-file handoff); None when this worker does not hold that version."""
+        if self.versions["policy"] != version:
+            return None
+        folder = self.scratch / "handoff" / version
+        if not folder.is_dir():
+            shutil.rmtree(folder.parent, ignore_errors=True)  # one version at a time
+            self.model.save_pretrained(folder)
+            self.tokenizer.save_pretrained(folder)
+        return node_id(), str(folder)
 
     def critic_update(self, version: str, experience_json: dict, iteration: int) -> dict:
         self._require(version, "critic")
@@ -345,11 +377,12 @@ class PolicyWorker:
         self._stage("critic", self.critic.model, self.critic.state_dict())
         return metrics
 
-    def _stage(self, role: str, model, state: dict) -> None:
-        """Write a checkpoint into a local folder that ``commit`` moves into the store."""
+    def _stage(self, role: str, model, state: dict | None) -> None:
+        """Write a checkpoint (weights, and trainer state unless None) into a local folder ``commit`` stores."""
         folder = self.scratch / f"staged-{role}"
         shutil.rmtree(folder, ignore_errors=True)
         model.save_pretrained(folder / MODEL_DIR)
         self.tokenizer.save_pretrained(folder / MODEL_DIR)
-        save_trainer_state(state, folder / STATE_DIR)
+        if state is not None:
+            save_trainer_state(state, folder / STATE_DIR)
         self.staged[role] = folder

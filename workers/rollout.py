@@ -1,0 +1,104 @@
+"""The rollout role placed apart from the trainer (``ray.rollout_placement: separate``).
+
+Its own copy of the policy weights and its own rollout engine, so generation can run while the trainer
+trains. New weights arrive by the path that fits the placement: on the trainer's node, a Hugging Face
+folder the trainer writes for it (``PolicyWorker.handoff``); on another node, the committed checkpoint
+in the store (a separate rollout role makes every update store its weights).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from engines.rollout import SamplingParams
+from infra.store import ArtifactStore
+from schemas.config import RunConfig
+from schemas.manifest import PolicyRef
+from workers.policy import MODEL_DIR, check_loadable, node_id, rollout_engine
+
+
+class RolloutWorker:
+    def __init__(self, cfg_json: dict) -> None:
+        self.cfg = RunConfig.model_validate(cfg_json)
+        torch.set_num_threads(self.cfg.model.torch_threads)
+        self.store = ArtifactStore(self.cfg.store.root, self.cfg.store.storage_options, retries=self.cfg.store.retries)
+        self.held: str | None = None
+        self.source: str | None = None  # how the held weights arrived: "handoff", "store" or "path"
+        self.tokenizer = None
+        self.model = None
+        self.rollout = None
+        self.scratch = Path(tempfile.mkdtemp(prefix=f"rlstage-rollout-{self.cfg.run_name}-"))
+        self.busy: list[tuple[float, float]] = []  # (start, end) of each generate call, for overlap checks
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def version(self, role: str = "policy") -> str | None:
+        return self.held
+
+    def acquire(self, ref_json: dict, handoff: tuple[str, str] | None = None) -> str:
+        """Hold ``ref``'s weights: the trainer's same-node handoff folder, else the store, else a local path."""
+        ref = PolicyRef.model_validate(ref_json)
+        if self.held == ref.version:
+            return ref.version
+        if handoff is not None and handoff[0] == node_id():
+            path, self.source = Path(handoff[1]), "handoff"
+        elif ref.path is not None:
+            path, self.source = Path(ref.path), "path"
+        else:
+            manifest = self.store.manifest(ref.run, ref.iteration, ref.stage)
+            if manifest is None or manifest.artifact_id != ref.version:
+                raise FileNotFoundError(f"checkpoint {ref.run}/iter-{ref.iteration}/{ref.stage} ({ref.version}) is not committed")
+            check_loadable(manifest, self.store.artifact_dir(ref.run, ref.iteration, ref.stage))
+            if not any(f.startswith(MODEL_DIR + "/") for f in manifest.files):
+                raise FileNotFoundError(
+                    f"policy {ref.version} of iteration {ref.iteration} has no stored weights and the trainer is on "
+                    "another node (it lies between checkpoints of a run made with the rollout colocated)"
+                )
+            folder = self.scratch / "load"
+            shutil.rmtree(folder, ignore_errors=True)
+            path, self.source = Path(self.store.fetch_dir(manifest, MODEL_DIR, str(folder))), "store"
+        dtype = torch.bfloat16 if self.cfg.model.dtype == "bfloat16" else torch.float32
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.tokenizer.padding_side = "left"
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval().requires_grad_(False)
+        self.rollout = rollout_engine(self.cfg, self.model, self.tokenizer, str(path), self.rollout)
+        self.held = ref.version
+        return ref.version
+
+    def _require(self, version: str) -> None:
+        if self.held != version:
+            raise RuntimeError(f"rollout worker holds policy version {self.held}, stage needs {version}")
+
+    def generate(self, version: str, prompts: list[str], params: dict) -> list[dict]:
+        self._require(version)
+        t0 = time.time()
+        out = [asdict(c) for c in self.rollout.generate(prompts, SamplingParams(**params))]
+        self.busy.append((t0, time.time()))
+        return out
+
+    def agent_generate(self, version: str, rows: list[dict], params: dict) -> tuple[list[dict], dict]:
+        self._require(version)
+        from engines.agent_loop import run_agent_config
+
+        return run_agent_config(self.rollout, self.cfg.agent, rows, SamplingParams(**params))
+
+    def busy_intervals(self) -> list[tuple[float, float]]:
+        return list(self.busy)
+
+    def info(self) -> dict:
+        """Where this worker runs and how its weights arrived (recorded in the rollout manifest)."""
+        return {"node": node_id(), "pid": os.getpid(), "weights": self.source}
+
+    def close(self) -> None:
+        if hasattr(self.rollout, "close"):
+            self.rollout.close()
+        shutil.rmtree(self.scratch, ignore_errors=True)
