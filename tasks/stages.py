@@ -378,6 +378,7 @@ def advantage(
                 "token_level_rewards": _unpad(token_rewards, lens),
                 "advantages": _unpad(adv, lens),
                 "returns": _unpad(ret, lens),
+                "rollout_log_probs": ro.column("rollout_log_probs"),
             },
             schema=A.EXPERIENCE,
         )
@@ -449,6 +450,8 @@ def _update_args(cfg: RunConfig, iteration: int, experience: Manifest) -> tuple[
     cols = ["prompt_ids", "response_ids", "response_mask", "old_log_probs", "advantages"]
     if cfg.actor.use_kl_loss:
         cols.append("ref_log_probs")
+    if cfg.actor.rollout_correction.enabled:
+        cols.append("rollout_log_probs")
     batch = {c: exp.column(c).to_pylist() for c in cols}
     seed = cfg.trainer.seed * 1_000_003 + iteration
     skip = iteration <= cfg.critic.warmup_iterations and cfg.critic.enable  # critic warm-up
