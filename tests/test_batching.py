@@ -13,8 +13,8 @@ from engines.actor import TorchActor
 from engines.batching import (
     agg_norm,
     build_inputs,
-    combine_agg_norms,
     build_packed_inputs,
+    combine_agg_norms,
     micro_batch_cost,
     plan_micro_batches,
     response_log_probs,
