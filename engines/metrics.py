@@ -26,11 +26,16 @@ from typing import Any
 
 import numpy as np
 
+from engines.rewards import exact_match_answer, extract_gsm8k_answer
+
 __all__ = [
+    "ANSWER_EXTRACTORS",
     "bootstrap_metric",
+    "extract_answers",
     "flatten_validation_metrics",
     "majority_value",
     "pass_at_k",
+    "pass_at_k_metrics",
     "subset_sizes",
     "validation_metrics",
 ]
@@ -50,7 +55,7 @@ def bootstrap_metric(
     """
     items = np.empty(len(data), dtype=object)
     items[:] = list(data)
-    idx = np.random.RandomState(seed).choice(len(items), size=(n_bootstrap, subset_size), replace=True)
+    idx = _draws(len(items), subset_size, seed, n_bootstrap)
     out = []
     for fn in reduce_fns:
         values = np.array([fn(items[row]) for row in idx], dtype=np.float64)
@@ -78,19 +83,45 @@ def subset_sizes(n: int) -> list[int]:
     return sizes + [n]
 
 
+def _draws(n: int, k: int, seed: int, n_bootstrap: int = 1000) -> np.ndarray:
+    """The bootstrap's index draws: the same for every reducer of a (prompt, k), as verl re-seeds each call."""
+    return np.random.RandomState(seed).choice(n, size=(n_bootstrap, k), replace=True)
+
+
+def _majority_values(values: np.ndarray, answers: Sequence[Hashable], idx: np.ndarray) -> np.ndarray:
+    """``majority_value`` of every draw row at once: most frequent answer, ties to the one drawn first."""
+    codes = {a: i for i, a in enumerate(dict.fromkeys(answers))}
+    coded = np.array([codes[a] for a in answers])[idx]  # (draws, k)
+    onehot = coded[..., None] == np.arange(len(codes))  # (draws, k, answers)
+    counts = onehot.sum(axis=1)
+    k = idx.shape[1]
+    first = np.where(onehot, np.arange(k)[None, :, None], k).min(axis=1)  # first draw of each answer
+    winner = np.argmax(counts * (k + 1) - first, axis=1)  # most votes, then drawn first
+    pos = first[np.arange(len(idx)), winner]
+    return values[idx[np.arange(len(idx)), pos]]
+
+
 def _prompt_metrics(values: list[float], preds: list[Hashable] | None, seed: int) -> dict[str, float]:
     n = len(values)
     out = {f"mean@{n}": float(np.mean(values))}
     if n <= 1:
         return out
     out[f"std@{n}"] = float(np.std(values))
+    vals = np.asarray(values, dtype=np.float64)
     for k in subset_sizes(n):
-        (best, best_sd), (worst, worst_sd) = bootstrap_metric(values, k, [np.max, np.min], seed=seed)
-        out.update({f"best@{k}/mean": best, f"best@{k}/std": best_sd, f"worst@{k}/mean": worst, f"worst@{k}/std": worst_sd})
+        idx = _draws(n, k, seed)  # vectorised bootstrap_metric: the same draws, the same numbers
+        best, worst = vals[idx].max(axis=1), vals[idx].min(axis=1)
+        out.update(
+            {
+                f"best@{k}/mean": float(best.mean()),
+                f"best@{k}/std": float(best.std()),
+                f"worst@{k}/mean": float(worst.mean()),
+                f"worst@{k}/std": float(worst.std()),
+            }
+        )
         if preds is not None:
-            votes = list(zip(preds, values, strict=True))
-            [(maj, maj_sd)] = bootstrap_metric(votes, k, [lambda s: majority_value(list(s))], seed=seed)
-            out.update({f"maj@{k}/mean": maj, f"maj@{k}/std": maj_sd})
+            maj = _majority_values(vals, preds, idx)
+            out.update({f"maj@{k}/mean": float(maj.mean()), f"maj@{k}/std": float(maj.std())})
     return out
 
 
@@ -152,3 +183,37 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     if n - c < k:
         return 1.0
     return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
+def pass_at_k_metrics(
+    data_sources: Sequence[str], uids: Sequence[Hashable], correct: Sequence[bool], var: str = "reward"
+) -> dict[str, float]:
+    """``val-aux/<source>/<var>/pass@k``: the unbiased pass@k per prompt (its N samples, c correct), averaged
+    over the source's prompts, for k in ``subset_sizes(N)`` (prompts with fewer than k samples are left out)."""
+    counts: dict[str, dict[Hashable, list[int]]] = defaultdict(lambda: defaultdict(lambda: [0, 0]))
+    for src, uid, ok in zip(data_sources, uids, correct, strict=True):
+        counts[src][uid][0] += 1
+        counts[src][uid][1] += int(ok)
+    out: dict[str, float] = {}
+    for src, prompts in counts.items():
+        n_max = max(n for n, _ in prompts.values())
+        for k in subset_sizes(n_max):
+            vals = [pass_at_k(n, c, k) for n, c in prompts.values() if n >= k]
+            out[f"val-aux/{src}/{var}/pass@{k}"] = float(np.mean(vals))
+    return out
+
+
+# Reward function name -> the answer it extracts from a response (what maj@n votes on).
+ANSWER_EXTRACTORS: dict[str, Callable[[str, dict], Hashable | None]] = {
+    "exact_match": exact_match_answer,
+    "gsm8k_strict": lambda text, extra: extract_gsm8k_answer(text, "strict"),
+    "gsm8k_flexible": lambda text, extra: extract_gsm8k_answer(text, "flexible"),
+}
+
+
+def extract_answers(rows: Sequence[dict], reward_fns: Sequence[str]) -> list[Hashable | None] | None:
+    """Each row's extracted answer under its reward function, or None when one of them has no extractor
+    (then maj@n is not reported, as verl reports it only with a ``pred`` for every sample)."""
+    if any(fn not in ANSWER_EXTRACTORS for fn in reward_fns):
+        return None
+    return [ANSWER_EXTRACTORS[fn](r["response_text"], r["extra_info"]) for r, fn in zip(rows, reward_fns, strict=True)]

@@ -22,6 +22,7 @@ from prefect.cache_policies import NO_CACHE
 
 from engines import algorithms as algos
 from engines import datasets, rewards
+from engines import metrics as eval_metrics
 from engines.agent_loop import agent_metrics
 from engines.cursor import prompt_batch
 from schemas import artifacts as A
@@ -547,9 +548,17 @@ def evaluate(
         for ds in sorted(set(sources)):
             g = [s for s, src in zip(scores[:greedy_n], sources[:greedy_n], strict=True) if src == ds]
             metrics[f"val-core/{ds}/reward/mean@1"] = float(np.mean(g))
-            if cfg.trainer.eval_n > 0:
-                sampled = [s for s, src in zip(scores[greedy_n:], sources[greedy_n:], strict=True) if src == ds]
-                metrics[f"val-core/{ds}/reward/mean@{cfg.trainer.eval_n}"] = float(np.mean(sampled))
+        if cfg.trainer.eval_n > 0:  # the sampled answers, as verl reports them (engines/metrics.py)
+            uids = [c["prompt_index"] for c in comps[greedy_n:]]
+            infos: dict[str, list] = {"reward": scores[greedy_n:]}
+            fns = [cfg.reward.function or rewards.default_reward_fn(src, cfg.reward.gsm8k_method) for src in sources[greedy_n:]]
+            preds = eval_metrics.extract_answers(rows[greedy_n:], fns)
+            if preds is not None:
+                infos["pred"] = preds
+            nested = eval_metrics.validation_metrics(sources[greedy_n:], uids, infos)
+            metrics.update(eval_metrics.flatten_validation_metrics(nested))
+            correct = [s > 0.5 for s in scores[greedy_n:]]
+            metrics.update(eval_metrics.pass_at_k_metrics(sources[greedy_n:], uids, correct))
         metrics["val/accuracy"] = float(np.mean(scores[:greedy_n]))
         return StageOutput(tables={"eval.parquet": table}, metrics=metrics)
 

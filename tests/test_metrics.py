@@ -67,3 +67,33 @@ def test_pass_at_k_by_hand():
     assert M.pass_at_k(7, 2, 3) == pytest.approx(1 - math.comb(5, 3) / math.comb(7, 3))
     with pytest.raises(ValueError, match="k <= n"):
         M.pass_at_k(2, 1, 3)
+
+
+def test_vectorised_prompt_bootstrap_equals_the_generic_one():
+    rng = np.random.default_rng(0)
+    values = rng.integers(0, 2, 8).astype(float).tolist()
+    preds = [str(x) for x in rng.integers(0, 3, 8)]
+    out = M.validation_metrics(["d"] * 8, ["p"] * 8, {"acc": values, "pred": preds})["d"]["acc"]
+    for k in (2, 4, 8):
+        (best, best_sd), (worst, _) = M.bootstrap_metric(values, k, [np.max, np.min])
+        [(maj, maj_sd)] = M.bootstrap_metric(list(zip(preds, values, strict=True)), k, [lambda s: M.majority_value(list(s))])
+        assert out[f"best@{k}/mean"] == pytest.approx(best) and out[f"best@{k}/std"] == pytest.approx(best_sd)
+        assert out[f"worst@{k}/mean"] == pytest.approx(worst)
+        assert out[f"maj@{k}/mean"] == pytest.approx(maj) and out[f"maj@{k}/std"] == pytest.approx(maj_sd)
+
+
+def test_answers_are_extracted_as_the_reward_function_reads_them():
+    rows = [
+        {"response_text": " 81<eos> more", "extra_info": {}},
+        {"response_text": "so #### 1,200", "extra_info": {}},
+    ]
+    assert M.extract_answers(rows, ["exact_match", "gsm8k_strict"]) == ["81", "1200"]
+    assert M.extract_answers(rows, ["exact_match", "my.module:score"]) is None  # no extractor: no maj@n
+
+
+def test_pass_at_k_metrics_by_hand():
+    # prompt a: 4 samples, 1 correct; prompt b: 4 samples, 4 correct
+    out = M.pass_at_k_metrics(["s"] * 8, ["a"] * 4 + ["b"] * 4, [True, False, False, False] + [True] * 4)
+    assert out["val-aux/s/reward/pass@2"] == pytest.approx((0.5 + 1.0) / 2)  # 1 - C(3,2)/C(4,2) = 1/2
+    assert out["val-aux/s/reward/pass@4"] == pytest.approx(1.0)
+    assert set(out) == {"val-aux/s/reward/pass@2", "val-aux/s/reward/pass@4"}
