@@ -654,6 +654,20 @@ def compute_advantage(
     return fn(**kwargs)
 
 
+# ====================================================================== reward shaping
+def overlong_penalty(lengths: Sequence[int], max_response: int, buffer_len: int, penalty_factor: float) -> list[float]:
+    """DAPO's soft overlong punishment, added to each response's score (verl's DAPO reward manager).
+
+    ``excess = length - (max_response - buffer_len)``; ``penalty = min(0, -excess / buffer_len *
+    penalty_factor)``: 0 up to ``max_response - buffer_len`` tokens, then linear down to ``-penalty_factor``
+    at the length limit. ``buffer_len`` must be in ``(0, max_response]``.
+    """
+    if not 0 < buffer_len <= max_response:
+        raise ValueError(f"overlong buffer length {buffer_len} must be in (0, {max_response}]")
+    expected = max_response - buffer_len
+    return [min(-(n - expected) / buffer_len * penalty_factor, 0.0) for n in lengths]
+
+
 # ====================================================================== loss aggregation
 LOSS_AGG_MODES: tuple[str, ...] = (
     "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm",

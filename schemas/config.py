@@ -158,10 +158,20 @@ class RolloutConfig(_Section):
         return v
 
 
+class OverlongBufferConfig(_Section):
+    """DAPO's soft overlong punishment (verl's reward ``overlong_buffer_cfg``): a response longer than
+    ``max_response - len`` tokens loses ``penalty_factor * excess / len``, at most ``penalty_factor``."""
+
+    enable: bool = False
+    len: int = Field(0, ge=0)  # the buffer before the length limit, in response tokens
+    penalty_factor: float = Field(1.0, ge=0)
+
+
 class RewardConfig(_Section):
     function: str | None = None  # force one registered reward function; None: chosen by data_source
     gsm8k_method: Literal["strict", "flexible"] = "strict"
     timeout_s: float = Field(2.0, gt=0)
+    overlong_buffer: OverlongBufferConfig = Field(default_factory=OverlongBufferConfig)
 
 
 class ToolConfig(_Section):
@@ -439,6 +449,11 @@ class RunConfig(_Section):
             response_key, response_max = "agent.max_response_tokens", self.agent.max_response_tokens
         else:
             response_key, response_max = "rollout.max_new_tokens", self.rollout.max_new_tokens
+        buffer = self.reward.overlong_buffer
+        if buffer.enable and not 0 < buffer.len <= response_max:
+            raise ValueError(
+                f"reward.overlong_buffer.len={buffer.len} must be > 0 and at most {response_key}={response_max}"
+            )
         longest = self.data.max_prompt_length + response_max
         for name, section in (("actor", self.actor), ("critic", self.critic)):
             budget = section.micro_batch_tokens
@@ -465,6 +480,11 @@ class RunConfig(_Section):
                     "declare a tool with callable engines.tools:calculator"
                 )
         return self
+
+    @property
+    def max_response_tokens(self) -> int:
+        """The longest response a rollout can produce (policy, tool and template tokens in agent mode)."""
+        return self.agent.max_response_tokens if self.agent.enable else self.rollout.max_new_tokens
 
     @property
     def needs_ref(self) -> bool:

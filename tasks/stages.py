@@ -244,6 +244,13 @@ def reward(
         rows = table.select(["response_text", "ground_truth", "data_source", "extra_info"]).to_pylist()
         results = score_rows(cfg, rows)
         all_scores = np.array([r.score for r in results], dtype=np.float64)
+        shaping: dict[str, float] = {}
+        ob = cfg.reward.overlong_buffer
+        if ob.enable:  # DAPO: soft punishment of responses that run into the length limit
+            lengths = [len(r) for r in table.column("response_ids").to_pylist()]
+            penalty = np.array(algos.overlong_penalty(lengths, cfg.max_response_tokens, ob.len, ob.penalty_factor))
+            all_scores = all_scores + penalty
+            shaping = {"reward/overlong_penalty/mean": float(penalty.mean()), "reward/overlong_ratio": float((penalty < 0).mean())}
         scores = all_scores[np.array(table.column("sample_index").to_pylist()) >= 0]  # not ReMax baselines
         errors = [r.error for r in results]
         out = pa.table(
@@ -263,6 +270,7 @@ def reward(
                 "critic/score/min": float(scores.min()),
                 "reward/errors": float(sum(e is not None for e in errors)),
                 "reward/timeouts": float(sum(e is not None and e.startswith("timeout") for e in errors)),
+                **shaping,
             },
         )
 

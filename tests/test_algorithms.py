@@ -856,3 +856,20 @@ def test_config_refuses_bad_settings_in_one_line():
     assert cfg.algorithm.rollout_correction.rollout_is_threshold == "0.5_2"
     assert cfg.actor.rollout_correction == cfg.algorithm.rollout_correction
     assert cfg.actor.rollout_correction.enabled
+
+
+# ---------------------------------------------------------------- DAPO overlong reward shaping
+def test_overlong_penalty_by_hand():
+    # limit 8, buffer 4: no penalty up to 4 tokens, then -0.5 per token over 4 (factor 2), -2 at the limit
+    assert A.overlong_penalty([3, 4, 5, 6, 8], 8, 4, 2.0) == pytest.approx([0.0, 0.0, -0.5, -1.0, -2.0])
+    with pytest.raises(ValueError, match="overlong buffer"):
+        A.overlong_penalty([1], 8, 0, 1.0)
+
+
+def test_overlong_buffer_config():
+    from schemas.config import ConfigError, load_config
+
+    cfg = load_config(None, ["reward.overlong_buffer.enable=true", "reward.overlong_buffer.len=4", "rollout.max_new_tokens=8"])
+    assert cfg.max_response_tokens == 8 and cfg.reward.overlong_buffer.penalty_factor == 1.0
+    with pytest.raises(ConfigError, match=r"reward\.overlong_buffer\.len=9 must be > 0 and at most rollout\.max_new_tokens=8"):
+        load_config(None, ["reward.overlong_buffer.enable=true", "reward.overlong_buffer.len=9", "rollout.max_new_tokens=8"])
