@@ -54,7 +54,8 @@ class TorchActor(MiniBatchTrainer):
         Rollout correction (``cfg.rollout_correction``): in bypass mode the rollout's log-probs are the old
         policy and the loss is ``bypass_mode``; otherwise (decoupled) the importance weights of old vs
         rollout log-probs are computed once over the whole batch, as verl's driver does, and multiply the
-        policy loss in every epoch; their ``rollout_corr/...`` metrics are returned with the others.
+        policy loss in every epoch; their ``rollout_corr/...`` metrics are returned with the others. (On a
+        data-parallel rank holding a shard, the batch normalisation is over the shard: verl all-reduces it.)
         """
         rc = self.cfg.rollout_correction
         name = "bypass_mode" if rc.bypass_mode else self.cfg.policy_loss

@@ -1,4 +1,5 @@
-"""The RL math of rlstage: advantage estimators, policy losses, loss aggregation and KL terms.
+"""The RL math of rlstage: advantage estimators, policy losses, loss aggregation, KL terms, rollout
+correction and DAPO's overlong reward shaping.
 
 Pure torch (plus numpy-compatible group ids), no Prefect, no Ray. Everything that a config picks
 by name lives in a registry (``ADV_ESTIMATORS``, ``POLICY_LOSSES``) or a name tuple
@@ -34,9 +35,11 @@ PolicyLossFn = Callable[..., tuple[Tensor, dict[str, Tensor]]]
 
 __all__ = [
     "ADV_ESTIMATORS",
+    "FIXED_PG_AGG",
     "KL_TYPES",
     "LOSS_AGG_MODES",
     "POLICY_LOSSES",
+    "ROLLOUT_IS_LEVELS",
     "AdaptiveKLController",
     "FixedKLController",
     "agg_loss",
@@ -52,8 +55,12 @@ __all__ = [
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "offpolicy_metrics",
+    "overlong_penalty",
+    "policy_loss_reinforce",
     "register_adv_estimator",
     "register_policy_loss",
+    "rollout_correction",
 ]
 
 
@@ -169,8 +176,9 @@ def register_adv_estimator(name: str) -> Callable[[AdvEstimatorFn], AdvEstimator
 
     An estimator is called with keyword arguments only, taking the subset of
     ``token_level_rewards, response_mask, index, values, reward_baselines, gamma, lam,
-    norm_adv_by_std_in_grpo, epsilon`` that its signature names; parameters without a default are
-    required. It returns ``(advantages, returns)``, both ``[batch, response_len]``.
+    norm_adv_by_std_in_grpo, epsilon, old_log_probs, sum_pi_squared, rollout_is_weights`` that its
+    signature names; parameters without a default are required. It returns ``(advantages, returns)``,
+    both ``[batch, response_len]``.
     """
 
     def deco(fn: AdvEstimatorFn) -> AdvEstimatorFn:
