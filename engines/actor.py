@@ -18,13 +18,17 @@ from engines.batching import (
     MiniBatchTrainer,
     lr_lambda,
     micro_weight,
+    pad_right,
     response_log_probs,
 )
 
 __all__ = ["TorchActor", "lr_lambda"]
 
-# Policy losses that aggregate with a fixed mode whatever loss_agg_mode says (see their docstrings).
-FIXED_PG_AGG = {"gspo": "seq-mean-token-mean"}
+# Loss-specific actor settings, handed to every policy loss by keyword (each takes the ones it uses).
+LOSS_SETTINGS = (
+    "clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "tau_pos", "tau_neg", "clip_cov_ratio", "clip_cov_lb",
+    "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef", "dro_beta",
+)  # fmt: skip
 
 
 class TorchActor(MiniBatchTrainer):
@@ -46,38 +50,69 @@ class TorchActor(MiniBatchTrainer):
         """PPO epochs over shuffled mini-batches; one optimizer step per mini-batch.
 
         ``batch`` holds per-sample lists: prompt_ids, response_ids, response_mask, old_log_probs,
-        advantages and, with a KL loss, ref_log_probs.
+        advantages, with a KL loss ref_log_probs, and with rollout correction rollout_log_probs.
+        Rollout correction (``cfg.rollout_correction``): in bypass mode the rollout's log-probs are the old
+        policy and the loss is ``bypass_mode``; otherwise (decoupled) the importance weights of old vs
+        rollout log-probs are computed once over the whole batch, as verl's driver does, and multiply the
+        policy loss in every epoch; their ``rollout_corr/...`` metrics are returned with the others. (On a
+        data-parallel rank holding a shard, the batch normalisation is over the shard: verl all-reduces it.)
         """
-        loss_fn = algos.get_policy_loss(self.cfg.policy_loss)
-        return self._train_epochs(batch, seed, lambda micro: self._micro_step(batch, micro, temperature, loss_fn))
+        rc = self.cfg.rollout_correction
+        name = "bypass_mode" if rc.bypass_mode else self.cfg.policy_loss
+        loss_fn = algos.get_policy_loss(name)
+        extra: dict = {}
+        corr: dict[str, float] = {}
+        if rc.bypass_mode:
+            batch = {**batch, "old_log_probs": batch["rollout_log_probs"]}
+            extra = {k: getattr(rc, k) for k in ("loss_type", "rollout_is", "rollout_is_threshold", "rollout_is_batch_normalize")}
+        elif rc.rollout_is is not None:
+            batch, corr = self._with_is_weights(batch)
+        # clip_cov picks tokens at random: seeded per update so a replay draws the same ones.
+        extra["generator"] = torch.Generator().manual_seed(seed)
+        step = lambda micro: self._micro_step(batch, micro, temperature, loss_fn, name, extra)  # noqa: E731
+        return {**self._train_epochs(batch, seed, step), **corr}
 
-    def _micro_step(self, batch, micro: MicroBatch, temperature: float, loss_fn) -> dict[str, float]:
-        cfg = self.cfg
-        fields = ["response_mask", "old_log_probs", "advantages"] + (["ref_log_probs"] if cfg.use_kl_loss else [])
-        inputs, (mask, old, adv, *ref) = self._micro_inputs(batch, micro.idx, *fields)
-        logp, entropy = response_log_probs(self.model, inputs, temperature, with_entropy=True)
-        pg_loss, pg_metrics = loss_fn(
+    def _with_is_weights(self, batch: dict[str, list]) -> tuple[dict[str, list], dict[str, float]]:
+        rc = self.cfg.rollout_correction
+        width = max((len(r) for r in batch["response_ids"]), default=0)
+        old, roll, mask = (pad_right(batch[k], 0.0, torch.float32, width) for k in ("old_log_probs", "rollout_log_probs", "response_mask"))
+        weights, corr = algos.rollout_correction(
             old,
-            logp,
-            adv,
+            roll,
             mask,
-            cfg.loss_agg_mode,
-            clip_ratio_low=cfg.clip_ratio_low,
-            clip_ratio_high=cfg.clip_ratio_high,
-            clip_ratio_c=cfg.clip_ratio_c,
+            rollout_is=rc.rollout_is,
+            rollout_is_threshold=rc.rollout_is_threshold,
+            rollout_is_batch_normalize=rc.rollout_is_batch_normalize,
+        )
+        rows = [weights[i, : len(r)].tolist() for i, r in enumerate(batch["response_ids"])]
+        return {**batch, "rollout_is_weights": rows}, corr
+
+    def _micro_step(self, batch, micro: MicroBatch, temperature: float, loss_fn, name: str, extra: dict) -> dict[str, float]:
+        cfg = self.cfg
+        fields = ["response_mask", "old_log_probs", "advantages"]
+        fields += ["ref_log_probs"] if cfg.use_kl_loss else []
+        fields += ["rollout_is_weights"] if "rollout_is_weights" in batch else []
+        inputs, tensors = self._micro_inputs(batch, micro.idx, *fields)
+        got = dict(zip(fields, tensors, strict=True))
+        mask, old, adv = got["response_mask"], got["old_log_probs"], got["advantages"]
+        logp, entropy = response_log_probs(self.model, inputs, temperature, with_entropy=True)
+        settings = {k: getattr(cfg, k) for k in LOSS_SETTINGS}
+        pg_loss, pg_metrics = loss_fn(
+            old, logp, adv, mask, cfg.loss_agg_mode, rollout_is_weights=got.get("rollout_is_weights"), **settings, **extra
         )
         entropy_loss = algos.agg_loss(entropy, mask, cfg.loss_agg_mode)
-        # Token-budget mode: each term becomes its share of the mini-batch's aggregate (exact accumulation).
+        # Exact mode (token budget, data parallel, token-sum): each term becomes its share of the mini-batch's
+        # aggregate, so the accumulated (and rank-averaged) gradient is the whole mini-batch's.
         w_pg = w_agg = w_tok = 1.0
         if micro.norm is not None:
-            w_pg = micro_weight(FIXED_PG_AGG.get(cfg.policy_loss, cfg.loss_agg_mode), mask, micro.norm)
+            w_pg = micro_weight(algos.FIXED_PG_AGG.get(name, cfg.loss_agg_mode), mask, micro.norm)
             w_agg = micro_weight(cfg.loss_agg_mode, mask, micro.norm)
             w_tok = micro_weight("token-mean", mask, micro.norm)
             pg_loss, entropy_loss = pg_loss * w_pg, entropy_loss * w_agg
         loss = pg_loss - cfg.entropy_coeff * entropy_loss
         metrics = {"actor/pg_loss": float(pg_loss.detach()), "actor/entropy": float(entropy_loss.detach())}
         if cfg.use_kl_loss:
-            kl = algos.agg_loss(algos.kl_penalty(logp, ref[0], cfg.kl_loss_type), mask, cfg.loss_agg_mode)
+            kl = algos.agg_loss(algos.kl_penalty(logp, got["ref_log_probs"], cfg.kl_loss_type), mask, cfg.loss_agg_mode)
             if micro.norm is not None:
                 kl = kl * w_agg
             loss = loss + cfg.kl_loss_coef * kl
@@ -85,5 +120,6 @@ class TorchActor(MiniBatchTrainer):
             metrics["actor/kl_coef"] = cfg.kl_loss_coef * w_tok
         (loss * micro.scale).backward()
         for k, v in pg_metrics.items():
-            metrics[f"actor/{k}"] = float(v) * w_tok  # token means (w_tok is 1.0 in fixed-count mode)
+            # token means (w_tok is 1.0 in fixed-count mode); a key with a "/" is logged as named (rollout_corr/...)
+            metrics[k if "/" in k else f"actor/{k}"] = float(v) * w_tok
         return metrics

@@ -12,10 +12,11 @@ Two input layouts, chosen by ``packing`` in the actor / critic config:
 
 Micro-batches hold either a fixed number of samples (``micro_batch_size``, the default) or as many as fit
 a token budget (``micro_batch_tokens``): the tokens the forward actually processes, i.e. the packed row
-length with packing and rows x padded width without. With a token budget the loss of each micro-batch is
-weighted by its share of the mini-batch's ``agg_loss`` denominator (``AggNorm``), so the accumulated
-gradient equals that of the whole mini-batch as one batch for every ``loss_agg_mode``; the fixed-count
-mode keeps verl's ``len(micro) / len(mini)`` scaling, bit for bit as before.
+length with packing and rows x padded width without. With a token budget (and with data parallelism or
+``token-sum``) the loss of each micro-batch is weighted by its share of the mini-batch's ``agg_loss``
+denominator (``AggNorm``, global over data-parallel ranks), so the accumulated gradient equals that of
+the whole mini-batch as one batch for every ``loss_agg_mode``; the fixed-count mode keeps verl's
+``len(micro) / len(mini)`` scaling, bit for bit as before.
 """
 
 from __future__ import annotations
@@ -226,20 +227,26 @@ def plan_micro_batches(
 class AggNorm:
     """The denominators ``agg_loss`` uses when the whole (global) mini-batch is one batch.
 
-    ``dp_size``: data-parallel ranks whose gradients are AVERAGED; each rank's weights are multiplied by it
-    so that the average equals the single-process sum (verl's global token count times dp size).
+    ``dp_size``: data-parallel ranks whose gradients are AVERAGED; every rank holds the whole batch, so the
+    global counts are its own to compute, and each rank's weights are multiplied by ``dp_size`` so that the
+    average equals the single-process sum (verl's global token count times dp size).
     """
 
     tokens: float  # sum of the response mask
     seqs: float  # rows with at least one mask token
     width: int  # the padded response width (longest response)
-    dp_size: int = 1
+    rows: float = 0.0  # all rows, empty ones included (the "row-mean" of geo_mean)
+    dp_size: int = 1  # ranks sharing the mini-batch; their gradients are averaged
 
 
 def agg_norm(masks: Sequence[Sequence[float]], dp_size: int = 1) -> AggNorm:
     sums = [float(sum(m)) for m in masks]
     return AggNorm(
-        tokens=sum(sums), seqs=float(sum(s > 0 for s in sums)), width=max((len(m) for m in masks), default=0), dp_size=dp_size
+        tokens=sum(sums),
+        seqs=float(sum(s > 0 for s in sums)),
+        width=max((len(m) for m in masks), default=0),
+        rows=float(len(masks)),
+        dp_size=dp_size,
     )
 
 
@@ -252,18 +259,24 @@ def micro_weight(mode: str, mask: torch.Tensor, norm: AggNorm) -> float:
     """Factor turning ``agg_loss(L, mask, mode)`` of a micro-batch into its share of the mini-batch's.
 
     Summed over the micro-batches of a mini-batch, ``weight * agg_loss(micro)`` equals ``agg_loss`` of the
-    mini-batch as one batch (``seq-mean-token-sum-norm``'s default divisor, the padded width, included).
+    mini-batch as one batch (``seq-mean-token-sum-norm``'s default divisor, the padded width, included);
+    with a global ``norm`` of ``dp_size`` ranks the weight carries verl's ``* dp_size``, so the ranks'
+    AVERAGED gradients equal that of the whole mini-batch. ``row-mean`` is a plain mean over all rows.
     The ``token-mean`` weights (a micro-batch's share of the policy tokens) also weight token-mean metrics.
     """
     # A micro-batch without policy tokens has loss 0 (agg_loss divides 0 by 1): its weight 0 is harmless.
     if mode == "token-mean":
-        return float(mask.sum()) / _safe(norm.tokens) * norm.dp_size
-    seqs = float((mask.sum(dim=-1) > 0).sum())
-    weight = seqs / _safe(norm.seqs)
-    if mode == "seq-mean-token-sum-norm":
-        weight *= mask.shape[-1] / max(1, norm.width)
-    elif mode not in ("seq-mean-token-sum", "seq-mean-token-mean"):
-        raise ValueError(f"unknown loss_agg_mode {mode!r}")
+        weight = float(mask.sum()) / _safe(norm.tokens)
+    elif mode == "token-sum":
+        weight = 1.0
+    elif mode == "row-mean":
+        weight = mask.shape[0] / _safe(norm.rows)
+    else:
+        weight = float((mask.sum(dim=-1) > 0).sum()) / _safe(norm.seqs)
+        if mode == "seq-mean-token-sum-norm":
+            weight *= mask.shape[-1] / max(1, norm.width)
+        elif mode not in ("seq-mean-token-sum", "seq-mean-token-mean"):
+            raise ValueError(f"unknown loss_agg_mode {mode!r}")
     return weight * norm.dp_size
 
 
@@ -272,8 +285,9 @@ class MicroBatch:
     """One forward/backward: the sample ids and how its loss enters the mini-batch gradient.
 
     Fixed-count mode (``norm`` None): the loss is scaled by ``scale = len(idx) / mini_len``, verl's scaling.
-    Token-budget mode: each loss term is weighted with ``micro_weight`` against ``norm`` (``scale`` is 1)
-    and the metrics come back weighted, to be summed per mini-batch.
+    Exact mode (a token budget, data parallelism, or ``token-sum``): each loss term is weighted with
+    ``micro_weight`` against ``norm`` (``scale`` is 1) and the metrics come back weighted, to be summed
+    per mini-batch.
     """
 
     idx: list[int]
@@ -378,10 +392,12 @@ class MiniBatchTrainer:
             packed=cfg.packing,
             setting=f"{self.metric_prefix}.micro_batch_tokens",
         )
-        if cfg.micro_batch_tokens is None:
-            return [MicroBatch(idx, len(local), None) for idx in plans]
         norm = agg_norm([batch["response_mask"][i] for i in mini], self.dp_size)
-        # A micro-batch without policy tokens has weight 0 in every mode: skipped (its width-0 loss is 0/0).
+        # token-sum has no fixed-count form (verl's len(micro) / len(mini) scaling would divide the sum).
+        if cfg.micro_batch_tokens is None and cfg.loss_agg_mode != "token-sum":
+            return [MicroBatch(idx, len(local), None) for idx in plans]
+        # A micro-batch without policy tokens has weight 0 in every mode but row-mean: skipped (its width-0
+        # loss is 0/0); in row-mean (geo_mean) an empty row's loss is 0 anyway.
         live = [idx for idx in plans if any(any(batch["response_mask"][i]) for i in idx)]
         return [MicroBatch(idx, len(mini), norm) for idx in live]
 

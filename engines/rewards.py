@@ -67,16 +67,20 @@ def default_reward_fn(data_source: str, method: str = "strict") -> str:
 _EOS_MARKERS = ("<eos>", "</s>", "<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end_of_text|>")
 
 
-@register_reward_fn("exact_match")
-def exact_match(response_text: str, ground_truth: str, extra_info: dict) -> float:
-    """1.0 when the response's first token (cut at the first eos marker or whitespace) equals the ground truth."""
+def exact_match_answer(response_text: str, extra_info: dict) -> str:
+    """The answer ``exact_match`` compares: the first token, cut at the first eos marker or whitespace."""
     text = response_text.strip()
     markers = _EOS_MARKERS + ((extra_info["eos_token"],) if extra_info.get("eos_token") else ())
     for marker in markers:
         text = text.split(marker, 1)[0]
     parts = text.split(None, 1)
-    answer = parts[0] if parts else ""
-    return 1.0 if answer == ground_truth.strip() else 0.0
+    return parts[0] if parts else ""
+
+
+@register_reward_fn("exact_match")
+def exact_match(response_text: str, ground_truth: str, extra_info: dict) -> float:
+    """1.0 when the response's first token (cut at the first eos marker or whitespace) equals the ground truth."""
+    return 1.0 if exact_match_answer(response_text, extra_info) == ground_truth.strip() else 0.0
 
 
 # Like verl, only the tail is searched: answers come last, and regexes on huge strings are slow.

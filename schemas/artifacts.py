@@ -80,6 +80,7 @@ EXPERIENCE = pa.schema(
         ("token_level_rewards", _floats),
         ("advantages", _floats),
         ("returns", _floats),
+        ("rollout_log_probs", _floats),  # the sampler's (rollout correction, bypass mode); null in older runs
     ]
 )
 

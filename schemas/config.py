@@ -12,17 +12,54 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 AdvEstimator = Literal[
-    "gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "opo", "gpg"
+    "gae", "grpo", "grpo_vectorized", "rloo", "rloo_vectorized", "reinforce_plus_plus",
+    "reinforce_plus_plus_baseline", "remax", "opo", "gpg", "grpo_passk", "gdpo",
+    "optimal_token_baseline", "tir_optimal_token_baseline",
+]  # fmt: skip
+PolicyLoss = Literal[
+    "vanilla", "dppo_tv", "dppo_kl", "gspo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean", "dro", "cispo",
+    "bypass_mode",
+]  # fmt: skip
+LossAggMode = Literal[
+    "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
 ]
-PolicyLoss = Literal["vanilla", "gspo", "gpg", "cispo"]
-LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 KLType = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "kl+", "k1+", "abs+", "mse+", "k2+", "low_var_kl+", "k3+"]
 
 # Estimators that need a value model, and those that compare samples within a prompt's group.
 NEEDS_CRITIC = {"gae"}
-NEEDS_GROUPS = {"grpo", "rloo", "reinforce_plus_plus_baseline", "opo", "gpg"}
+NEEDS_GROUPS = {
+    "grpo", "grpo_vectorized", "rloo", "rloo_vectorized", "reinforce_plus_plus_baseline", "opo", "gpg",
+    "grpo_passk", "gdpo", "optimal_token_baseline", "tir_optimal_token_baseline",
+}  # fmt: skip
+# Estimators that need the old policy's sum over the vocabulary of pi^2 per token, which the old-log-prob
+# pass does not compute: usable as engine functions, refused in a run.
+NEEDS_SUM_PI_SQUARED = {"optimal_token_baseline", "tir_optimal_token_baseline"}
 
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+
+
+def parse_is_threshold(spec: float | str) -> tuple[float | None, float]:
+    """``rollout_is_threshold`` -> ``(lower, upper)``: a number is a TIS upper bound (lower None), a
+    ``"lower_upper"`` string an IcePop band; both bounds must be > 0 and lower < upper."""
+    if isinstance(spec, bool):
+        raise ValueError("rollout_is_threshold must be a number or a 'lower_upper' string, not a boolean")
+    lower: float | None = None
+    if isinstance(spec, str) and "_" in spec:
+        lo, hi = spec.split("_", 1)
+        try:
+            lower, upper = float(lo), float(hi)
+        except ValueError:
+            raise ValueError(f"rollout_is_threshold {spec!r} is not 'lower_upper' with two numbers") from None
+    else:
+        try:
+            upper = float(spec)
+        except ValueError:
+            raise ValueError(f"rollout_is_threshold {spec!r} is not a number or a 'lower_upper' string") from None
+    if upper <= 0 or (lower is not None and lower <= 0):
+        raise ValueError(f"rollout_is_threshold {spec!r}: bounds must be > 0")
+    if lower is not None and lower >= upper:
+        raise ValueError(f"rollout_is_threshold {spec!r}: the IcePop band needs low < high")
+    return lower, upper
 
 
 class ConfigError(ValueError):
@@ -121,10 +158,20 @@ class RolloutConfig(_Section):
         return v
 
 
+class OverlongBufferConfig(_Section):
+    """DAPO's soft overlong punishment (verl's reward ``overlong_buffer_cfg``): a response longer than
+    ``max_response - len`` tokens loses ``penalty_factor * excess / len``, at most ``penalty_factor``."""
+
+    enable: bool = False
+    len: int = Field(0, ge=0)  # the buffer before the length limit, in response tokens
+    penalty_factor: float = Field(1.0, ge=0)
+
+
 class RewardConfig(_Section):
     function: str | None = None  # force one registered reward function; None: chosen by data_source
     gsm8k_method: Literal["strict", "flexible"] = "strict"
     timeout_s: float = Field(2.0, gt=0)
+    overlong_buffer: OverlongBufferConfig = Field(default_factory=OverlongBufferConfig)
 
 
 class ToolConfig(_Section):
@@ -190,6 +237,35 @@ class OptimConfig(_Section):
     grad_clip: float = Field(1.0, gt=0)
 
 
+class RolloutCorrectionConfig(_Section):
+    """Train/inference mismatch correction (verl's ``algorithm.rollout_correction``, README: rollout correction).
+
+    ``rollout_is``: None (off), ``token`` or ``sequence`` importance weights pi_train / pi_rollout;
+    ``rollout_is_threshold``: a number truncates the weights there (TIS), ``"low_high"`` zeroes weights
+    outside the band (IcePop); ``rollout_is_batch_normalize`` rescales them to mean 1. ``bypass_mode``
+    trains against the rollout's log-probs as the old policy with ``loss_type`` ``ppo_clip`` or
+    ``reinforce``. Rejection sampling (verl's ``rollout_rs``) is not implemented. Quote an IcePop band in
+    YAML and in overrides (``'0.5_2.0'``): unquoted, YAML reads ``0.5_2.0`` as the number 0.52.
+    """
+
+    rollout_is: Literal["token", "sequence"] | None = None
+    rollout_is_threshold: float | str = 2.0
+    rollout_is_batch_normalize: bool = False
+    bypass_mode: bool = False
+    loss_type: Literal["ppo_clip", "reinforce"] = "ppo_clip"
+
+    @field_validator("rollout_is_threshold")
+    @classmethod
+    def _threshold(cls, v: float | str) -> float | str:
+        parse_is_threshold(v)
+        return v
+
+    @property
+    def enabled(self) -> bool:
+        """The update needs the rollout's log-probs (IS weights or bypass mode)."""
+        return self.rollout_is is not None or self.bypass_mode
+
+
 class ActorConfig(_Section):
     engine: Literal["torch", "deepspeed"] = "torch"
     zero_stage: int = Field(0, ge=0, le=3)
@@ -206,6 +282,17 @@ class ActorConfig(_Section):
     clip_ratio_high: float = Field(0.2, ge=0)
     clip_ratio_c: float = Field(3.0, gt=1.0)
     loss_agg_mode: LossAggMode = "token-mean"
+    # Settings of particular policy losses, named and defaulted as verl's actor.policy_loss / actor config.
+    tau_pos: float = Field(1.0, gt=0)  # sapo: gate temperature where A > 0
+    tau_neg: float = Field(1.05, gt=0)  # sapo: where A <= 0
+    clip_cov_ratio: float = Field(0.0002, gt=0)  # clip_cov: share of tokens whose gradient is dropped
+    clip_cov_lb: float = 1.0  # clip_cov: covariance band of the candidates
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = Field(0.0002, gt=0)  # kl_cov: share of tokens given the KL penalty
+    ppo_kl_coef: float = Field(0.1, ge=0)  # kl_cov: coefficient of that penalty
+    dro_beta: float | None = Field(None, gt=0)  # dro: quadratic log-ratio penalty (required by dro)
+    # Copied from algorithm.rollout_correction at load (verl hands it to the actor the same way): set it there.
+    rollout_correction: RolloutCorrectionConfig = Field(default_factory=RolloutCorrectionConfig)
     entropy_coeff: float = 0.0
     use_kl_loss: bool = False
     kl_loss_coef: float = Field(0.001, ge=0)
@@ -244,6 +331,7 @@ class AlgorithmConfig(_Section):
     use_kl_in_reward: bool = False
     kl_penalty: KLType = "kl"
     kl_ctrl: KLControlConfig = Field(default_factory=KLControlConfig)
+    rollout_correction: RolloutCorrectionConfig = Field(default_factory=RolloutCorrectionConfig)
 
 
 class TrainerConfig(_Section):
@@ -344,6 +432,27 @@ class RunConfig(_Section):
             raise ValueError(f"algorithm.adv_estimator={est} needs a critic, which is not configured (critic.enable)")
         if est in NEEDS_GROUPS and self.rollout.n < 2:
             raise ValueError(f"rollout.n={self.rollout.n}: algorithm.adv_estimator={est} needs groups of n >= 2")
+        if est in NEEDS_SUM_PI_SQUARED:
+            raise ValueError(
+                f"algorithm.adv_estimator={est} needs the old policy's sum of pi^2 over the vocabulary per token, "
+                "which the pipeline's old-log-prob pass does not compute"
+            )
+        if self.actor.policy_loss == "dro" and self.actor.dro_beta is None:
+            raise ValueError("actor.policy_loss=dro needs actor.dro_beta (> 0)")
+        rc = self.algorithm.rollout_correction
+        if self.actor.rollout_correction not in (RolloutCorrectionConfig(), rc):
+            raise ValueError("actor.rollout_correction is copied from algorithm.rollout_correction: set it there")
+        if self.actor.policy_loss == "bypass_mode" and not rc.bypass_mode:
+            raise ValueError(
+                "actor.policy_loss=bypass_mode is selected by algorithm.rollout_correction.bypass_mode=true"
+            )
+        if rc.bypass_mode and self.actor.policy_loss not in ("vanilla", "bypass_mode"):
+            raise ValueError(
+                f"algorithm.rollout_correction.bypass_mode=true replaces actor.policy_loss={self.actor.policy_loss} "
+                "(its loss is rollout_correction.loss_type): leave actor.policy_loss at vanilla"
+            )
+        if self.actor.rollout_correction != rc:
+            self.actor.rollout_correction = rc.model_copy()
         if self.actor.ppo_mini_batch_size % self.actor.micro_batch_size:
             raise ValueError("actor.ppo_mini_batch_size must be a multiple of actor.micro_batch_size")
         world = self.ray.trainer_world_size
@@ -366,6 +475,11 @@ class RunConfig(_Section):
             response_key, response_max = "agent.max_response_tokens", self.agent.max_response_tokens
         else:
             response_key, response_max = "rollout.max_new_tokens", self.rollout.max_new_tokens
+        buffer = self.reward.overlong_buffer
+        if buffer.enable and not 0 < buffer.len <= response_max:
+            raise ValueError(
+                f"reward.overlong_buffer.len={buffer.len} must be > 0 and at most {response_key}={response_max}"
+            )
         longest = self.data.max_prompt_length + response_max
         for name, section in (("actor", self.actor), ("critic", self.critic)):
             budget = section.micro_batch_tokens
@@ -392,6 +506,11 @@ class RunConfig(_Section):
                     "declare a tool with callable engines.tools:calculator"
                 )
         return self
+
+    @property
+    def max_response_tokens(self) -> int:
+        """The longest response a rollout can produce (policy, tool and template tokens in agent mode)."""
+        return self.agent.max_response_tokens if self.agent.enable else self.rollout.max_new_tokens
 
     @property
     def needs_ref(self) -> bool:

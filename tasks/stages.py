@@ -19,6 +19,7 @@ from prefect.cache_policies import NO_CACHE
 
 from engines import algorithms as algos
 from engines import datasets, rewards
+from engines import metrics as eval_metrics
 from engines.agent_loop import agent_metrics
 from engines.cursor import prompt_batch
 from infra.drill import fault_point
@@ -221,6 +222,13 @@ def reward(
         rows = table.select(["response_text", "ground_truth", "data_source", "extra_info"]).to_pylist()
         results = score_rows(cfg, rows)
         all_scores = np.array([r.score for r in results], dtype=np.float64)
+        shaping: dict[str, float] = {}
+        ob = cfg.reward.overlong_buffer
+        if ob.enable:  # DAPO: soft punishment of responses that run into the length limit
+            lengths = [len(r) for r in table.column("response_ids").to_pylist()]
+            penalty = np.array(algos.overlong_penalty(lengths, cfg.max_response_tokens, ob.len, ob.penalty_factor))
+            all_scores = all_scores + penalty
+            shaping = {"reward/overlong_penalty/mean": float(penalty.mean()), "reward/overlong_ratio": float((penalty < 0).mean())}
         scores = all_scores[np.array(table.column("sample_index").to_pylist()) >= 0]  # not ReMax baselines
         errors = [r.error for r in results]
         out = pa.table(
@@ -240,6 +248,7 @@ def reward(
                 "critic/score/min": float(scores.min()),
                 "reward/errors": float(sum(e is not None for e in errors)),
                 "reward/timeouts": float(sum(e is not None and e.startswith("timeout") for e in errors)),
+                **shaping,
             },
         )
 
@@ -355,6 +364,7 @@ def advantage(
                 "token_level_rewards": _unpad(token_rewards, lens),
                 "advantages": _unpad(adv, lens),
                 "returns": _unpad(ret, lens),
+                "rollout_log_probs": ro.column("rollout_log_probs"),
             },
             schema=A.EXPERIENCE,
         )
@@ -491,9 +501,17 @@ def evaluate(
         for ds in sorted(set(sources)):
             g = [s for s, src in zip(scores[:greedy_n], sources[:greedy_n], strict=True) if src == ds]
             metrics[f"val-core/{ds}/reward/mean@1"] = float(np.mean(g))
-            if cfg.trainer.eval_n > 0:
-                sampled = [s for s, src in zip(scores[greedy_n:], sources[greedy_n:], strict=True) if src == ds]
-                metrics[f"val-core/{ds}/reward/mean@{cfg.trainer.eval_n}"] = float(np.mean(sampled))
+        if cfg.trainer.eval_n > 0:  # the sampled answers, as verl reports them (engines/metrics.py)
+            uids = [c["prompt_index"] for c in comps[greedy_n:]]
+            infos: dict[str, list] = {"reward": scores[greedy_n:]}
+            fns = [cfg.reward.function or rewards.default_reward_fn(src, cfg.reward.gsm8k_method) for src in sources[greedy_n:]]
+            preds = eval_metrics.extract_answers(rows[greedy_n:], fns)
+            if preds is not None:
+                infos["pred"] = preds
+            nested = eval_metrics.validation_metrics(sources[greedy_n:], uids, infos)
+            metrics.update(eval_metrics.flatten_validation_metrics(nested))
+            correct = [s > 0.5 for s in scores[greedy_n:]]
+            metrics.update(eval_metrics.pass_at_k_metrics(sources[greedy_n:], uids, correct))
         metrics["val/accuracy"] = float(np.mean(scores[:greedy_n]))
         return StageOutput(tables={"eval.parquet": table}, metrics=metrics)
 

@@ -358,6 +358,7 @@ def test_every_estimator_and_the_loss_ignore_tool_tokens(estimator):
         rewards[i, max(j for j, v in enumerate(t.response_mask) if v)] = float(i % 2)  # on the last policy token
     values = torch.randn(len(trajs), width)
     kw = {"index": [0, 0, 1, 1], "values": values, "reward_baselines": torch.tensor([0.5, 0.5, 0.2, 0.2])}
+    kw.update(old_log_probs=torch.full_like(mask, -1.0), sum_pi_squared=torch.full_like(mask, 0.3))  # OTB
     adv, _ = algos.compute_advantage(estimator, token_level_rewards=rewards, response_mask=mask, gamma=0.9, lam=0.8, **kw)
     gap = (mask == 0) & (torch.arange(width) < torch.tensor([len(t.response_ids) for t in trajs])[:, None])
     assert gap.any()

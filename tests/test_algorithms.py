@@ -18,7 +18,7 @@ T = torch.tensor
 
 
 def close(x: torch.Tensor, expected, atol: float = 1e-5) -> None:
-    torch.testing.assert_close(x.double(), torch.as_tensor(expected, dtype=torch.float64), atol=atol, rtol=1e-5)
+    torch.testing.assert_close(torch.as_tensor(x).double(), torch.as_tensor(expected, dtype=torch.float64), atol=atol, rtol=1e-5)
 
 
 def outcome(scores, masks) -> tuple[torch.Tensor, torch.Tensor]:
@@ -230,12 +230,16 @@ def test_reinforce_plus_plus_discounts_and_whitens():
     close(adv, ((ret - mean) * inv_std) * mask)
 
 
-def test_reinforce_plus_plus_return_is_cut_at_a_gap():
-    # verl resets the running return after every masked position, so token 0 never sees the reward
-    rewards = T([[0.0, 0.0, 0.0, 1.0], [0.0, 0.0, 3.0, 0.0]])
-    mask = T([[1.0, 0.0, 1.0, 1.0], [1.0, 1.0, 1.0, 0.0]])
-    _, ret = A.compute_advantage("reinforce_plus_plus", token_level_rewards=rewards, response_mask=mask, gamma=1.0)
-    close(ret, [[0.0, 1.0, 1.0, 1.0], [3.0, 3.0, 3.0, 0.0]])
+def test_reinforce_plus_plus_carries_return_across_a_gap():
+    # verl 0.9.1: a masked position neither adds its reward nor discounts; returns are 0 there
+    rewards = T([[0.0, 0.0, 0.0, 1.0], [0.0, 0.0, 3.0, 0.0], [0.0, 5.0, 0.0, 1.0]])
+    mask = T([[1.0, 0.0, 1.0, 1.0], [1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 1.0, 1.0]])
+    adv, ret = A.compute_advantage("reinforce_plus_plus", token_level_rewards=rewards, response_mask=mask, gamma=1.0)
+    close(ret, [[1.0, 0.0, 1.0, 1.0], [3.0, 3.0, 3.0, 0.0], [1.0, 0.0, 1.0, 1.0]])  # the 5 in a gap is ignored
+    mean, inv_std = whiten_tokens([1.0, 1.0, 1.0, 3.0, 3.0, 3.0, 1.0, 1.0, 1.0])
+    close(adv, ((ret - mean) * inv_std) * mask)
+    _, ret = A.compute_advantage("reinforce_plus_plus", token_level_rewards=rewards[:1], response_mask=mask[:1], gamma=0.5)
+    close(ret, [[0.25, 0.0, 0.5, 1.0]])  # discounted once per policy token: the gap does not discount
 
 
 def test_remax_subtracts_greedy_baseline():
@@ -257,8 +261,16 @@ def test_group_estimators_need_index():
 def test_every_estimator_runs_through_the_dispatcher():
     g = torch.Generator().manual_seed(1)
     rewards, mask = outcome(SCORES, MASKS)
-    full = dict(index=INDEX, values=torch.randn(mask.shape, generator=g), reward_baselines=torch.rand(6, generator=g))
+    full = dict(
+        index=INDEX,
+        values=torch.randn(mask.shape, generator=g),
+        reward_baselines=torch.rand(6, generator=g),
+        old_log_probs=-torch.rand(mask.shape, generator=g),
+        sum_pi_squared=torch.rand(mask.shape, generator=g),
+    )
     for name in A.ADV_ESTIMATORS:
+        if name == "grpo_passk":  # needs two samples in every group (tested below)
+            continue
         adv, ret = A.compute_advantage(name, token_level_rewards=rewards, response_mask=mask, **full)
         assert adv.shape == ret.shape == mask.shape, name
         assert torch.isfinite(adv).all() and torch.isfinite(ret).all(), name
@@ -283,6 +295,8 @@ def naive_group(scores: list[float], index, lengths: list[float], kind: str, nor
                 out[i] = (scores[i] - mean) / (std + 1e-6) if norm else scores[i] - mean
             elif kind == "rloo":
                 out[i] = scores[i] * n / (n - 1) - mean * n / (n - 1) if n > 1 else scores[i]
+            elif kind == "rloo_vectorized":
+                out[i] = scores[i] * n / (n - 1) - mean * n / (n - 1) if n > 1 else 0.0
             elif kind == "opo":
                 lens = [lengths[j] for j in rows]
                 base = sum(lens[k] * scores[j] for k, j in enumerate(rows)) / sum(lens) if n > 1 else 0.0
@@ -292,7 +306,7 @@ def naive_group(scores: list[float], index, lengths: list[float], kind: str, nor
     return out
 
 
-@pytest.mark.parametrize("kind", ["grpo", "dr_grpo", "rloo", "opo", "gpg"])
+@pytest.mark.parametrize("kind", ["grpo", "dr_grpo", "rloo", "rloo_vectorized", "opo", "gpg", "grpo_vectorized"])
 def test_vectorised_group_estimators_equal_naive_loop(kind):
     rng = np.random.default_rng(7)
     sizes = [1, 2, 3, 5, 8, 1, 4]
@@ -312,7 +326,8 @@ def test_vectorised_group_estimators_equal_naive_loop(kind):
     adv, _ = A.compute_advantage(
         name, token_level_rewards=rewards, response_mask=mask, index=index, norm_adv_by_std_in_grpo=kind != "dr_grpo"
     )
-    expected = naive_group(scores.tolist(), index, mask.sum(-1).tolist(), name, norm=kind != "dr_grpo")
+    naive = "grpo" if name == "grpo_vectorized" else name  # verl's vectorised GRPO computes GRPO's values
+    expected = naive_group(scores.tolist(), index, mask.sum(-1).tolist(), naive, norm=kind != "dr_grpo")
     torch.testing.assert_close(adv, T(expected, dtype=torch.float32).unsqueeze(-1) * mask, atol=1e-4, rtol=1e-4)
 
 
@@ -394,25 +409,35 @@ def test_policy_losses_ignore_garbage_in_gaps():
     adv = T([[1.0, float("nan"), -1.0]])
     for name in A.POLICY_LOSSES:
         for mode in A.LOSS_AGG_MODES:
-            loss, metrics = A.get_policy_loss(name)(old, lp, adv, mask, mode)
+            loss, metrics = A.get_policy_loss(name)(old, lp, adv, mask, mode, dro_beta=0.1)
             assert torch.isfinite(loss), (name, mode)
             assert all(torch.isfinite(v) for v in metrics.values()), (name, mode)
 
 
-def test_gspo_uses_sequence_ratio_and_seq_mean_token_mean():
+def test_gspo_uses_sequence_ratio_and_the_given_aggregation():
     old = torch.zeros(2, 3)
     lp = T([[0.2, 0.4, 7.0], [-0.1, 0.0, -0.2]], requires_grad=True)
     mask = T([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
     adv = T([[1.0, 1.0, 1.0], [-1.0, -1.0, -1.0]])
     s1 = math.exp(-0.1)  # geometric-mean ratio of row 1; row 0's exp(0.3) is clipped at 1.2
-    expected = (-1.2 + s1) / 2
-    for mode in ("token-mean", "seq-mean-token-sum"):  # the mode argument is overridden, as in verl
+    # verl 0.9.1 aggregates GSPO with the loss_agg_mode it is given
+    expected = {
+        "seq-mean-token-mean": (-1.2 + s1) / 2,
+        "token-mean": (2 * -1.2 + 3 * s1) / 5,
+        "seq-mean-token-sum": (2 * -1.2 + 3 * s1) / 2,
+        "token-sum": 2 * -1.2 + 3 * s1,
+    }
+    for mode, value in expected.items():
         loss, m = A.policy_loss_gspo(old, lp, adv, mask, mode)
-        close(loss, expected)
+        close(loss, value)
     close(m["pg_clipfrac"], 2 / 5)
     close(m["pg_clipfrac_lower"], 0.0)
+    loss, _ = A.policy_loss_gspo(old, lp, adv, mask, "seq-mean-token-mean")
     (grad,) = torch.autograd.grad(loss, lp)
     close(grad, [[0.0, 0.0, 0.0], [s1 / 6, s1 / 6, s1 / 6]])  # -A * s_i / (len_i * n_seq)
+    loss, _ = A.policy_loss_gspo(old, lp, adv, mask, "token-mean")
+    (grad,) = torch.autograd.grad(loss, lp)
+    close(grad, [[0.0, 0.0, 0.0], [s1 / 5, s1 / 5, s1 / 5]])
 
 
 def test_cispo_by_hand():
@@ -514,3 +539,337 @@ def test_apply_kl_penalty():
     assert metrics["actor/reward_kl_penalty_coeff"] == 0.1  # the coefficient before the update
     close(T(metrics["actor/reward_kl_penalty"]), (0.5 + 0.2 + 0.0) / 3)  # per-row means, empty row = 0
     close(T(ctrl.value), 0.1 * (1 - 0.2 * 3 / 100))
+
+
+# ---------------------------------------------------------------- verl parity, part 2: estimators
+def test_rloo_vectorized_gives_a_lone_sample_zero():
+    rewards, mask = outcome(SCORES, MASKS)
+    adv, ret = A.compute_advantage("rloo_vectorized", token_level_rewards=rewards, response_mask=mask, index=INDEX)
+    close(adv, T([1.0, -0.5, -0.5, 0.0, 0.0, 0.0]).unsqueeze(-1) * mask)  # rloo keeps 0.5 for group b
+    close(ret, adv)
+
+
+def test_grpo_vectorized_is_grpo():
+    rewards, mask = outcome(SCORES, MASKS)
+    a, _ = A.compute_advantage("grpo", token_level_rewards=rewards, response_mask=mask, index=INDEX)
+    b, _ = A.compute_advantage("grpo_vectorized", token_level_rewards=rewards, response_mask=mask, index=INDEX)
+    assert torch.equal(a, b)
+
+
+def test_grpo_passk_by_hand():
+    scores = [1.0, 0.0, 0.5, 1.0, 1.0, 0.2]
+    index = ["a", "a", "a", "c", "c", "d"][:5] + ["a"]  # a: rows 0, 1, 2, 5; c: a tie
+    rewards, mask = outcome(scores, MASKS)
+    adv, ret = A.compute_advantage("grpo_passk", token_level_rewards=rewards, response_mask=mask, index=index)
+    std_a = statistics.stdev([1.0, 0.0, 0.5, 0.2])
+    close(adv, T([(1.0 - 0.5) / (std_a + 1e-6), 0, 0, 0, 0, 0]).unsqueeze(-1) * mask)  # only the best learns
+    close(ret, adv)
+    adv, _ = A.compute_advantage(
+        "grpo_passk", token_level_rewards=rewards, response_mask=mask, index=index, norm_adv_by_std_in_grpo=False
+    )
+    close(adv, T([0.5, 0, 0, 0, 0, 0]).unsqueeze(-1) * mask)
+    with pytest.raises(ValueError, match="at least 2 samples"):
+        A.compute_advantage("grpo_passk", token_level_rewards=rewards, response_mask=mask, index=INDEX)
+
+
+def test_gdpo_single_reward_is_whitened_grpo():
+    rewards, mask = outcome(SCORES, MASKS)
+    adv, ret = A.compute_advantage("gdpo", token_level_rewards=rewards, response_mask=mask, index=INDEX)
+    std_a = statistics.stdev([1.0, 0.0, 0.0])
+    grpo_rows = [(1 - 1 / 3) / (std_a + 1e-6), -1 / 3 / (std_a + 1e-6), -1 / 3 / (std_a + 1e-6), 0.5 / 1.000001, 0, 0]
+    tokens = [g for g, m in zip(grpo_rows, MASKS, strict=True) for _ in range(int(sum(m)))]
+    mean, inv_std = whiten_tokens(tokens)
+    close(adv, ((T(grpo_rows).unsqueeze(-1) - mean) * inv_std) * mask)
+    close(ret, adv)
+
+
+def test_optimal_token_baseline_by_hand():
+    rewards = T([[0.0, 1.0], [0.0, 0.0]])
+    mask = T([[1.0, 1.0], [1.0, 0.0]])
+    old = T([[0.5, 0.5], [0.2, 0.2]]).log()
+    s2 = T([[0.5, 0.5], [0.3, 0.3]])
+    kw = dict(token_level_rewards=rewards, response_mask=mask, index=["g", "g"], old_log_probs=old, sum_pi_squared=s2)
+    adv, ret = A.compute_advantage("optimal_token_baseline", **kw)
+    # w = 1 - 2 pi + sum pi^2: row 0 0.5 per step (W = 0.5, 1.0), row 1 0.9 (W = 0.9); G0 = (1, 1), G1 = (0, 0)
+    b0 = (1 * 0.5 + 0 * 0.9) / (0.5 + 0.9 + 1e-8)
+    close(ret, [[1.0, 1.0], [0.0, 0.0]])
+    # column 1: row 0 is the group's only longer response -> baseline 0 there (handle_zero_tail)
+    close(adv, [[1 - b0, 1.0], [0 - b0, 0.0]])
+    w = T([[2.0, 1.0], [1.0, 1.0]])  # rollout IS weights scale w by rho^2
+    adv, _ = A.compute_advantage("optimal_token_baseline", rollout_is_weights=w, **kw)
+    b0 = (1 * 0.5 * 4) / (0.5 * 4 + 0.9 + 1e-8)
+    close(adv[:, 0], [1 - b0, -b0])
+    # a one-member group has no baseline: advantage = return
+    adv, _ = A.compute_advantage("optimal_token_baseline", **{**kw, "index": ["g", "h"]})
+    close(adv, [[1.0, 1.0], [0.0, 0.0]])
+
+
+def test_tir_optimal_token_baseline_aligns_policy_tokens_across_gaps():
+    rewards = T([[0.0, 0.0, 0.0, 1.0], [0.0, 2.0, 0.0, 0.0]])
+    mask = T([[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 0.0, 0.0]])  # row 0: a tool-output gap of two tokens
+    old = torch.full((2, 4), 0.5).log()
+    s2 = torch.full((2, 4), 0.5)  # w = 0.5 everywhere: W at policy step k is 0.5 * (k + 1) in both rows
+    kw = dict(token_level_rewards=rewards, response_mask=mask, index=["g", "g"], old_log_probs=old, sum_pi_squared=s2)
+    adv, ret = A.compute_advantage("tir_optimal_token_baseline", **kw)
+    close(ret, [[1.0, 1.0, 1.0, 1.0], [2.0, 2.0, 0.0, 0.0]])
+    # packed steps: row 0 G = (1, 1), row 1 G = (2, 2), equal weights -> B = (1.5, 1.5)
+    close(adv, [[-0.5, 0.0, 0.0, -0.5], [0.5, 0.5, 0.0, 0.0]])
+    # the column-wise OTB compares row 0's tool-turn tokens with row 1's instead
+    col, _ = A.compute_advantage("optimal_token_baseline", **kw)
+    assert not torch.allclose(col, adv)
+    # without gaps the two agree
+    full = T([[1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0]])
+    a, _ = A.compute_advantage("tir_optimal_token_baseline", **{**kw, "response_mask": full})
+    b, _ = A.compute_advantage("optimal_token_baseline", **{**kw, "response_mask": full})
+    close(a, b)
+
+
+# ---------------------------------------------------------------- aggregation: token-sum, data-parallel global
+def test_agg_loss_token_sum_and_global_counts_by_hand():
+    close(A.agg_loss(LOSS, LMASK, "token-sum"), 1 + 2 + 24)
+    close(A.agg_loss(LOSS, LMASK, "token-mean", dp_size=2, batch_num_tokens=10), 27 / 10 * 2)
+    close(A.agg_loss(LOSS, LMASK, "seq-mean-token-sum", dp_size=2, global_batch_size=4), 27 / 4 * 2)
+    close(A.agg_loss(LOSS, LMASK, "seq-mean-token-mean", dp_size=2, global_batch_size=4), (1.5 + 8) / 4 * 2)
+    close(A.agg_loss(LOSS, LMASK, "token-sum", dp_size=2), 27 * 2)
+    with pytest.raises(ValueError, match="batch_num_tokens"):
+        A.agg_loss(LOSS, LMASK, "token-mean", dp_size=2)
+    with pytest.raises(ValueError, match="global_batch_size"):
+        A.agg_loss(LOSS, LMASK, "seq-mean-token-mean", dp_size=2)
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean"])
+def test_data_parallel_shards_average_to_the_full_gradient(mode):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 5, generator=g, requires_grad=True)
+    mask = (torch.rand(6, 5, generator=g) > 0.3).float()
+    mask[4] = 0.0  # an empty row: not a sequence
+    (full,) = torch.autograd.grad(A.agg_loss(x.square(), mask, mode), x)
+    tokens, seqs = mask.sum(), (mask.sum(-1) > 0).sum()
+    shard_grads = []
+    for rows in (slice(0, 2), slice(2, 6)):  # unequal shards
+        loss = A.agg_loss(
+            x[rows].square(), mask[rows], mode, dp_size=2, batch_num_tokens=tokens, global_batch_size=seqs
+        )
+        (grad,) = torch.autograd.grad(loss, x)
+        shard_grads.append(grad)
+    # data parallelism averages the ranks' gradients
+    close((shard_grads[0] + shard_grads[1]) / 2, full)
+
+
+# ---------------------------------------------------------------- verl parity, part 2: policy losses
+def test_sapo_gate_by_hand():
+    old = torch.zeros(1, 3)
+    ratio = T([[1.5, 1.0, 0.5]])
+    lp = ratio.log().requires_grad_(True)
+    adv = T([[1.0, -2.0, -1.0]])
+    mask = T([[1.0, 1.0, 1.0]])
+    loss, m = A.policy_loss_sapo(old, lp, adv, mask, "token-mean", tau_pos=1.0, tau_neg=1.05)
+
+    def gate(r, tau):
+        return 1 / (1 + math.exp(-tau * (r - 1))) * 4 / tau
+
+    per_token = [-gate(1.5, 1.0) * 1.0, gate(1.0, 1.05) * 2.0, gate(0.5, 1.05) * 1.0]
+    close(loss, sum(per_token) / 3)  # seq-mean-token-mean whatever loss_agg_mode says (one row here)
+    close(m["pg_clipfrac"], 0.0)
+    # at r = 1 the gate's slope is 1: the gradient there is PPO's (-A r grad log r = -A)
+    (grad,) = torch.autograd.grad(loss, lp)
+    close(grad[0, 1], 2.0 / 3)
+    two_rows, _ = A.policy_loss_sapo(torch.zeros(2, 2), torch.zeros(2, 2), T([[1.0, 1.0], [1.0, 0.0]]), T([[1.0, 1.0], [1.0, 0.0]]), "token-mean")
+    close(two_rows, -2.0)  # per row mean of -A * 2/tau, then mean over rows
+
+
+def test_dppo_tv_and_kl_by_hand():
+    old = T([[0.5, 0.5, 0.5, 0.5]]).log()
+    p = T([[0.8, 0.6, 0.3, 0.45]])
+    lp = p.log().requires_grad_(True)
+    adv = T([[1.0, 1.0, -1.0, -1.0]])
+    mask = torch.ones(1, 4)
+    # TV: A>0 keeps p - q <= 0.2: 0.3 dropped, 0.1 kept; A<0 keeps p - q >= -0.1: -0.2 dropped, -0.05 kept
+    loss, m = A.policy_loss_dppo_tv(old, lp, adv, mask, "token-mean", clip_ratio_low=0.1, clip_ratio_high=0.2, clip_ratio_c=1.1)
+    kept = [0, 1, 0, 1]
+    w = [min(pi / 0.5, 1.1) for pi in (0.8, 0.6, 0.3, 0.45)]
+    close(loss, sum(-a * wi * math.log(pi) * k for a, wi, pi, k in zip([1, 1, -1, -1], w, [0.8, 0.6, 0.3, 0.45], kept, strict=True)) / 4)
+    close(m["pg_clipfrac"], 0.5)
+    close(m["pg_clipfrac_lower"], 1 / 4)  # kept token 1 has ratio 1.2 > 1.1
+    (grad,) = torch.autograd.grad(loss, lp)
+    close(grad, [[0.0, -w[1] / 4, 0.0, w[3] / 4]])  # the truncated ratio is a constant
+    # binary KL
+    def bkl(q, pp):
+        return q * math.log(q / pp) + (1 - q) * math.log((1 - q + 1e-8) / (1 - pp + 1e-8))
+
+    loss, m = A.policy_loss_dppo_kl(old, lp, adv, mask, "token-mean", clip_ratio_low=0.02, clip_ratio_high=0.05)
+    # A>0: kept if KL <= 0.05 or p <= q;  A<0: kept if KL <= 0.02 or p >= q
+    kept = [bkl(0.5, 0.8) <= 0.05, bkl(0.5, 0.6) <= 0.05, bkl(0.5, 0.3) <= 0.02, bkl(0.5, 0.45) <= 0.02]
+    assert kept == [False, True, False, True]
+    close(m["pg_clipfrac"], 0.5)
+    w = [min(pi / 0.5, 20.0) for pi in (0.8, 0.6, 0.3, 0.45)]
+    close(loss, (-w[1] * math.log(0.6) + w[3] * math.log(0.45)) / 4)
+
+
+def test_clip_cov_drops_gradient_of_high_covariance_tokens():
+    old = torch.zeros(1, 4)
+    lp = T([[0.0, 0.0, -2.0, 0.0]], requires_grad=True)
+    adv = T([[3.0, -3.0, -3.0, 1.0]])
+    mask = torch.ones(1, 4)
+    # cov = (A - 0.5)(lp - (-0.5)): 1.25, -1.75, 5.25, 0.25; only token 0 lies in (1, 5) and is unclipped
+    loss, m = A.policy_loss_clip_cov(old, lp, adv, mask, "token-mean", clip_cov_ratio=0.25, clip_cov_lb=1.0, clip_cov_ub=5.0)
+    r2 = math.exp(-2.0)  # token 2: A<0, ratio below 0.8 -> PPO takes the unclipped -A r (max of the two)
+    close(loss, (0 + 3.0 + max(3 * r2, 3 * 0.8) - 1.0) / 4)
+    close(m["pg_clipfrac"], 0.25)
+    assert set(m) == {"pg_clipfrac", "ppo_kl"}
+    (grad,) = torch.autograd.grad(loss, lp)
+    assert grad[0, 0] == 0.0 and grad[0, 1] != 0.0
+    with pytest.raises(ValueError, match="clip_cov_ratio"):
+        A.policy_loss_clip_cov(old, lp, adv, mask, clip_cov_ratio=0.0)
+
+
+def test_kl_cov_penalises_the_top_covariance_tokens():
+    old = torch.zeros(1, 4)
+    lp = T([[0.1, 0.0, -2.0, 0.2]], requires_grad=True)
+    adv = T([[3.0, -3.0, -3.0, 1.0]])
+    mask = torch.ones(1, 4)
+    loss, m = A.policy_loss_kl_cov(old, lp, adv, mask, "token-mean", kl_cov_ratio=0.5, ppo_kl_coef=0.1)
+    # cov (means 0.5 and -0.425): token 2 = (-3.5)(-1.575) and token 0 = (2.5)(0.525) are the top two
+    base = [-3 * math.exp(0.1), 3 * 1.0, 3 * math.exp(-2.0), -1 * math.exp(0.2)]
+    pen = [0.1 * 0.1, 0.0, 0.1 * 2.0, 0.0]
+    close(loss, sum(b + q for b, q in zip(base, pen, strict=True)) / 4)
+    close(m["ppo_kl"], (0.1 + 0 + 2 + 0.2) / 4)
+    with pytest.raises(ValueError, match="kl_cov_ratio"):
+        A.policy_loss_kl_cov(old, lp, adv, mask, kl_cov_ratio=0.0)
+
+
+def test_geo_mean_by_hand():
+    old = torch.zeros(3, 2)
+    lp = T([[0.1, 0.5], [-0.1, -0.6], [0.0, 0.0]], requires_grad=True)
+    adv = T([[1.0, 1.0], [-2.0, -2.0], [0.0, 0.0]])
+    mask = T([[1.0, 1.0], [1.0, 1.0], [0.0, 0.0]])  # an empty third row still counts in the mean
+    loss, m = A.policy_loss_geo_mean(old, lp, adv, mask, "token-sum", clip_ratio_low=0.4, clip_ratio_high=0.4)
+    # A>0: min(d, clamp(d)) -> 0.1, 0.4; A<0: -min(-d, -clamp(d)) = max(d, clamp(d)) -> -0.1, -0.4
+    rho0 = math.exp((0.1 + 0.4) / 2)
+    rho1 = math.exp((-0.1 - 0.4) / 2)
+    close(loss, (-1.0 * rho0 + 2.0 * rho1 + 0.0) / 3)
+    close(m["pg_clipfrac"], 1 / 4)  # token (0, 1) clamped with A > 0
+    close(m["pg_clipfrac_lower"], 1 / 4)
+    w = T([[4.0, 1.0], [1.0, 1.0], [1.0, 1.0]])
+    weighted, _ = A.policy_loss_geo_mean(old, lp, adv, mask, clip_ratio_low=0.4, clip_ratio_high=0.4, rollout_is_weights=w)
+    close(weighted, (-1.0 * rho0 * 2.0 + 2.0 * rho1) / 3)  # row weight: geometric mean of (4, 1) = 2
+
+
+def test_dro_by_hand():
+    old = T([[0.0, -1.0]])
+    lp = T([[-0.5, -0.5]], requires_grad=True)
+    adv = T([[1.0, -1.0]])
+    mask = torch.ones(1, 2)
+    loss, m = A.policy_loss_dro(old, lp, adv, mask, "token-mean", dro_beta=0.2)
+    close(loss, (-(-0.5 * 1 - 0.1 * 0.25) - (-0.5 * -1 - 0.1 * 0.25)) / 2)
+    close(m["ppo_kl"], (0.5 - 0.5) / 2)
+    (grad,) = torch.autograd.grad(loss, lp)
+    close(grad, [[(-1 + 0.2 * -0.5) / 2, (1 + 0.2 * 0.5) / 2]])
+    with pytest.raises(ValueError, match="dro_beta"):
+        A.policy_loss_dro(old, lp, adv, mask)
+
+
+def test_bypass_reinforce_with_and_without_is_weights():
+    rollout = T([[-1.0, -1.0, -1.0]])
+    lp = T([[-1.0 + math.log(3.0), -1.0, -1.0 - math.log(2.0)]], requires_grad=True)
+    adv = T([[1.0, 2.0, -1.0]])
+    mask = torch.ones(1, 3)
+    plain, m = A.policy_loss_bypass_mode(rollout, lp, adv, mask, "token-mean", loss_type="reinforce")
+    close(plain, -(1.0 * lp[0, 0] + 2.0 * -1.0 + -1.0 * lp[0, 2]).item() / 3)
+    assert "rollout_corr/kl" in m and "rollout_corr/rollout_is_mean" not in m
+    weighted, m = A.policy_loss_bypass_mode(
+        rollout, lp, adv, mask, "token-mean", loss_type="reinforce", rollout_is="token", rollout_is_threshold=2.0
+    )
+    # w = pi / pi_rollout = (3 -> truncated 2, 1, 0.5), a constant weight on -A log pi
+    (grad,) = torch.autograd.grad(weighted, lp)
+    close(grad, [[-1.0 * 2.0 / 3, -2.0 / 3, 1.0 * 0.5 / 3]])
+    close(m["rollout_corr/rollout_is_mean"], (2.0 + 1.0 + 0.5) / 3)
+    close(m["rollout_corr/rollout_is_ratio_fraction_high"], 1 / 3)
+    close(m["rollout_corr/rollout_is_ratio_fraction_low"], 0.0)  # 0.5 is not below 1/2
+    # ppo_clip: vanilla PPO against the rollout policy, no extra weights
+    clip, _ = A.policy_loss_bypass_mode(rollout, lp, adv, mask, "token-mean", rollout_is="token")
+    vanilla, _ = A.policy_loss_vanilla(rollout, lp, adv, mask, "token-mean")
+    close(clip, vanilla)
+
+
+def test_rollout_is_weights_multiply_every_loss():
+    g = torch.Generator().manual_seed(0)
+    old, lp, adv = (torch.randn(2, 3, generator=g) * 0.1 for _ in range(3))
+    mask = T([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    ones = torch.ones(2, 3)
+    for name in A.POLICY_LOSSES:
+        if name == "bypass_mode":
+            continue  # computes its own weights
+        kw = dict(dro_beta=0.1, generator=torch.Generator().manual_seed(0))
+        base, _ = A.get_policy_loss(name)(old, lp, adv, mask, "token-sum", rollout_is_weights=ones, **kw)
+        kw["generator"] = torch.Generator().manual_seed(0)
+        doubled, _ = A.get_policy_loss(name)(old, lp, adv, mask, "token-sum", rollout_is_weights=2 * ones, **kw)
+        close(doubled, 2 * base)
+
+
+# ---------------------------------------------------------------- rollout correction
+def test_rollout_correction_token_sequence_icepop_and_normalisation():
+    rollout = torch.zeros(2, 3)
+    d = T([[math.log(3.0), math.log(0.5), 0.0], [math.log(1.5), math.log(0.2), 7.0]])
+    mask = T([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])  # a garbage 7.0 sits in a masked slot
+    w, m = A.rollout_correction(d, rollout, mask, rollout_is="token", rollout_is_threshold=2.0)
+    close(w, [[2.0, 0.5, 1.0], [1.5, 0.2, 0.0]])  # TIS: truncated at 2, 0 where masked
+    close(m["rollout_corr/rollout_is_ratio_fraction_high"], 1 / 5)
+    close(m["rollout_corr/rollout_is_ratio_fraction_low"], 1 / 5)  # 0.2 < 1/2
+    w, m = A.rollout_correction(d, rollout, mask, rollout_is="token", rollout_is_threshold="0.4_2.5")
+    close(w, [[0.0, 0.5, 1.0], [1.5, 0.0, 0.0]])  # IcePop: outside [0.4, 2.5] -> 0, inside unchanged
+    close(m["rollout_corr/rollout_is_oob_ratio"], 2 / 5)
+    w, m = A.rollout_correction(d, rollout, mask, rollout_is="sequence", rollout_is_threshold=2.0)
+    close(w, [[1.5, 1.5, 1.5], [0.3, 0.3, 0.0]])  # row products 1.5 and 0.3
+    close(m["rollout_corr/rollout_is_max"], 1.5)
+    w, m = A.rollout_correction(d, rollout, mask, rollout_is="token", rollout_is_threshold=2.0, rollout_is_batch_normalize=True)
+    mean = (2.0 + 0.5 + 1.0 + 1.5 + 0.2) / 5
+    close(w, T([[2.0, 0.5, 1.0], [1.5, 0.2, 0.0]]) / mean)
+    close(m["rollout_corr/rollout_is_batch_norm_factor"], mean)
+    w, m = A.rollout_correction(d, rollout, mask, rollout_is="sequence", rollout_is_threshold=2.0, rollout_is_batch_normalize=True)
+    close(w, T([[1.5, 1.5, 1.5], [0.3, 0.3, 0.0]]) / 0.9)  # mean over rows, not tokens
+    # the off-policy diagnostics
+    close(m["rollout_corr/kl"], -(math.log(3.0) + math.log(0.5) + math.log(1.5) + math.log(0.2)) / 5)
+    close(m["rollout_corr/chi2_token"], (9.0 + 0.25 + 1.0 + 2.25 + 0.04) / 5 - 1)
+    none, m = A.rollout_correction(d, rollout, mask, rollout_is=None)
+    assert none is None and "rollout_corr/k3_kl" in m
+
+
+def test_config_refuses_bad_settings_in_one_line():
+    from schemas.config import ConfigError, load_config
+
+    bad = {
+        "rollout_is_threshold": (["algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.rollout_is_threshold='2_0.5'"], "IcePop band needs low < high"),
+        "passk": (["algorithm.adv_estimator=grpo_passk", "rollout.n=1"], "needs groups of n >= 2"),
+        "dro": (["actor.policy_loss=dro"], "needs actor.dro_beta"),
+        "otb": (["algorithm.adv_estimator=optimal_token_baseline"], "sum of pi\\^2"),
+        "bypass": (["actor.policy_loss=bypass_mode"], "bypass_mode=true"),
+        "bypass_other": (["algorithm.rollout_correction.bypass_mode=true", "actor.policy_loss=gspo"], "leave actor.policy_loss"),
+        "actor_copy": (["actor.rollout_correction.rollout_is=token"], "set it there"),
+        "rs": (["algorithm.rollout_correction.rollout_rs=token_k1"], "rollout_rs"),
+    }
+    for key, (overrides, match) in bad.items():
+        with pytest.raises(ConfigError, match=match) as err:
+            load_config(None, overrides)
+        assert "\n" not in str(err.value), key
+    cfg = load_config(None, ["algorithm.rollout_correction.rollout_is=sequence", "algorithm.rollout_correction.rollout_is_threshold='0.5_2'"])
+    assert cfg.algorithm.rollout_correction.rollout_is_threshold == "0.5_2"
+    assert cfg.actor.rollout_correction == cfg.algorithm.rollout_correction
+    assert cfg.actor.rollout_correction.enabled
+
+
+# ---------------------------------------------------------------- DAPO overlong reward shaping
+def test_overlong_penalty_by_hand():
+    # limit 8, buffer 4: no penalty up to 4 tokens, then -0.5 per token over 4 (factor 2), -2 at the limit
+    assert A.overlong_penalty([3, 4, 5, 6, 8], 8, 4, 2.0) == pytest.approx([0.0, 0.0, -0.5, -1.0, -2.0])
+    with pytest.raises(ValueError, match="overlong buffer"):
+        A.overlong_penalty([1], 8, 0, 1.0)
+
+
+def test_overlong_buffer_config():
+    from schemas.config import ConfigError, load_config
+
+    cfg = load_config(None, ["reward.overlong_buffer.enable=true", "reward.overlong_buffer.len=4", "rollout.max_new_tokens=8"])
+    assert cfg.max_response_tokens == 8 and cfg.reward.overlong_buffer.penalty_factor == 1.0
+    with pytest.raises(ConfigError, match=r"reward\.overlong_buffer\.len=9 must be > 0 and at most rollout\.max_new_tokens=8"):
+        load_config(None, ["reward.overlong_buffer.enable=true", "reward.overlong_buffer.len=9", "rollout.max_new_tokens=8"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -18,7 +19,15 @@ from engines.batching import (
 )
 from engines.critic import TorchCritic, response_values
 from engines.tinykit import build_char_tokenizer, build_tiny_llama
-from schemas.config import ActorConfig, ConfigError, CriticConfig, KitConfig, OptimConfig, load_config
+from schemas.config import (
+    ActorConfig,
+    ConfigError,
+    CriticConfig,
+    KitConfig,
+    OptimConfig,
+    RolloutCorrectionConfig,
+    load_config,
+)
 
 KIT = KitConfig(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64)
 MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
@@ -209,12 +218,12 @@ def run_actor(tok, weights, cfg: ActorConfig, batch: dict):
     return metrics, actor.grads, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def assert_same_update(got, want) -> None:
+def assert_same_update(got, want, grad_atol: float = 2e-6) -> None:
     """Every step's accumulated gradient, the final parameters and the metrics agree."""
     (gm, gg, gp), (wm, wg, wp) = got, want
     assert len(gg) == len(wg)
     for a, b in zip(gg, wg, strict=True):
-        torch.testing.assert_close(a, b, atol=2e-6, rtol=1e-5)
+        torch.testing.assert_close(a, b, atol=grad_atol, rtol=1e-5)
     for k in wp:
         # Adam divides by sqrt(v): near-zero gradient entries turn float noise into up to ~lr/100 here.
         torch.testing.assert_close(gp[k], wp[k], atol=5e-5, rtol=0)
@@ -237,12 +246,75 @@ def test_token_budget_accumulation_equals_one_batch(tok, weights, mode, packing)
     assert_same_update(run_actor(tok, weights, cfg, batch), want)
 
 
-def test_gspo_fixed_aggregation_is_weighted_as_its_own(tok, weights):
-    """GSPO aggregates seq-mean-token-mean whatever loss_agg_mode says; its micro weights must follow."""
+@pytest.mark.parametrize("loss", ["sapo", "geo_mean"])
+def test_fixed_aggregation_losses_are_weighted_as_their_own(tok, weights, loss):
+    """sapo (seq-mean-token-mean) and geo_mean (mean over all rows) ignore loss_agg_mode; so must their weights."""
     batch = make_batch(tok, 12, seed=4)
-    want = run_actor(tok, weights, actor_cfg("token-mean", policy_loss="gspo"), batch)
-    got = run_actor(tok, weights, actor_cfg("token-mean", policy_loss="gspo", micro_batch_tokens=30), batch)
+    want = run_actor(tok, weights, actor_cfg("token-mean", policy_loss=loss), batch)
+    got = run_actor(tok, weights, actor_cfg("token-mean", policy_loss=loss, micro_batch_tokens=30), batch)
     assert_same_update(got, want)
+
+
+def test_token_sum_accumulates_exactly_without_a_budget(tok, weights):
+    """token-sum has no len(micro)/len(mini) form: fixed-count micro-batches are weighted exactly too."""
+    batch = make_batch(tok, 12, seed=4)
+    want = run_actor(tok, weights, actor_cfg("token-sum"), batch)
+    # a sum over ~30 tokens: gradients ~30x a mean's, float noise with them
+    assert_same_update(run_actor(tok, weights, actor_cfg("token-sum", micro_batch_size=2), batch), want, grad_atol=1e-5)
+
+
+# ---------------------------------------------------------------- data parallel: global normalisation
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+@pytest.mark.parametrize("budget", [None, 30], ids=["count", "budget"])
+def test_data_parallel_ranks_give_the_one_rank_gradient(tok, weights, mode, budget):
+    """Two ranks simulated in this process, each given the whole batch: each trains its half of the mini-batch
+    with weights against the GLOBAL counts times 2, and their averaged gradient is the one-rank gradient."""
+    batch = make_batch(tok, 12, seed=6)
+    cfg = actor_cfg(mode, ppo_mini_batch_size=12, micro_batch_size=2, micro_batch_tokens=budget, ppo_epochs=1, shuffle=False)
+    want = run_actor(tok, weights, cfg, batch)
+    grads = []
+    for r in range(2):
+        rank = GradRecordingActor(new_model(tok, weights), cfg, tok.pad_token_id, 20)
+        rank.dp_rank, rank.dp_size = r, 2
+        rank.update(batch, 0.9, 5)
+        grads.append(rank.grads[0])
+    # Data parallelism averages the ranks' gradients: with global counts x dp_size that is the one-rank gradient.
+    torch.testing.assert_close((grads[0] + grads[1]) / 2, want[1][0], atol=2e-6, rtol=1e-5)
+    if budget is None:
+        return
+    # Local counts would not do: each half normalised by its own tokens/sequences.
+    local = []
+    for half in (slice(0, 6), slice(6, 12)):
+        rank = GradRecordingActor(new_model(tok, weights), actor_cfg(mode, ppo_mini_batch_size=6, micro_batch_size=2, micro_batch_tokens=budget, ppo_epochs=1, shuffle=False), tok.pad_token_id, 20)
+        rank.update({k: v[half] for k, v in batch.items()}, 0.9, 5)
+        local.append(rank.grads[0])
+    assert ((local[0] + local[1]) / 2 - want[1][0]).abs().max() > 1e-4
+
+
+def test_decoupled_rollout_is_weights_scale_the_policy_gradient(tok, weights):
+    """Rollout log-probs log(2) below the old ones: token TIS weights min(2, 1.5) = 1.5 on every token."""
+    batch = make_batch(tok, 12, seed=7)
+    batch["rollout_log_probs"] = [[x - math.log(2.0) for x in row] for row in batch["old_log_probs"]]
+    kw = dict(entropy_coeff=0.0, use_kl_loss=False, ppo_epochs=1, shuffle=False)
+    want = run_actor(tok, weights, actor_cfg("token-mean", **kw), batch)
+    rc = RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=1.5)
+    metrics, grads, _ = run_actor(tok, weights, actor_cfg("token-mean", rollout_correction=rc, **kw), batch)
+    torch.testing.assert_close(grads[0], 1.5 * want[1][0], atol=2e-6, rtol=1e-5)
+    assert metrics["rollout_corr/rollout_is_mean"] == pytest.approx(1.5)
+    assert metrics["rollout_corr/rollout_is_ratio_fraction_high"] == pytest.approx(1.0)
+
+
+def test_bypass_mode_trains_against_the_rollout_log_probs(tok, weights):
+    """bypass ppo_clip = vanilla PPO with the rollout's log-probs as the old policy."""
+    batch = make_batch(tok, 12, seed=8)
+    batch["rollout_log_probs"] = [[x + 0.05 for x in row] for row in batch["old_log_probs"]]
+    swapped = {**batch, "old_log_probs": batch["rollout_log_probs"]}
+    want = run_actor(tok, weights, actor_cfg("token-mean"), swapped)
+    rc = RolloutCorrectionConfig(bypass_mode=True, rollout_is="token")
+    metrics, grads, _ = run_actor(tok, weights, actor_cfg("token-mean", rollout_correction=rc), batch)
+    for a, b in zip(grads, want[1], strict=True):
+        torch.testing.assert_close(a, b, atol=2e-6, rtol=1e-5)
+    assert "rollout_corr/rollout_is_mean" in metrics and "actor/pg_clipfrac" in metrics
 
 
 def test_fixed_count_micro_batches_are_not_exact(tok, weights):

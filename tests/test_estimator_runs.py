@@ -14,7 +14,9 @@ pytestmark = pytest.mark.slow
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
 
-@pytest.mark.parametrize("name", ["dr_grpo", "rloo", "reinforce_plus_plus", "remax", "ppo_gae"])
+@pytest.mark.parametrize(
+    "name", ["dr_grpo", "rloo", "reinforce_plus_plus", "remax", "ppo_gae", "gspo", "sapo", "gmpo", "dapo", "rollout_corr"]
+)
 def test_estimator_config_runs(prefect_api, tmp_path, name):
     from flows.training import train
     from tasks.runtime import store_for
@@ -37,6 +39,12 @@ def test_estimator_config_runs(prefect_api, tmp_path, name):
         assert "critic/baseline/mean" in hist[1]
         rollouts = store.read_table(store.manifest(name, 1, "rollout"), "rollouts.parquet")
         assert rollouts.num_rows == 8 * 4 + 8
+    if name == "rollout_corr":  # token TIS weights from the stored rollout log-probs
+        assert exp.column("rollout_log_probs").null_count == 0
+        assert 0.9 < hist[2]["rollout_corr/rollout_is_mean"] <= 2.0
+        assert "rollout_corr/k3_kl" in hist[2]
+    if name == "dapo":
+        assert 0.0 <= hist[1]["reward/overlong_ratio"] <= 1.0
     if name == "ppo_gae":
         assert hist[1]["actor/skipped"] == 1.0  # critic warm-up: the actor waits one iteration
         assert "actor/pg_loss" in hist[2]

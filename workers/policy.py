@@ -336,7 +336,9 @@ class PolicyWorker:
         cfg = self.cfg
         exp = self.store.read_table(Manifest.model_validate(experience_json), "experience.parquet")
         columns = ("prompt_ids", "response_ids", "response_mask", "old_log_probs", "advantages")
-        batch = update_batch(exp, columns + (("ref_log_probs",) if cfg.actor.use_kl_loss else ()))
+        columns += ("ref_log_probs",) if cfg.actor.use_kl_loss else ()
+        columns += ("rollout_log_probs",) if cfg.actor.rollout_correction.enabled else ()
+        batch = update_batch(exp, columns)
         seed = iteration_seed(cfg.trainer.seed, iteration)
         skip = cfg.critic.enable and iteration <= cfg.critic.warmup_iterations
         torch.manual_seed(seed)

@@ -1,0 +1,219 @@
+"""Held-out evaluation metrics as verl 0.9.1 reports them (``verl/trainer/ppo/metric_utils.py``).
+
+Pure functions over per-sample lists, no I/O. Samples are grouped by data source and prompt uid; every
+numeric variable (a score, an accuracy) gets per-prompt statistics over its N samples, averaged over the
+prompts of the data source:
+
+- ``mean@N``: mean of the N values; ``std@N``: their population std (``np.std``), only for N > 1;
+- ``best@n/mean`` / ``best@n/std`` and ``worst@n/...``: bootstrap (1000 draws with replacement of n of the
+  N values, numpy's legacy RandomState seeded 42 per call, as verl's ``np.random.seed(42)``) of the max /
+  min; ``n`` runs over 2, 4, 8, ... below N and N itself;
+- ``maj@n/mean`` / ``maj@n/std``: the same bootstrap of the majority vote, when every sample has an
+  extracted answer (``pred``): the value of the FIRST sample whose answer is the most frequent one (ties go
+  to the answer seen first).
+
+``flatten_validation_metrics`` names them ``val-core/<source>/<var>/<metric>`` for the core variable
+(``acc`` if present, else ``reward``) and its ``mean`` / ``maj`` / ``best`` metrics at the largest n, and
+``val-aux/...`` for everything else. ``pass_at_k`` is the unbiased pass@k estimator of Chen et al. (2021).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import numpy as np
+
+from engines.rewards import exact_match_answer, extract_gsm8k_answer
+
+__all__ = [
+    "ANSWER_EXTRACTORS",
+    "bootstrap_metric",
+    "extract_answers",
+    "flatten_validation_metrics",
+    "majority_value",
+    "pass_at_k",
+    "pass_at_k_metrics",
+    "subset_sizes",
+    "validation_metrics",
+]
+
+
+def bootstrap_metric(
+    data: Sequence[Any],
+    subset_size: int,
+    reduce_fns: Sequence[Callable[[np.ndarray], float]],
+    n_bootstrap: int = 1000,
+    seed: int = 42,
+) -> list[tuple[float, float]]:
+    """(mean, std) over ``n_bootstrap`` resamples of ``subset_size`` items (with replacement) of each reducer.
+
+    The indices are drawn once, ``RandomState(seed).choice(len(data), (n_bootstrap, subset_size))``: the
+    same draws as verl's global ``np.random.seed(seed)`` without touching the global state.
+    """
+    items = np.empty(len(data), dtype=object)
+    items[:] = list(data)
+    idx = _draws(len(items), subset_size, seed, n_bootstrap)
+    out = []
+    for fn in reduce_fns:
+        values = np.array([fn(items[row]) for row in idx], dtype=np.float64)
+        out.append((float(np.mean(values)), float(np.std(values))))
+    return out
+
+
+def majority_value(votes: Sequence[tuple[Hashable, float]]) -> float:
+    """Value of the first ``(answer, value)`` pair whose answer is the most frequent (first seen wins ties)."""
+    by_answer: dict[Hashable, list[float]] = defaultdict(list)
+    for answer, value in votes:
+        by_answer[answer].append(value)
+    winner = max(by_answer, key=lambda a: len(by_answer[a]))
+    return by_answer[winner][0]
+
+
+def subset_sizes(n: int) -> list[int]:
+    """Bootstrap subset sizes for N samples: 2, 4, 8, ... below N, then N (none for N <= 1)."""
+    if n <= 1:
+        return []
+    sizes, k = [], 2
+    while k < n:
+        sizes.append(k)
+        k *= 2
+    return sizes + [n]
+
+
+def _draws(n: int, k: int, seed: int, n_bootstrap: int = 1000) -> np.ndarray:
+    """The bootstrap's index draws: the same for every reducer of a (prompt, k), as verl re-seeds each call."""
+    return np.random.RandomState(seed).choice(n, size=(n_bootstrap, k), replace=True)
+
+
+def _majority_values(values: np.ndarray, answers: Sequence[Hashable], idx: np.ndarray) -> np.ndarray:
+    """``majority_value`` of every draw row at once: most frequent answer, ties to the one drawn first."""
+    codes = {a: i for i, a in enumerate(dict.fromkeys(answers))}
+    coded = np.array([codes[a] for a in answers])[idx]  # (draws, k)
+    onehot = coded[..., None] == np.arange(len(codes))  # (draws, k, answers)
+    counts = onehot.sum(axis=1)
+    k = idx.shape[1]
+    first = np.where(onehot, np.arange(k)[None, :, None], k).min(axis=1)  # first draw of each answer
+    winner = np.argmax(counts * (k + 1) - first, axis=1)  # most votes, then drawn first
+    pos = first[np.arange(len(idx)), winner]
+    return values[idx[np.arange(len(idx)), pos]]
+
+
+def _prompt_metrics(values: list[float], preds: list[Hashable] | None, seed: int) -> dict[str, float]:
+    n = len(values)
+    out = {f"mean@{n}": float(np.mean(values))}
+    if n <= 1:
+        return out
+    out[f"std@{n}"] = float(np.std(values))
+    vals = np.asarray(values, dtype=np.float64)
+    for k in subset_sizes(n):
+        idx = _draws(n, k, seed)  # vectorised bootstrap_metric: the same draws, the same numbers
+        best, worst = vals[idx].max(axis=1), vals[idx].min(axis=1)
+        out.update(
+            {
+                f"best@{k}/mean": float(best.mean()),
+                f"best@{k}/std": float(best.std()),
+                f"worst@{k}/mean": float(worst.mean()),
+                f"worst@{k}/std": float(worst.std()),
+            }
+        )
+        if preds is not None:
+            maj = _majority_values(vals, preds, idx)
+            out.update({f"maj@{k}/mean": float(maj.mean()), f"maj@{k}/std": float(maj.std())})
+    return out
+
+
+def validation_metrics(
+    data_sources: Sequence[str],
+    uids: Sequence[Hashable],
+    infos: dict[str, Sequence[Any]],
+    seed: int = 42,
+) -> dict[str, dict[str, dict[str, float]]]:
+    """``{source: {variable: {metric: value}}}``: per-prompt metrics averaged over the source's prompts.
+
+    ``infos`` maps a variable name to one value per sample; string-valued variables and ``None`` values
+    are skipped; ``infos["pred"]`` (extracted answers) enables ``maj@n`` for prompts where every sample
+    has one.
+    """
+    grouped: dict[str, dict[Hashable, dict[str, list]]] = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
+    for i, (src, uid) in enumerate(zip(data_sources, uids, strict=True)):
+        for name, values in infos.items():
+            grouped[src][uid][name].append(values[i])
+    per_metric: dict[str, dict[str, dict[str, list[float]]]] = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
+    for src, prompts in grouped.items():
+        for var2vals in prompts.values():
+            preds = var2vals.get("pred")
+            for name, raw in var2vals.items():
+                values = [v for v in raw if v is not None]
+                if not values or isinstance(values[0], str):
+                    continue
+                usable = preds if preds is not None and len(preds) == len(values) and None not in preds else None
+                for metric, value in _prompt_metrics([float(v) for v in values], usable, seed).items():
+                    per_metric[src][name][metric].append(value)
+    return {
+        src: {name: {m: float(np.mean(v)) for m, v in metrics.items()} for name, metrics in variables.items()}
+        for src, variables in per_metric.items()
+    }
+
+
+def flatten_validation_metrics(nested: dict[str, dict[str, dict[str, float]]]) -> dict[str, float]:
+    """``val-core/<source>/<var>/<metric>`` for the core variable's mean/maj/best at the largest n, else
+    ``val-aux/...`` (verl's trainer naming)."""
+    flat: dict[str, float] = {}
+    for src, variables in nested.items():
+        core = "acc" if "acc" in variables else "reward"
+        for name, metrics in variables.items():
+            n_max = max(int(m.split("@")[-1].split("/")[0]) for m in metrics)
+            for metric, value in metrics.items():
+                is_core = name == core and metric.startswith(("mean", "maj", "best")) and f"@{n_max}" in metric
+                flat[f"{'val-core' if is_core else 'val-aux'}/{src}/{name}/{metric}"] = value
+    return flat
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples of which c are correct: ``1 - C(n - c, k) / C(n, k)``.
+
+    Computed as ``1 - prod_{i = n - c + 1}^{n} (1 - k / i)`` (no large binomials); 1 when ``n - c < k``.
+    Needs ``0 <= c <= n`` and ``1 <= k <= n``.
+    """
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass_at_k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
+def pass_at_k_metrics(
+    data_sources: Sequence[str], uids: Sequence[Hashable], correct: Sequence[bool], var: str = "reward"
+) -> dict[str, float]:
+    """``val-aux/<source>/<var>/pass@k``: the unbiased pass@k per prompt (its N samples, c correct), averaged
+    over the source's prompts, for k in ``subset_sizes(N)`` (prompts with fewer than k samples are left out)."""
+    counts: dict[str, dict[Hashable, list[int]]] = defaultdict(lambda: defaultdict(lambda: [0, 0]))
+    for src, uid, ok in zip(data_sources, uids, correct, strict=True):
+        counts[src][uid][0] += 1
+        counts[src][uid][1] += int(ok)
+    out: dict[str, float] = {}
+    for src, prompts in counts.items():
+        n_max = max(n for n, _ in prompts.values())
+        for k in subset_sizes(n_max):
+            vals = [pass_at_k(n, c, k) for n, c in prompts.values() if n >= k]
+            out[f"val-aux/{src}/{var}/pass@{k}"] = float(np.mean(vals))
+    return out
+
+
+# Reward function name -> the answer it extracts from a response (what maj@n votes on).
+ANSWER_EXTRACTORS: dict[str, Callable[[str, dict], Hashable | None]] = {
+    "exact_match": exact_match_answer,
+    "gsm8k_strict": lambda text, extra: extract_gsm8k_answer(text, "strict"),
+    "gsm8k_flexible": lambda text, extra: extract_gsm8k_answer(text, "flexible"),
+}
+
+
+def extract_answers(rows: Sequence[dict], reward_fns: Sequence[str]) -> list[Hashable | None] | None:
+    """Each row's extracted answer under its reward function, or None when one of them has no extractor
+    (then maj@n is not reported, as verl reports it only with a ``pred`` for every sample)."""
+    if any(fn not in ANSWER_EXTRACTORS for fn in reward_fns):
+        return None
+    return [ANSWER_EXTRACTORS[fn](r["response_text"], r["extra_info"]) for r, fn in zip(rows, reward_fns, strict=True)]
