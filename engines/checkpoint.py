@@ -60,7 +60,11 @@ def _float(x: float) -> Any:
 def _encode(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
     if isinstance(obj, torch.Tensor):
         key = f"t{len(tensors)}"
-        tensors[key] = obj.detach().to("cpu").contiguous().clone()  # clone: safetensors refuses shared storage
+        t = obj.detach().to("cpu").contiguous()
+        # safetensors refuses tensors sharing storage: copy only those (optimizer states never do).
+        if any(o.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() for o in tensors.values()):
+            t = t.clone()
+        tensors[key] = t
         return {"t": key}
     if obj is None or isinstance(obj, bool | str):
         return obj
