@@ -89,6 +89,8 @@ def replay(
         else:
             policy = policy_before(cfg, store, iteration)
             if stage == "rollout":
+                # Pipelined runs sample iteration k with the policy iteration k-1 started from.
+                policy = policy_before(cfg, store, iteration - cfg.trainer.async_staleness)
                 _check(original, "policy", policy.version)
                 result = stages.rollout(cfg, iteration, prompts, policy, version=version, meta=lineage)
             elif stage == "reward":

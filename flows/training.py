@@ -85,6 +85,13 @@ class Models:
     ref: PolicyRef | None = None
     critic: PolicyRef | None = None
     prev_experience: Manifest | None = None
+    # The policy the rollout samples with: ``policy`` when synchronous; with trainer.async_staleness=1 the
+    # one the previous iteration started from (its rollout ran while that iteration's update trained).
+    rollout: PolicyRef | None = None
+
+    @property
+    def behaviour(self) -> PolicyRef:
+        return self.rollout or self.policy
 
 
 def models_before(cfg: RunConfig, store: ArtifactStore, iteration: int, initial: PolicyRef) -> Models:
@@ -93,28 +100,37 @@ def models_before(cfg: RunConfig, store: ArtifactStore, iteration: int, initial:
     if iteration <= 1:
         return Models(initial, ref, critic_init_ref(initial) if cfg.critic.enable else None)
 
-    def need(stage: str) -> Manifest:
-        m = store.manifest(cfg.run_name, iteration - 1, stage)
+    def need(stage: str, k: int) -> Manifest:
+        m = store.manifest(cfg.run_name, k, stage)
         if m is None:
-            raise ConfigError(f"config error: run {cfg.run_name!r} has no committed {stage} for iteration {iteration - 1}")
+            raise ConfigError(f"config error: run {cfg.run_name!r} has no committed {stage} for iteration {k}")
         return m
 
+    lag = iteration - 1 - cfg.trainer.async_staleness  # the update whose policy the rollout samples with
     return Models(
-        policy_ref_from(need("update")),
+        policy_ref_from(need("update", iteration - 1)),
         ref,
-        policy_ref_from(need("critic")) if cfg.critic.enable else None,
-        need("advantage"),
+        policy_ref_from(need("critic", iteration - 1)) if cfg.critic.enable else None,
+        need("advantage", iteration - 1),
+        (policy_ref_from(need("update", lag)) if lag >= 1 else initial) if cfg.trainer.async_staleness else None,
     )
 
 
 @flow(name="rlstage-iteration")
-def iteration_flow(cfg: RunConfig, iteration: int, prompts: Manifest, models: Models) -> IterationOutcome:
-    """rollout -> reward -> advantage -> [critic] -> update -> eval; iteration 0 only evaluates."""
+def iteration_flow(cfg: RunConfig, iteration: int, prompts: Manifest, models: Models, last: int) -> IterationOutcome:
+    """rollout -> reward -> advantage -> [critic] -> update -> eval; iteration 0 only evaluates.
+
+    Pipelined (trainer.async_staleness=1): the rollout of iteration k+1 is submitted before reward k and
+    runs on the rollout role, with the policy iteration k started from, while the trainer role trains.
+    """
     out = IterationOutcome(iteration)
     label = f"[iter {iteration:>3}]"
     policy = models.policy
     if iteration > 0:
-        ro = _run_stage(out, label, stages.rollout, cfg, "rollout", iteration, prompts, policy)
+        ro = _run_stage(out, label, stages.rollout, cfg, "rollout", iteration, prompts, models.behaviour)
+        ahead = None
+        if cfg.trainer.async_staleness and iteration < last:
+            ahead = stages.submit_stage(stages.rollout, cfg, "rollout", iteration + 1, prompts, policy)
         rw = _run_stage(out, label, stages.reward, cfg, "reward", iteration, ro.manifest)
         adv = _run_stage(
             out, label, stages.advantage, cfg, "advantage", iteration, ro.manifest, rw.manifest, policy,
@@ -123,6 +139,8 @@ def iteration_flow(cfg: RunConfig, iteration: int, prompts: Manifest, models: Mo
         if models.critic is not None:
             _run_stage(out, label, stages.critic_update, cfg, "critic", iteration, adv.manifest, models.critic)
         up = _run_stage(out, label, stages.update, cfg, "update", iteration, adv.manifest, policy)
+        if ahead is not None:
+            ahead.result()  # committed under iteration k+1, where its own iteration finds it
         policy = policy_ref_from(up.manifest)
     last = iteration == cfg.trainer.iterations
     if iteration == 0 or iteration % cfg.trainer.eval_every == 0 or last:
@@ -229,7 +247,7 @@ def _run_iterations(cfg: RunConfig, store: ArtifactStore, first: int, last: int,
         for it in range(0 if first == 1 else first, last + 1):
             t0 = time.perf_counter()
             renew()
-            outcome = one_iteration(cfg, it, prep.manifest, models)
+            outcome = one_iteration(cfg, it, prep.manifest, models, last)
             if "update" in outcome.results:
                 r = outcome.results
                 models = Models(
@@ -237,6 +255,7 @@ def _run_iterations(cfg: RunConfig, store: ArtifactStore, first: int, last: int,
                     models.ref,
                     policy_ref_from(r["critic"].manifest) if "critic" in r else None,
                     r["advantage"].manifest,
+                    models.policy if cfg.trainer.async_staleness else None,
                 )
             metrics = outcome.metrics()
             tracker.log_metrics(it, metrics)

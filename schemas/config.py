@@ -342,6 +342,10 @@ class TrainerConfig(_Section):
     # Policy weights + optimizer state are stored every k-th update; a policy in between is rebuilt
     # on demand (resume, replay, a restarted worker) by re-running its updates from stored experience.
     checkpoint_every: int = Field(1, ge=1)
+    # Pipelined iterations: the rollout of iteration k+1 runs while update k trains, with the policy that
+    # iteration k started from, so a rollout lags the trained policy by this many versions (0: synchronous).
+    # Needs ray.rollout_placement=separate; pair it with algorithm.rollout_correction (off-policy weights).
+    async_staleness: int = Field(0, ge=0, le=1)
 
 
 class StageResources(_Section):
@@ -455,6 +459,11 @@ class RunConfig(_Section):
             self.actor.rollout_correction = rc.model_copy()
         if self.actor.ppo_mini_batch_size % self.actor.micro_batch_size:
             raise ValueError("actor.ppo_mini_batch_size must be a multiple of actor.micro_batch_size")
+        if self.trainer.async_staleness and self.ray.rollout_placement != "separate":
+            raise ValueError(
+                f"trainer.async_staleness={self.trainer.async_staleness} overlaps rollout with training, which needs "
+                "ray.rollout_placement=separate (colocated roles share one actor and cannot overlap)"
+            )
         world = self.ray.trainer_world_size
         if world > 1:
             if self.actor.engine != "deepspeed" or self.actor.zero_stage != 0:

@@ -377,12 +377,14 @@ def advantage(
                 "critic/returns/mean": float(algos.masked_mean(ret, mask)),
                 "critic/rewards/mean": float(token_rewards.sum(-1).mean()),
                 "rollout/logprob_gap": float(algos.masked_mean((roll_lp - old_t).abs(), mask)),
+                # Pipelined iterations: the rollout sampled with an older policy than the one being trained.
+                "rollout/off_policy": float(rollouts.inputs.get("policy") != policy.version),
             }
         )
-        # The rollout engine sampled with other weights than the trainer holds (a missed or broken weight
-        # sync): fail before anything trains on it.
+        # On-policy, the rollout engine should hold the trainer's weights; a gap means a missed or broken
+        # weight sync: fail before anything trains on it. Off-policy the gap is expected (rollout_corr weights).
         gap, bound = metrics["rollout/logprob_gap"], cfg.rollout.max_logprob_gap
-        if bound is not None and not gap <= bound:
+        if bound is not None and not gap <= bound and not metrics["rollout/off_policy"]:
             raise RuntimeError(
                 f"iteration {iteration}: rollout/logprob_gap {gap:.3g} > rollout.max_logprob_gap {bound:g}: the "
                 f"{cfg.rollout.engine} rollout engine's log-probs differ from the trainer's recompute on the same tokens"
