@@ -464,6 +464,11 @@ class RunConfig(_Section):
                 f"trainer.async_staleness={self.trainer.async_staleness} overlaps rollout with training, which needs "
                 "ray.rollout_placement=separate (colocated roles share one actor and cannot overlap)"
             )
+        if self.trainer.async_staleness and self.algorithm.rollout_correction.bypass_mode:
+            raise ValueError(
+                "algorithm.rollout_correction.bypass_mode takes the rollout's log-probs as the trained policy's, but "
+                f"with trainer.async_staleness={self.trainer.async_staleness} the rollout samples with older weights"
+            )
         world = self.ray.trainer_world_size
         if world > 1:
             if self.actor.engine != "deepspeed" or self.actor.zero_stage != 0:

@@ -256,6 +256,9 @@ def reward(
 
 
 # ---------------------------------------------------------------- advantage
+BYPASS_CHECK_ROWS = 8  # rows whose old log-probs are still recomputed under bypass, for the gap guard
+
+
 def _padded(rows: list[list[float]], width: int) -> torch.Tensor:
     out = torch.zeros(len(rows), width)
     for i, r in enumerate(rows):
@@ -308,7 +311,18 @@ def advantage(
         group = open_group(cfg, version)
         hold_policy(group, cfg, policy)
         temp = cfg.rollout.temperature
-        old = group.call("log_probs", policy.version, prompt_ids, response_ids, temp)
+        rollout_lp = ro.column("rollout_log_probs").to_pylist()
+        if a.rollout_correction.bypass_mode:
+            # verl's bypass: the sampler held exactly the trained weights, so its log-probs are the old ones;
+            # a sample of rows is still recomputed so that a stale weight sync fails the guard below.
+            checked = list(range(0, len(prompt_ids), max(1, len(prompt_ids) // BYPASS_CHECK_ROWS)))
+            sample = group.call("log_probs", policy.version, [prompt_ids[i] for i in checked], [response_ids[i] for i in checked], temp)
+            old = [list(r) for r in rollout_lp]
+            for i, row in zip(checked, sample, strict=True):
+                old[i] = row
+        else:
+            checked = list(range(len(prompt_ids)))
+            old = group.call("log_probs", policy.version, prompt_ids, response_ids, temp)
         old_t = _padded(old, width)
         metrics: dict[str, float] = {}
         ref_lp = values = None
@@ -348,7 +362,7 @@ def advantage(
             lam=a.lam,
             norm_adv_by_std_in_grpo=a.norm_adv_by_std_in_grpo,
         )
-        roll_lp = _padded(ro.column("rollout_log_probs").to_pylist(), width)
+        roll_lp = _padded(rollout_lp, width)
         list_type = A.EXPERIENCE.field("ref_log_probs").type
         table = pa.table(
             {
@@ -376,7 +390,7 @@ def advantage(
                 "critic/advantages/min": float(adv[valid].min()) if valid.any() else 0.0,
                 "critic/returns/mean": float(algos.masked_mean(ret, mask)),
                 "critic/rewards/mean": float(token_rewards.sum(-1).mean()),
-                "rollout/logprob_gap": float(algos.masked_mean((roll_lp - old_t).abs(), mask)),
+                "rollout/logprob_gap": float(algos.masked_mean((roll_lp - old_t)[checked].abs(), mask[checked])),
                 # Pipelined iterations: the rollout sampled with an older policy than the one being trained.
                 "rollout/off_policy": float(rollouts.inputs.get("policy") != policy.version),
             }

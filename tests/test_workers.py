@@ -278,3 +278,20 @@ def test_pipelined_iterations_overlap_rollout_with_training(prefect_api, tmp_pat
         overlaps.append(max(min(re_, te) - max(rs, ts) for ts, te in trainer))
     assert max(overlaps) > 0, overlaps  # a rollout ran while the trainer worked
     assert train(config=cfg)["executed"] == []  # rerun: every stage committed, nothing executes
+
+
+def test_bypass_takes_the_rollout_log_probs_as_old_and_checks_a_sample(prefect_api, tmp_path):
+    """verl's bypass: no old-log-prob recompute but for a sample of rows that keeps the weight-sync guard."""
+    from flows.training import train
+    from tasks.runtime import store_for
+    from tasks.stages import BYPASS_CHECK_ROWS
+
+    cfg = _cfg(tmp_path, "bypass", "trainer.iterations=1", "algorithm.rollout_correction.bypass_mode=true")
+    hist = train(config=cfg)["history"][-1]
+    store = store_for(cfg)
+    exp = store.read_table(store.manifest("bypass", 1, "advantage"), "experience.parquet")
+    old, rollout = exp.column("old_log_probs").to_pylist(), exp.column("rollout_log_probs").to_pylist()
+    same = sum(o == r for o, r in zip(old, rollout, strict=True))
+    assert len(old) - BYPASS_CHECK_ROWS <= same < len(old) or hist["rollout/logprob_gap"] == 0.0
+    assert 0 <= hist["rollout/logprob_gap"] < 1e-4
+    assert _weights(store, "bypass", 1) is not None and hist["actor/grad_norm"] > 0
