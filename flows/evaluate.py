@@ -12,8 +12,9 @@ import json
 
 from prefect import flow
 
+from engines.preflight import preflight
 from flows.nightly import last_completed_iteration
-from flows.replay import need, policy_before, stored_config_with
+from flows.replay import stage_inputs, stored_config_with
 from infra.ray_runtime import ensure_ray
 from schemas.config import ConfigError
 from schemas.stages import STAGE_FILES
@@ -32,17 +33,17 @@ def evaluate_run(
     """Score the policy after update ``iteration`` (default: the last committed; 0: the start policy)."""
     overrides = list(overrides or [])
     store, cfg = stored_config_with(store_root, run_name, overrides, "an evaluation")
+    preflight(cfg)
     last = last_completed_iteration(store, run_name)
     iteration = last if iteration is None else iteration
     if not 0 <= iteration <= last:
         raise ConfigError(f"config error: iteration: run {run_name!r} has policies for 0..{last}, got {iteration}")
-    prompts = need(store, run_name, None, "data_prep")
-    policy = policy_before(cfg, store, iteration + 1)  # the policy after update k
+    prompts, policy = stage_inputs(cfg, store, "eval", iteration)  # the policy after update k
     version = eval_version(overrides)
     ensure_ray(cfg)
     worker = policy_worker(cfg)  # held for the flow so the stage task finds it alive
     try:
-        result = stages.evaluate(
+        result = stages.TASKS["eval"](
             cfg, iteration, prompts, policy, version=version, meta={"eval_of": policy.version, "overrides": overrides}
         )
     finally:

@@ -16,6 +16,7 @@ from prefect import flow, get_run_logger
 from prefect.context import get_run_context
 from prefect_ray import RayTaskRunner
 
+from engines.preflight import preflight
 from infra.env import apply_defaults
 from infra.lease import run_lease
 from infra.ray_runtime import RAY_NAMESPACE, ensure_ray
@@ -23,8 +24,9 @@ from infra.store import ArtifactStore
 from infra.tracking import Tracker, check_reachable, tracking_uri_for
 from schemas.config import ConfigError, RunConfig, build_config, load_config, merge_dicts, parse_overrides
 from schemas.manifest import Manifest, PolicyRef
+from schemas.stages import SPECS, StageSpec
 from tasks import stages
-from tasks.kit import initial_policy, sft_warm_start
+from tasks.kit import initial_policy  # also registers the sft stage's task
 from tasks.runtime import critic_init_ref, policy_ref_from, policy_worker, release_worker, store_for
 
 # Fields that may differ between invocations of one run: where and how it executes, and how long.
@@ -62,10 +64,10 @@ def _emit(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def _run_stage(outcome: IterationOutcome, label: str, task_fn, cfg: RunConfig, stage: str, *args) -> stages.StageResult:
+def _run_stage(outcome: IterationOutcome, label: str, cfg: RunConfig, stage: str, *args) -> stages.StageResult:
     t0 = time.perf_counter()
     _emit(f"  {label} {stage:<9} ...")
-    result = stages.submit_stage(task_fn, cfg, stage, *args).result()
+    result = stages.submit_stage(cfg, stage, *args).result()
     wall = time.perf_counter() - t0
     outcome.results[stage] = result
     outcome.wall_s[stage] = wall
@@ -105,27 +107,35 @@ def models_before(cfg: RunConfig, store: ArtifactStore, iteration: int, initial:
     )
 
 
+def _eval_due(cfg: RunConfig, iteration: int) -> bool:
+    return iteration == 0 or iteration % cfg.trainer.eval_every == 0 or iteration == cfg.trainer.iterations
+
+
 @flow(name="rlstage-iteration")
 def iteration_flow(cfg: RunConfig, iteration: int, prompts: Manifest, models: Models) -> IterationOutcome:
-    """rollout -> reward -> advantage -> [critic] -> update -> eval; iteration 0 only evaluates."""
+    """The registry's train stages in order (rollout -> reward -> advantage -> [critic] -> update),
+    then eval when due; iteration 0 only evaluates.
+
+    Each stage takes its declared inputs by name from what the iteration holds and adds its output.
+    """
     out = IterationOutcome(iteration)
     label = f"[iter {iteration:>3}]"
-    policy = models.policy
-    if iteration > 0:
-        ro = _run_stage(out, label, stages.rollout, cfg, "rollout", iteration, prompts, policy)
-        rw = _run_stage(out, label, stages.reward, cfg, "reward", iteration, ro.manifest)
-        adv = _run_stage(
-            out, label, stages.advantage, cfg, "advantage", iteration, ro.manifest, rw.manifest, policy,
-            models.ref, models.critic, models.prev_experience,
-        )  # fmt: skip
-        if models.critic is not None:
-            _run_stage(out, label, stages.critic_update, cfg, "critic", iteration, adv.manifest, models.critic)
-        up = _run_stage(out, label, stages.update, cfg, "update", iteration, adv.manifest, policy)
-        policy = policy_ref_from(up.manifest)
-    last = iteration == cfg.trainer.iterations
-    if iteration == 0 or iteration % cfg.trainer.eval_every == 0 or last:
-        _run_stage(out, label, stages.evaluate, cfg, "eval", iteration, prompts, policy)
+    held: dict = {"prompts": prompts, **vars(models)}
+    for spec in SPECS:
+        if spec.phase == "prepare" or (spec.phase == "train" and iteration == 0):
+            continue
+        if spec.phase == "eval" and not _eval_due(cfg, iteration):
+            continue
+        if any(held.get(name) is None for name in spec.inputs if name not in spec.optional):
+            continue  # a role this run does not have (no critic without critic.enable)
+        result = _run_stage(out, label, cfg, spec.name, iteration, *(held.get(name) for name in spec.inputs))
+        if spec.output is not None:
+            held[spec.output] = _output(spec, result)
     return out
+
+
+def _output(spec: StageSpec, result: stages.StageResult) -> Manifest | PolicyRef:
+    return policy_ref_from(result.manifest) if spec.output_ref else result.manifest
 
 
 def _identity(cfg: RunConfig) -> dict:
@@ -171,18 +181,6 @@ def stored_config(store: ArtifactStore, run_name: str) -> RunConfig:
     return RunConfig.model_validate(stored["config"])
 
 
-def check_inputs(cfg: RunConfig) -> None:
-    """Fail before anything is written when a named input does not exist."""
-    from pathlib import Path
-
-    if cfg.model.path is not None and not (Path(cfg.model.path).expanduser() / "config.json").is_file():
-        raise FileNotFoundError(f"model.path {cfg.model.path} is not a Hugging Face model directory")
-    for key in ("train_path", "test_path"):
-        value = getattr(cfg.data, key)
-        if value is not None and "://" not in value and not Path(value).expanduser().is_file():
-            raise FileNotFoundError(f"data.{key} {value} does not exist")
-
-
 def _flow_run_id() -> str:
     try:
         return str(get_run_context().flow_run.id)
@@ -194,7 +192,7 @@ def run_training(cfg: RunConfig, first: int = 1, last: int | None = None) -> dic
     """Run iterations ``first..last`` (default: all) of ``cfg``'s run, skipping committed stages."""
     apply_defaults()
     last = cfg.trainer.iterations if last is None else last
-    check_inputs(cfg)
+    preflight(cfg)
     check_reachable(tracking_uri_for(cfg))
     store = store_for(cfg)
     store.check_writable()
@@ -214,11 +212,11 @@ def _run_iterations(cfg: RunConfig, store: ArtifactStore, first: int, last: int,
     worker = policy_worker(cfg)
     status = "FAILED"
     try:
-        prep = stages.submit_stage(stages.data_prep, cfg, "data_prep").result()
+        prep = stages.submit_stage(cfg, "data_prep").result()
         sft = None
         if cfg.model.path is None:
             _emit("  [kit] SFT warm start of the tiny model (reused when already committed) ...")
-            sft = sft_warm_start.submit(cfg).result()
+            sft = stages.submit_stage(cfg, "sft").result()
             _emit(f"  [kit] SFT checkpoint {sft.manifest.artifact_id[:8]}: held-out accuracy {sft.metrics['sft/test_accuracy']:.3f}")
         models = models_before(cfg, store, first, initial_policy(cfg, sft))
         history: list[dict] = []

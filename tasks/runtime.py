@@ -13,22 +13,10 @@ import ray
 from infra.store import ArtifactStore
 from schemas.config import RunConfig
 from schemas.manifest import Manifest, PolicyRef
+from schemas.stages import ConfigView, whole_config
 from tasks.policy_actor import CRITIC_INIT, PolicyWorker
 
 RAY_NAMESPACE = "rlstage"
-
-# What each stage's output depends on, as dotted config paths: the rest of the config may change.
-STAGE_CONFIG = {
-    "data_prep": ("data", "kit"),
-    "rollout": ("rollout", "data.prompts_per_iteration", "data.shuffle_seed", "agent"),
-    "reward": ("reward",),
-    "advantage": ("algorithm", "rollout.temperature", "actor.use_kl_loss"),
-    "update": ("actor", "rollout.temperature", "trainer.seed", "critic.warmup_iterations", "trainer.checkpoint_every"),
-    "critic": ("critic", "trainer.seed"),
-    "eval": ("rollout", "trainer.eval_n", "data.eval_size", "agent"),
-    "sft": ("kit", "sft"),
-}
-
 
 @lru_cache(maxsize=1)
 def code_version() -> str:
@@ -40,7 +28,7 @@ def code_version() -> str:
         return "unknown"
 
 
-def store_for(cfg: RunConfig) -> ArtifactStore:
+def store_for(cfg: RunConfig | ConfigView) -> ArtifactStore:
     return ArtifactStore(cfg.store.root, cfg.store.storage_options, retries=cfg.store.retries)
 
 
@@ -55,8 +43,9 @@ def total_update_steps(cfg: RunConfig) -> int:
     return max(1, per_iter * max(1, cfg.trainer.iterations))
 
 
-def policy_worker(cfg: RunConfig):
+def policy_worker(cfg: RunConfig | ConfigView):
     """The run's policy worker actor, created on first use and restarted by Ray if it dies."""
+    cfg = whole_config(cfg)  # the worker is built from the whole config; its reads are in the stage views
     cls = ray.remote(PolicyWorker)
     return cls.options(
         name=f"policy-{cfg.run_name}",

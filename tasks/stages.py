@@ -1,12 +1,15 @@
 """One Prefect task per stage: read input artifacts, call an engine, commit the output artifact.
 
-Every stage is skipped when its output for the same inputs and config is already committed,
-so rerunning an interrupted run continues where it stopped. Retries and Ray resources come from
+Every stage is skipped when its output for the same inputs and config view is already committed,
+so rerunning an interrupted run continues where it stopped. Each task is registered against its
+spec in ``schemas/stages.py`` (``stage_task``) and its body receives the stage's config view, so
+it reads only what its cache key hashes. Retries and Ray resources come from
 ``ray.stages.<stage>`` in the config (see ``submit_stage``).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import time
@@ -17,7 +20,7 @@ import numpy as np
 import pyarrow as pa
 import ray
 import torch
-from prefect import task
+from prefect import Task, task
 from prefect.cache_policies import NO_CACHE
 
 from engines import algorithms as algos
@@ -27,8 +30,8 @@ from engines.cursor import prompt_batch
 from schemas import artifacts as A
 from schemas.config import ConfigError, RunConfig
 from schemas.manifest import Manifest, PolicyRef
+from schemas.stages import ConfigView, spec, stage_view, view_hash, whole_config
 from tasks.runtime import (
-    STAGE_CONFIG,
     code_version,
     ensure_policy,
     policy_worker,
@@ -55,7 +58,7 @@ class StageOutput:
 
 
 def run_stage(
-    cfg: RunConfig,
+    cfg: ConfigView,
     stage: str,
     iteration: int | None,
     inputs: dict[str, str],
@@ -70,7 +73,7 @@ def run_stage(
     """
     store = store_for(cfg)
     run = run or cfg.run_name
-    config_hash = cfg.stage_hash(*STAGE_CONFIG[stage])
+    config_hash = view_hash(cfg, stage)
     key = stage_key(stage, inputs, config_hash)
     existing = store.committed(run, iteration, stage, key, version=version)
     if existing is not None:
@@ -97,7 +100,7 @@ def run_stage(
     return StageResult(manifest, executed=True, seconds=seconds, metrics=out.metrics)
 
 
-def fault_point(cfg: RunConfig, stage: str, iteration: int | None, where: str = "kill_at") -> None:
+def fault_point(cfg: RunConfig | ConfigView, stage: str, iteration: int | None, where: str = "kill_at") -> None:
     """Failure drill: SIGKILL this process once at a point named in ``cfg.drill``.
 
     A marker file per point under ``drill.markers`` makes each fire once, so the retry that
@@ -114,13 +117,29 @@ def fault_point(cfg: RunConfig, stage: str, iteration: int | None, where: str = 
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _stage_task(name: str):
-    return task(name=name, cache_policy=NO_CACHE, persist_result=False)
+# The Prefect task of each registry stage, by name (registered by ``stage_task``).
+TASKS: dict[str, Task] = {}
+
+
+def stage_task(name: str) -> Callable[[Callable[..., StageResult]], Task]:
+    """Register ``body`` as the task of registry stage ``name``: called with the run config, it runs
+    ``body`` on the stage's config view (reads outside it raise ``UndeclaredConfigRead``)."""
+    spec(name)  # a task for an undeclared stage fails at import
+
+    def register(body: Callable[..., StageResult]) -> Task:
+        @functools.wraps(body)
+        def run(cfg: RunConfig, *args, **kwargs) -> StageResult:
+            return body(stage_view(cfg, name), *args, **kwargs)
+
+        TASKS[name] = task(name=name, cache_policy=NO_CACHE, persist_result=False)(run)
+        return TASKS[name]
+
+    return register
 
 
 # ---------------------------------------------------------------- data prep
-@_stage_task("data_prep")
-def data_prep(cfg: RunConfig) -> StageResult:
+@stage_task("data_prep")
+def data_prep(cfg: ConfigView) -> StageResult:
     def produce() -> StageOutput:
         d = cfg.data
         if d.source == "synthetic":
@@ -138,11 +157,11 @@ def data_prep(cfg: RunConfig) -> StageResult:
     return run_stage(cfg, "data_prep", None, {}, produce)
 
 
-def _read(cfg: RunConfig, manifest: Manifest, name: str) -> pa.Table:
+def _read(cfg: ConfigView, manifest: Manifest, name: str) -> pa.Table:
     return store_for(cfg).read_table(manifest, name)
 
 
-def _sampling(cfg: RunConfig, iteration: int, n: int | None = None, greedy: bool = False) -> dict:
+def _sampling(cfg: ConfigView, iteration: int, n: int | None = None, greedy: bool = False) -> dict:
     r = cfg.rollout
     return {
         "n": r.n if n is None else n,
@@ -155,9 +174,9 @@ def _sampling(cfg: RunConfig, iteration: int, n: int | None = None, greedy: bool
 
 
 # ---------------------------------------------------------------- rollout
-@_stage_task("rollout")
+@stage_task("rollout")
 def rollout(
-    cfg: RunConfig, iteration: int, prompts: Manifest, policy: PolicyRef, version: str = "main", meta: dict | None = None
+    cfg: ConfigView, iteration: int, prompts: Manifest, policy: PolicyRef, version: str = "main", meta: dict | None = None
 ) -> StageResult:
     def produce() -> StageOutput:
         train = _read(cfg, prompts, "train.parquet")
@@ -192,7 +211,7 @@ def rollout(
     return run_stage(cfg, "rollout", iteration, inputs, produce, version=version, meta=meta)
 
 
-def _complete(cfg: RunConfig, worker, version: str, batch: list[dict], params: dict) -> tuple[list[dict], dict]:
+def _complete(cfg: ConfigView, worker, version: str, batch: list[dict], params: dict) -> tuple[list[dict], dict]:
     """Completions of prompts-table rows: single-turn, or multi-turn tool-calling rollouts (agent.enable)."""
     if cfg.agent.enable:
         return ray.get(worker.agent_generate.remote(version, batch, params))
@@ -228,15 +247,15 @@ def _rollouts_table(batch: list[dict], comps: list[dict], iteration: int) -> pa.
 
 
 # ---------------------------------------------------------------- reward
-def score_rows(cfg: RunConfig, rows: list[dict]) -> list:
+def score_rows(cfg: ConfigView, rows: list[dict]) -> list:
     return rewards.score_batch(
         rows, timeout_s=cfg.reward.timeout_s, function=cfg.reward.function, gsm8k_method=cfg.reward.gsm8k_method
     )
 
 
-@_stage_task("reward")
+@stage_task("reward")
 def reward(
-    cfg: RunConfig, iteration: int, rollouts: Manifest, version: str = "main", meta: dict | None = None
+    cfg: ConfigView, iteration: int, rollouts: Manifest, version: str = "main", meta: dict | None = None
 ) -> StageResult:
     def produce() -> StageOutput:
         table = _read(cfg, rollouts, "rollouts.parquet")
@@ -280,23 +299,23 @@ def _unpad(t: torch.Tensor, lens: list[int]) -> list[list[float]]:
     return [t[i, :n].tolist() for i, n in enumerate(lens)]
 
 
-@_stage_task("advantage")
+@stage_task("advantage")
 def advantage(
-    cfg: RunConfig,
+    cfg: ConfigView,
     iteration: int,
     rollouts: Manifest,
     rewards_m: Manifest,
     policy: PolicyRef,
     ref: PolicyRef | None = None,
     critic: PolicyRef | None = None,
-    prev: Manifest | None = None,
+    prev_experience: Manifest | None = None,
     version: str = "main",
     meta: dict | None = None,
 ) -> StageResult:
     """Old log-probs, optional ref log-probs / values / KL-in-reward, then the advantage estimator.
 
-    ``ref`` is the frozen starting policy (KL), ``critic`` the value model (GAE), ``prev`` the
-    previous iteration's experience, whose manifest carries the adaptive KL controller's state.
+    ``ref`` is the frozen starting policy (KL), ``critic`` the value model (GAE), ``prev_experience``
+    the previous iteration's experience, whose manifest carries the adaptive KL controller's state.
     """
     a = cfg.algorithm
 
@@ -342,8 +361,8 @@ def advantage(
         kl_state = None
         if a.use_kl_in_reward:
             ctrl = algos.get_kl_controller(a.kl_ctrl.type, a.kl_ctrl.kl_coef, a.kl_ctrl.target_kl, a.kl_ctrl.horizon)
-            if prev is not None and "kl_ctrl" in prev.meta:
-                ctrl.load_state_dict(prev.meta["kl_ctrl"])  # beta carries over between iterations
+            if prev_experience is not None and "kl_ctrl" in prev_experience.meta:
+                ctrl.load_state_dict(prev_experience.meta["kl_ctrl"])  # beta carries over between iterations
             token_rewards, kl_metrics = algos.apply_kl_penalty(
                 token_scores, old_t, _padded(ref_lp, width), mask, ctrl, a.kl_penalty
             )
@@ -412,15 +431,15 @@ def advantage(
 
     inputs = {"rollouts": rollouts.artifact_id, "rewards": rewards_m.artifact_id, "policy": policy.version}
     inputs.update({k: v.version for k, v in (("ref", ref), ("critic", critic)) if v is not None})
-    if prev is not None and a.use_kl_in_reward and a.kl_ctrl.type == "adaptive":
-        inputs["prev_experience"] = prev.artifact_id
+    if prev_experience is not None and a.use_kl_in_reward and a.kl_ctrl.type == "adaptive":
+        inputs["prev_experience"] = prev_experience.artifact_id
     return run_stage(cfg, "advantage", iteration, inputs, produce, version=version, meta=meta)
 
 
 # ---------------------------------------------------------------- critic
-@_stage_task("critic")
+@stage_task("critic")
 def critic_update(
-    cfg: RunConfig, iteration: int, experience: Manifest, critic: PolicyRef, version: str = "main", meta: dict | None = None
+    cfg: ConfigView, iteration: int, experience: Manifest, critic: PolicyRef, version: str = "main", meta: dict | None = None
 ) -> StageResult:
     """Fit the value model to this iteration's returns; commits the new critic checkpoint."""
     worker = policy_worker(cfg)
@@ -443,7 +462,7 @@ def critic_update(
 
 
 # ---------------------------------------------------------------- update
-def _update_args(cfg: RunConfig, iteration: int, experience: Manifest) -> tuple[dict, float, int, bool]:
+def _update_args(cfg: ConfigView, iteration: int, experience: Manifest) -> tuple[dict, float, int, bool]:
     """The worker's ``update`` arguments for ``iteration``: batch, temperature, seed, critic warm-up skip."""
     exp = _read(cfg, experience, "experience.parquet")
     cols = ["prompt_ids", "response_ids", "response_mask", "old_log_probs", "advantages"]
@@ -455,13 +474,14 @@ def _update_args(cfg: RunConfig, iteration: int, experience: Manifest) -> tuple[
     return batch, cfg.rollout.temperature, seed, skip
 
 
-def is_checkpoint(cfg: RunConfig, iteration: int) -> bool:
+def is_checkpoint(cfg: ConfigView, iteration: int) -> bool:
     return iteration % cfg.trainer.checkpoint_every == 0
 
 
-def hold_policy(worker, cfg: RunConfig, ref: PolicyRef) -> None:
+def hold_policy(worker, view: ConfigView, ref: PolicyRef) -> None:
     """Make the worker hold policy ``ref``; one committed between checkpoints is rebuilt by
     re-running its update (and, recursively, the ones before it) from the stored experience."""
+    cfg = stage_view(whole_config(view), "update")  # a rebuild runs the update: it reads the update's view
     store = store_for(cfg)
     if ray.get(worker.version.remote("policy")) == ref.version:
         return
@@ -469,7 +489,7 @@ def hold_policy(worker, cfg: RunConfig, ref: PolicyRef) -> None:
     if m is None or m.artifact_id != ref.version or not m.meta.get("between_checkpoints"):
         ensure_policy(worker, store, ref)
         return
-    if m.config_hash != cfg.stage_hash(*STAGE_CONFIG["update"]):
+    if m.config_hash != view_hash(cfg, "update"):
         raise ConfigError(
             f"config error: the policy of iteration {m.iteration} lies between checkpoints "
             f"(trainer.checkpoint_every={cfg.trainer.checkpoint_every}) and was trained with other actor "
@@ -484,9 +504,9 @@ def hold_policy(worker, cfg: RunConfig, ref: PolicyRef) -> None:
     ray.get(worker.set_version.remote(m.artifact_id))
 
 
-@_stage_task("update")
+@stage_task("update")
 def update(
-    cfg: RunConfig, iteration: int, experience: Manifest, policy: PolicyRef, version: str = "main", meta: dict | None = None
+    cfg: ConfigView, iteration: int, experience: Manifest, policy: PolicyRef, version: str = "main", meta: dict | None = None
 ) -> StageResult:
     worker = policy_worker(cfg)
 
@@ -510,9 +530,9 @@ def update(
 
 
 # ---------------------------------------------------------------- eval
-@_stage_task("eval")
+@stage_task("eval")
 def evaluate(
-    cfg: RunConfig, iteration: int, prompts: Manifest, policy: PolicyRef, version: str = "main", meta: dict | None = None
+    cfg: ConfigView, iteration: int, prompts: Manifest, policy: PolicyRef, version: str = "main", meta: dict | None = None
 ) -> StageResult:
     def produce() -> StageOutput:
         test = _read(cfg, prompts, "test.parquet")
@@ -554,11 +574,11 @@ def evaluate(
     return run_stage(cfg, "eval", iteration, inputs, produce, version=version, meta=meta)
 
 
-def submit_stage(task_fn, cfg: RunConfig, stage: str, *args, **kwargs):
-    """Submit a stage task with the retries and Ray resources configured for it."""
+def submit_stage(cfg: RunConfig, stage: str, *args, **kwargs):
+    """Submit stage ``stage``'s registered task with the retries and Ray resources configured for it."""
     from prefect_ray.context import remote_options
 
     res = cfg.ray.resources(stage)
-    configured = task_fn.with_options(retries=res.retries, retry_delay_seconds=res.retry_delay_s)
+    configured = TASKS[stage].with_options(retries=res.retries, retry_delay_seconds=res.retry_delay_s)
     with remote_options(num_cpus=res.num_cpus, num_gpus=res.num_gpus):
         return configured.submit(cfg, *args, **kwargs)
