@@ -1,14 +1,12 @@
 """Evaluate a stored policy of a run on its held-out prompts, with the stored or changed settings.
 
-The eval artifact is a sibling version (``eval-<hash of the overrides>``) of the iteration's eval
-stage, so an extra evaluation (more samples, another reward function) never replaces the one the
-run logged; an identical request is answered from the committed artifact.
+The eval artifact is a sibling version (``eval-<hash of the eval stage's config view>``) of the
+iteration's eval stage, so an extra evaluation (more samples, another reward function) never replaces
+the one the run logged; a request whose eval settings are the same (overrides of settings eval does
+not read included) is answered from the committed artifact.
 """
 
 from __future__ import annotations
-
-import hashlib
-import json
 
 from prefect import flow
 
@@ -16,14 +14,14 @@ from engines.preflight import preflight
 from flows.nightly import last_completed_iteration
 from flows.replay import stage_inputs, stored_config_with
 from infra.ray_runtime import ensure_ray
-from schemas.config import ConfigError
-from schemas.stages import STAGE_FILES
+from schemas.config import ConfigError, RunConfig
+from schemas.stages import STAGE_FILES, view_hash
 from tasks import stages
 from tasks.runtime import policy_worker, release_worker
 
 
-def eval_version(overrides: list[str]) -> str:
-    return "eval-" + hashlib.sha256(json.dumps(sorted(overrides)).encode()).hexdigest()[:10]
+def eval_version(cfg: RunConfig) -> str:
+    return f"eval-{view_hash(cfg, 'eval')}"
 
 
 @flow(name="rlstage-eval")
@@ -39,7 +37,7 @@ def evaluate_run(
     if not 0 <= iteration <= last:
         raise ConfigError(f"config error: iteration: run {run_name!r} has policies for 0..{last}, got {iteration}")
     prompts, policy = stage_inputs(cfg, store, "eval", iteration)  # the policy after update k
-    version = eval_version(overrides)
+    version = eval_version(cfg)
     ensure_ray(cfg)
     worker = policy_worker(cfg)  # held for the flow so the stage task finds it alive
     try:

@@ -167,7 +167,8 @@ def spec(stage: str) -> StageSpec:
     return STAGE_SPECS[stage]
 
 
-def _covered(path: str, paths: tuple[str, ...]) -> bool:
+def covers(path: str, paths: tuple[str, ...]) -> bool:
+    """Whether the declared ``paths`` cover the dotted ``path`` (a section path covers its settings)."""
     return any(path == p or path.startswith(p + ".") for p in paths)
 
 
@@ -189,13 +190,13 @@ class ConfigView:
         if name.startswith("__"):  # copy/pickle protocol probes: a view is not a value to copy
             raise AttributeError(name)
         path = self._prefix + name
-        allowed = (not self._prefix and name in EXECUTION) or _covered(path, self._paths)
+        allowed = (not self._prefix and name in EXECUTION) or covers(path, self._paths)
         if name in type(self._node).model_fields:
             value = getattr(self._node, name)
-            if allowed and not isinstance(value, BaseModel):
+            if isinstance(value, BaseModel):  # a section: checked at the setting read from it
+                return ConfigView(value, self._stage, (path,) if allowed else self._paths, path + ".")
+            if allowed:
                 return value
-            if allowed or any(p.startswith(path + ".") for p in self._paths):
-                return ConfigView(value, self._stage, self._paths if not allowed else (path,), path + ".")
         raise UndeclaredConfigRead(
             f"stage {self._stage!r} read config {path!r}, which its view does not declare "
             f"(schemas/stages.py: add it to the stage's reads, so its cache key hashes it)"
@@ -232,5 +233,7 @@ def stage_view(cfg: RunConfig | ConfigView, stage: str) -> ConfigView:
 
 
 def view_hash(cfg: RunConfig | ConfigView, stage: str) -> str:
-    """What a stage's output depends on in the config: the hash of exactly its view."""
-    return whole_config(cfg).stage_hash(*view_paths(cfg, stage))
+    """What a stage's output depends on in the config: the hash of exactly its view (the one given,
+    when ``cfg`` is that stage's view)."""
+    own = isinstance(cfg, ConfigView) and cfg._stage == stage and not cfg._prefix
+    return whole_config(cfg).stage_hash(*(cfg._paths if own else view_paths(cfg, stage)))
