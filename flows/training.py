@@ -24,13 +24,14 @@ from infra.store import ArtifactStore
 from infra.tracking import Tracker, check_reachable, tracking_uri_for
 from schemas.config import ConfigError, RunConfig, build_config, load_config, merge_dicts, parse_overrides
 from schemas.manifest import Manifest, PolicyRef
-from schemas.stages import SPECS, StageSpec
+from schemas.stages import EXECUTION, SPECS, STAGES, StageSpec, covers, view_paths
 from tasks import stages
 from tasks.kit import initial_policy  # also registers the sft stage's task
 from tasks.runtime import critic_init_ref, policy_ref_from, policy_worker, release_worker, store_for
 
-# Fields that may differ between invocations of one run: where and how it executes, and how long.
-RUN_MUTABLE = ("run_name", "store", "ray", "tracking", "trainer.iterations", "drill")
+# Fields that may differ between invocations of one run: where and how it executes, and how long
+# (unless a stage's view holds the length: a decaying schedule derives its steps from it).
+RUN_MUTABLE = (*EXECUTION, "trainer.iterations")
 
 
 @dataclass
@@ -141,6 +142,8 @@ def _output(spec: StageSpec, result: stages.StageResult) -> Manifest | PolicyRef
 def _identity(cfg: RunConfig) -> dict:
     dump = cfg.model_dump(mode="json")
     for path in RUN_MUTABLE:
+        if any(covers(path, view_paths(cfg, s)) for s in STAGES):
+            continue
         node = dump
         *parents, leaf = path.split(".")
         for p in parents:

@@ -299,3 +299,19 @@ def test_eval_reexecutes_for_a_reward_change_and_not_for_an_actor_change(prefect
     scored = evaluate_run(run_name="views", iteration=1, store_root=root, overrides=["reward.timeout_s=3"])
     assert scored["executed"] and scored["version"] != first["version"]
     assert scored["metrics"]["val/accuracy"] == first["metrics"]["val/accuracy"]
+
+
+def test_a_run_whose_schedule_reads_its_length_cannot_change_it(tmp_path):
+    """trainer.iterations may change between invocations of a run unless a stage's view holds it."""
+    from flows.training import record_run_config
+    from tasks.runtime import store_for
+
+    for schedule, refused in (("constant", False), ("cosine", True)):
+        cfg = load_config(None, [f"store.root={tmp_path}", f"run_name={schedule}", f"actor.optim.lr_schedule={schedule}"])
+        record_run_config(store_for(cfg), cfg)
+        longer = cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"iterations": 20})})
+        if refused:
+            with pytest.raises(ConfigError, match="trainer.iterations: stored 10, given 20"):
+                record_run_config(store_for(longer), longer)
+        else:
+            record_run_config(store_for(longer), longer)
