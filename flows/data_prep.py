@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from prefect import flow
 
-from flows.training import check_inputs, record_run_config, resolve_config
+from engines.preflight import preflight
+from flows.training import record_run_config, resolve_config
 from infra.env import apply_defaults
 from infra.lease import run_lease
 from schemas.config import RunConfig
@@ -23,7 +24,7 @@ def prepare_data(
     """Commit the prompts of ``config``'s run: synthetic task, GSM8K jsonl or verl-format parquet."""
     apply_defaults()
     cfg = resolve_config(config, config_path, overrides)
-    check_inputs(cfg)
+    preflight(cfg)
     store = store_for(cfg)
     store.check_writable()
     record_run_config(store, cfg)

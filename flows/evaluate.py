@@ -1,28 +1,27 @@
 """Evaluate a stored policy of a run on its held-out prompts, with the stored or changed settings.
 
-The eval artifact is a sibling version (``eval-<hash of the overrides>``) of the iteration's eval
-stage, so an extra evaluation (more samples, another reward function) never replaces the one the
-run logged; an identical request is answered from the committed artifact.
+The eval artifact is a sibling version (``eval-<hash of the eval stage's config view>``) of the
+iteration's eval stage, so an extra evaluation (more samples, another reward function) never replaces
+the one the run logged; a request whose eval settings are the same (overrides of settings eval does
+not read included) is answered from the committed artifact.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-
 from prefect import flow
 
+from engines.preflight import preflight
 from flows.nightly import last_completed_iteration
-from flows.replay import need, policy_before, stored_config_with
+from flows.replay import stage_inputs, stored_config_with
 from infra.ray_runtime import ensure_ray
-from schemas.config import ConfigError
-from schemas.stages import STAGE_FILES
+from schemas.config import ConfigError, RunConfig
+from schemas.stages import STAGE_FILES, view_hash
 from tasks import stages
 from workers.group import check_placement, open_group
 
 
-def eval_version(overrides: list[str]) -> str:
-    return "eval-" + hashlib.sha256(json.dumps(sorted(overrides)).encode()).hexdigest()[:10]
+def eval_version(cfg: RunConfig) -> str:
+    return f"eval-{view_hash(cfg, 'eval')}"
 
 
 @flow(name="rlstage-eval")
@@ -32,18 +31,18 @@ def evaluate_run(
     """Score the policy after update ``iteration`` (default: the last committed; 0: the start policy)."""
     overrides = list(overrides or [])
     store, cfg = stored_config_with(store_root, run_name, overrides, "an evaluation")
+    preflight(cfg)
     last = last_completed_iteration(store, run_name)
     iteration = last if iteration is None else iteration
     if not 0 <= iteration <= last:
         raise ConfigError(f"config error: iteration: run {run_name!r} has policies for 0..{last}, got {iteration}")
-    prompts = need(store, run_name, None, "data_prep")
-    policy = policy_before(cfg, store, iteration + 1)  # the policy after update k
-    version = eval_version(overrides)
+    prompts, policy = stage_inputs(cfg, store, "eval", iteration)  # the policy after update k
+    version = eval_version(cfg)
     ensure_ray(cfg)
     check_placement(cfg)
     group = open_group(cfg, version)  # its own worker (never a training run's), held for the stage task
     try:
-        result = stages.evaluate(
+        result = stages.TASKS["eval"](
             cfg, iteration, prompts, policy, version=version, meta={"eval_of": policy.version, "overrides": overrides}
         )
     finally:

@@ -12,18 +12,18 @@ import json
 
 from prefect import flow
 
-from flows.training import models_before, stored_config
+from engines.preflight import preflight
+from flows.training import Models, models_before, stored_config
 from infra.ray_runtime import ensure_ray
 from infra.store import ArtifactStore
 from schemas.config import ConfigError, RunConfig, build_config, merge_dicts, parse_overrides
 from schemas.manifest import Manifest, PolicyRef
-from schemas.stages import STAGE_FILES
+from schemas.stages import REPLAYABLE, SPECS, STAGE_FILES, spec
 from tasks import stages
 from tasks.kit import initial_policy, kit_run_name
 from tasks.runtime import policy_ref_from, store_for
 from workers.group import check_placement, open_group
 
-REPLAYABLE = ("rollout", "reward", "advantage", "update", "eval")
 FIXED = ("run_name", "store")  # a replay may not move the run
 
 
@@ -43,7 +43,7 @@ def policy_before(cfg: RunConfig, store: ArtifactStore, iteration: int) -> Polic
 
 
 def _check(original: Manifest, name: str, current: str) -> None:
-    if original.inputs.get(name) != current:
+    if name in original.inputs and original.inputs[name] != current:
         raise ConfigError(
             f"config error: the {name} input of {original.stage} at iteration {original.iteration} "
             "was replaced since it ran; replay the upstream stage first"
@@ -65,6 +65,32 @@ def replay_version(overrides: list[str]) -> str:
     return "replay-" + hashlib.sha256(json.dumps(sorted(overrides)).encode()).hexdigest()[:10]
 
 
+def stage_inputs(cfg: RunConfig, store: ArtifactStore, stage: str, iteration: int) -> list:
+    """The stored inputs of ``stage`` at ``iteration``, by the names its spec declares.
+
+    An input produced earlier in the same iteration (by a stage before it in the registry) is read
+    from that iteration; any other (the policy before an update, the critic, the last experience, the
+    reference) is what the iteration started from. Iteration 0 runs no train stage.
+    """
+    s = spec(stage)
+    order = [p.name for p in SPECS]
+    producers = {p.output: p for p in SPECS if p.output is not None}
+    before: Models | None = None
+    values = []
+    for name in s.inputs:
+        producer = producers.get(name)
+        if producer is not None and producer.phase == "prepare":
+            values.append(need(store, cfg.run_name, None, producer.name))
+        elif producer is not None and iteration > 0 and order.index(producer.name) < order.index(stage):
+            m = need(store, cfg.run_name, iteration, producer.name)
+            values.append(policy_ref_from(m) if producer.output_ref else m)
+        else:
+            before = before or models_before(cfg, store, iteration, policy_before(cfg, store, 1))
+            # A pipelined run's rollout samples with the policy the previous iteration started from.
+            values.append(before.behaviour if (stage, name) == ("rollout", "policy") else getattr(before, name))
+    return values
+
+
 @flow(name="rlstage-replay")
 def replay(
     run_name: str, iteration: int, stage: str, store_root: str = "./rlstage-runs", overrides: list[str] | None = None
@@ -74,43 +100,19 @@ def replay(
         raise ConfigError(f"config error: stage {stage!r} cannot be replayed; valid: {', '.join(REPLAYABLE)}")
     overrides = list(overrides or [])
     store, cfg = stored_config_with(store_root, run_name, overrides, "a replay")
+    preflight(cfg)
     original = need(store, run_name, iteration, stage)
     version = replay_version(overrides)
     lineage = {"replay_of": original.artifact_id, "overrides": overrides}
-    prompts = need(store, run_name, None, "data_prep")
+    inputs = stage_inputs(cfg, store, stage, iteration)
+    for name, value in zip(spec(stage).inputs, inputs, strict=True):
+        if value is not None:
+            _check(original, name, value.artifact_id if isinstance(value, Manifest) else value.version)
     ensure_ray(cfg)
     check_placement(cfg)
     group = open_group(cfg, version)  # its own worker (never a training run's), held for the stage tasks
     try:
-        if stage == "eval":
-            policy = policy_before(cfg, store, iteration + 1)  # eval k scores the policy after update k
-            _check(original, "policy", policy.version)
-            result = stages.evaluate(cfg, iteration, prompts, policy, version=version, meta=lineage)
-        else:
-            policy = policy_before(cfg, store, iteration)
-            if stage == "rollout":
-                # Pipelined runs sample iteration k with the policy iteration k-1 started from.
-                policy = policy_before(cfg, store, iteration - cfg.trainer.async_staleness)
-                _check(original, "policy", policy.version)
-                result = stages.rollout(cfg, iteration, prompts, policy, version=version, meta=lineage)
-            elif stage == "reward":
-                ro = need(store, run_name, iteration, "rollout")
-                _check(original, "rollouts", ro.artifact_id)
-                result = stages.reward(cfg, iteration, ro, version=version, meta=lineage)
-            elif stage == "advantage":
-                ro = need(store, run_name, iteration, "rollout")
-                rw = need(store, run_name, iteration, "reward")
-                _check(original, "rollouts", ro.artifact_id)
-                _check(original, "rewards", rw.artifact_id)
-                m = models_before(cfg, store, iteration, policy_before(cfg, store, 1))
-                result = stages.advantage(
-                    cfg, iteration, ro, rw, policy, m.ref, m.critic, m.prev_experience, version=version, meta=lineage
-                )
-            else:
-                exp = need(store, run_name, iteration, "advantage")
-                _check(original, "experience", exp.artifact_id)
-                _check(original, "policy", policy.version)
-                result = stages.update(cfg, iteration, exp, policy, version=version, meta=lineage)
+        result = stages.TASKS[stage](cfg, iteration, *inputs, version=version, meta=lineage)
     finally:
         group.release()
     return summarize(store_for(cfg), original, result.manifest)

@@ -16,6 +16,7 @@ from prefect import flow, get_run_logger
 from prefect.context import get_run_context
 from prefect_ray import RayTaskRunner
 
+from engines.preflight import preflight
 from infra.drill import fault_point
 from infra.env import apply_defaults
 from infra.lease import run_lease
@@ -24,13 +25,15 @@ from infra.store import ArtifactStore
 from infra.tracking import Tracker, check_reachable, tracking_uri_for
 from schemas.config import ConfigError, RunConfig, build_config, load_config, merge_dicts, parse_overrides
 from schemas.manifest import Manifest, PolicyRef
+from schemas.stages import EXECUTION, SPECS, STAGES, StageSpec, covers, view_paths
 from tasks import stages
-from tasks.kit import initial_policy, sft_warm_start
+from tasks.kit import initial_policy  # also registers the sft stage's task
 from tasks.runtime import policy_ref_from, store_for
 from workers.group import check_placement, critic_init_ref, open_group
 
-# Fields that may differ between invocations of one run: where and how it executes, and how long.
-RUN_MUTABLE = ("run_name", "store", "ray", "tracking", "trainer.iterations", "drill")
+# Fields that may differ between invocations of one run: where and how it executes, and how long
+# (unless a stage's view holds the length: a decaying schedule derives its steps from it).
+RUN_MUTABLE = (*EXECUTION, "trainer.iterations")
 
 
 @dataclass
@@ -64,10 +67,10 @@ def _emit(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def _run_stage(outcome: IterationOutcome, label: str, task_fn, cfg: RunConfig, stage: str, *args) -> stages.StageResult:
+def _run_stage(outcome: IterationOutcome, label: str, cfg: RunConfig, stage: str, *args) -> stages.StageResult:
     t0 = time.perf_counter()
     _emit(f"  {label} {stage:<9} ...")
-    result = stages.submit_stage(task_fn, cfg, stage, *args).result()
+    result = stages.submit_stage(cfg, stage, *args).result()
     wall = time.perf_counter() - t0
     outcome.results[stage] = result
     outcome.wall_s[stage] = wall
@@ -87,11 +90,11 @@ class Models:
     prev_experience: Manifest | None = None
     # The policy the rollout samples with: ``policy`` when synchronous; with trainer.async_staleness=1 the
     # one the previous iteration started from (its rollout ran while that iteration's update trained).
-    rollout: PolicyRef | None = None
+    rollout_policy: PolicyRef | None = None
 
     @property
     def behaviour(self) -> PolicyRef:
-        return self.rollout or self.policy
+        return self.rollout_policy or self.policy
 
 
 def models_before(cfg: RunConfig, store: ArtifactStore, iteration: int, initial: PolicyRef) -> Models:
@@ -116,41 +119,54 @@ def models_before(cfg: RunConfig, store: ArtifactStore, iteration: int, initial:
     )
 
 
+def _eval_due(cfg: RunConfig, iteration: int) -> bool:
+    return iteration == 0 or iteration % cfg.trainer.eval_every == 0 or iteration == cfg.trainer.iterations
+
+
 @flow(name="rlstage-iteration")
 def iteration_flow(cfg: RunConfig, iteration: int, prompts: Manifest, models: Models, last: int) -> IterationOutcome:
-    """rollout -> reward -> advantage -> [critic] -> update -> eval; iteration 0 only evaluates.
+    """The registry's train stages in order (rollout -> reward -> advantage -> [critic] -> update),
+    then eval when due; iteration 0 only evaluates.
 
-    Pipelined (trainer.async_staleness=1): the rollout of iteration k+1 is submitted before reward k and
-    runs on the rollout role, with the policy iteration k started from, while the trainer role trains.
+    Each stage takes its declared inputs by name from what the iteration holds and adds its output.
+    Pipelined (trainer.async_staleness=1): right after the rollout of iteration k, the rollout of k+1 is
+    submitted with the policy iteration k started from; it runs on the rollout role while the trainer
+    role computes advantages and trains, and iteration k+1 finds it committed.
     """
     out = IterationOutcome(iteration)
     label = f"[iter {iteration:>3}]"
-    policy = models.policy
-    if iteration > 0:
-        ro = _run_stage(out, label, stages.rollout, cfg, "rollout", iteration, prompts, models.behaviour)
-        ahead = None
-        if cfg.trainer.async_staleness and iteration < last:
-            ahead = stages.submit_stage(stages.rollout, cfg, "rollout", iteration + 1, prompts, policy)
-        rw = _run_stage(out, label, stages.reward, cfg, "reward", iteration, ro.manifest)
-        adv = _run_stage(
-            out, label, stages.advantage, cfg, "advantage", iteration, ro.manifest, rw.manifest, policy,
-            models.ref, models.critic, models.prev_experience,
-        )  # fmt: skip
-        if models.critic is not None:
-            _run_stage(out, label, stages.critic_update, cfg, "critic", iteration, adv.manifest, models.critic)
-        up = _run_stage(out, label, stages.update, cfg, "update", iteration, adv.manifest, policy)
-        if ahead is not None:
-            ahead.result()  # committed under iteration k+1, where its own iteration finds it
-        policy = policy_ref_from(up.manifest)
-    last = iteration == cfg.trainer.iterations
-    if iteration == 0 or iteration % cfg.trainer.eval_every == 0 or last:
-        _run_stage(out, label, stages.evaluate, cfg, "eval", iteration, prompts, policy)
+    held: dict = {"prompts": prompts, **vars(models)}
+    ahead = None
+    for spec in SPECS:
+        if spec.phase == "prepare" or (spec.phase == "train" and iteration == 0):
+            continue
+        if spec.phase == "eval":
+            if ahead is not None:
+                ahead.result()  # committed under iteration k+1
+                ahead = None
+            if not _eval_due(cfg, iteration):
+                continue
+        if any(held.get(name) is None for name in spec.inputs if name not in spec.optional):
+            continue  # a role this run does not have (no critic without critic.enable)
+        # The rollout samples with the behaviour policy (the trained one unless pipelined).
+        given = {**held, "policy": models.behaviour} if spec.name == "rollout" else held
+        result = _run_stage(out, label, cfg, spec.name, iteration, *(given.get(name) for name in spec.inputs))
+        if spec.output is not None:
+            held[spec.output] = _output(spec, result)
+        if spec.name == "rollout" and cfg.trainer.async_staleness and iteration < last:
+            ahead = stages.submit_stage(cfg, "rollout", iteration + 1, prompts, models.policy)
     return out
+
+
+def _output(spec: StageSpec, result: stages.StageResult) -> Manifest | PolicyRef:
+    return policy_ref_from(result.manifest) if spec.output_ref else result.manifest
 
 
 def _identity(cfg: RunConfig) -> dict:
     dump = cfg.model_dump(mode="json")
     for path in RUN_MUTABLE:
+        if any(covers(path, view_paths(cfg, s)) for s in STAGES):
+            continue
         node = dump
         *parents, leaf = path.split(".")
         for p in parents:
@@ -191,18 +207,6 @@ def stored_config(store: ArtifactStore, run_name: str) -> RunConfig:
     return RunConfig.model_validate(stored["config"])
 
 
-def check_inputs(cfg: RunConfig) -> None:
-    """Fail before anything is written when a named input does not exist."""
-    from pathlib import Path
-
-    if cfg.model.path is not None and not (Path(cfg.model.path).expanduser() / "config.json").is_file():
-        raise FileNotFoundError(f"model.path {cfg.model.path} is not a Hugging Face model directory")
-    for key in ("train_path", "test_path"):
-        value = getattr(cfg.data, key)
-        if value is not None and "://" not in value and not Path(value).expanduser().is_file():
-            raise FileNotFoundError(f"data.{key} {value} does not exist")
-
-
 def _flow_run_id() -> str:
     try:
         return str(get_run_context().flow_run.id)
@@ -214,7 +218,7 @@ def run_training(cfg: RunConfig, first: int = 1, last: int | None = None) -> dic
     """Run iterations ``first..last`` (default: all) of ``cfg``'s run, skipping committed stages."""
     apply_defaults()
     last = cfg.trainer.iterations if last is None else last
-    check_inputs(cfg)
+    preflight(cfg)
     check_reachable(tracking_uri_for(cfg))
     store = store_for(cfg)
     store.check_writable()
@@ -235,11 +239,11 @@ def _run_iterations(cfg: RunConfig, store: ArtifactStore, first: int, last: int,
     group = open_group(cfg)
     status = "FAILED"
     try:
-        prep = stages.submit_stage(stages.data_prep, cfg, "data_prep").result()
+        prep = stages.submit_stage(cfg, "data_prep").result()
         sft = None
         if cfg.model.path is None:
             _emit("  [kit] SFT warm start of the tiny model (reused when already committed) ...")
-            sft = sft_warm_start.submit(cfg).result()
+            sft = stages.submit_stage(cfg, "sft").result()
             _emit(f"  [kit] SFT checkpoint {sft.manifest.artifact_id[:8]}: held-out accuracy {sft.metrics['sft/test_accuracy']:.3f}")
         models = models_before(cfg, store, first, initial_policy(cfg, sft))
         history: list[dict] = []

@@ -1,13 +1,239 @@
-"""Names of the stages and of their artifacts' main files."""
+"""The stage registry: every stage declared once, and the config view its code receives.
 
-STAGES = ("data_prep", "rollout", "reward", "advantage", "critic", "update", "eval")
+A stage's spec names its inputs, its output files and the dotted config paths its code may read
+(its own code, the engines it calls and what the policy worker reads for it). The training flow,
+replay, eval, the failure drills, ``ray.stages.<name>`` validation and the cache keys are derived
+from it: a stage's cache key hashes exactly its view, and a read outside the view fails.
+"""
 
-# The Parquet file each stage commits (the update stage also commits a model directory).
-STAGE_FILES = {
-    "rollout": "rollouts.parquet",
-    "reward": "rewards.parquet",
-    "advantage": "experience.parquet",
-    "critic": "metrics.parquet",
-    "update": "metrics.parquet",
-    "eval": "eval.parquet",
-}
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel
+
+from schemas.config import RunConfig
+
+# Where and how a run executes, never what a stage computes: readable by every stage, never hashed.
+EXECUTION = ("run_name", "store", "ray", "tracking", "drill")
+
+
+class UndeclaredConfigRead(RuntimeError):
+    """A stage read a setting its view does not declare: its cache key would not see a change to it."""
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    name: str
+    files: tuple[str, ...]  # what it commits; the first is its main Parquet file
+    reads: tuple[str, ...]  # dotted config paths its code may read (a section path covers its fields)
+    # More paths that only matter for some settings, decided through the view of ``reads``.
+    reads_if: Callable[[ConfigView], tuple[str, ...]] | None = None
+    inputs: tuple[str, ...] = ()  # positional inputs after (cfg, iteration): manifest input keys
+    optional: tuple[str, ...] = ()  # inputs that may be None; a stage missing another one does not run
+    output: str | None = None  # the name later stages receive its result under
+    output_ref: bool = False  # the output is a model checkpoint, passed on as a PolicyRef
+    phase: str = "train"  # prepare: once per run; train: the iteration chain; eval: on trainer.eval_every
+    replayable: bool = False
+
+    @property
+    def per_iteration(self) -> bool:
+        return self.phase != "prepare"
+
+
+# What the policy worker reads for every stage it serves: the model's dtype, threads and source.
+_WORKER = ("model",)
+# The rollout engine the worker builds (batching and engine settings can change sampled tokens).
+_ENGINE = (
+    "rollout.engine", "rollout.batch_size", "rollout.seed", "rollout.vllm_kv_cache_bytes",
+    "rollout.vllm_enforce_eager", "rollout.vllm_max_num_seqs", "rollout.vllm_cpu_threads_bind",
+)  # fmt: skip
+_SAMPLING = ("rollout.top_p", "rollout.top_k", "rollout.max_new_tokens", "rollout.seed")
+# The worker's optimizer schedule length (tasks.runtime.total_update_steps), used by decaying schedules.
+_TOTAL_STEPS = (
+    "data.prompts_per_iteration", "rollout.n", "actor.ppo_mini_batch_size", "actor.ppo_epochs", "trainer.iterations",
+)  # fmt: skip
+# The no-grad passes of the train engines (log-probs, values) batch by these settings.
+_ACTOR_PASS = ("actor.engine", "actor.zero_stage", "actor.micro_batch_size", "actor.micro_batch_tokens", "actor.packing")
+_CRITIC_PASS = ("critic.micro_batch_size", "critic.micro_batch_tokens", "critic.packing")
+_CRITIC_TRAIN = (
+    *_CRITIC_PASS, "critic.optim", "critic.cliprange_value", "critic.ppo_mini_batch_size", "critic.ppo_epochs",
+    "critic.loss_agg_mode", "critic.shuffle",
+)  # fmt: skip
+
+
+def _decays(optim: Any) -> bool:
+    return optim.lr_schedule != "constant" and optim.total_steps is None
+
+
+def _agent(v: ConfigView) -> tuple[str, ...]:
+    return ("agent",) if v.agent.enable else ()
+
+
+def _eval_extra(v: ConfigView) -> tuple[str, ...]:
+    return _agent(v) + (("rollout.temperature",) if v.trainer.eval_n > 0 else ())
+
+
+SPECS: tuple[StageSpec, ...] = (
+    StageSpec(
+        "data_prep",
+        files=("train.parquet", "test.parquet"),
+        reads=("data.source", "data.train_path", "data.test_path"),
+        reads_if=lambda v: (
+            ("kit.task", "kit.digits", "kit.train_size", "kit.test_size", "kit.seed") if v.data.source == "synthetic" else ()
+        ),
+        output="prompts",
+        phase="prepare",
+    ),
+    StageSpec(
+        "sft",
+        files=("model/model.safetensors",),
+        reads=("kit", "sft", "model.torch_threads"),
+        # The multiply kit learns tool calls: its demonstrations and accuracy check run the agent loop.
+        reads_if=lambda v: ("agent", "rollout.max_new_tokens") if v.kit.task == "multiply" else (),
+        phase="prepare",
+    ),
+    StageSpec(
+        "rollout",
+        files=("rollouts.parquet",),
+        reads=(
+            "data.prompts_per_iteration", "data.shuffle_seed", "rollout.n", "rollout.temperature", *_SAMPLING,
+            *_ENGINE, "algorithm.adv_estimator", "agent.enable", *_WORKER,
+        ),  # fmt: skip
+        reads_if=_agent,
+        inputs=("prompts", "policy"),
+        output="rollouts",
+        replayable=True,
+    ),
+    StageSpec("reward", files=("rewards.parquet",), reads=("reward",), inputs=("rollouts",), output="rewards", replayable=True),
+    StageSpec(
+        "advantage",
+        files=("experience.parquet",),
+        reads=(
+            "algorithm", "rollout.temperature", "rollout.max_logprob_gap", "rollout.engine", "critic.enable",
+            *_ACTOR_PASS, *_WORKER,
+        ),  # fmt: skip
+        reads_if=lambda v: _CRITIC_PASS if v.critic.enable else (),
+        inputs=("rollouts", "rewards", "policy", "ref", "critic", "prev_experience"),
+        optional=("ref", "critic", "prev_experience"),
+        output="experience",
+        replayable=True,
+    ),
+    StageSpec(
+        "critic",
+        files=("metrics.parquet",),
+        reads=(*_CRITIC_TRAIN, "trainer.seed", *_WORKER),
+        reads_if=lambda v: _TOTAL_STEPS if _decays(v.critic.optim) else (),
+        inputs=("experience", "critic"),
+        output="critic",
+        output_ref=True,
+    ),
+    StageSpec(
+        "update",
+        files=("metrics.parquet",),
+        reads=(
+            "actor", "rollout.temperature", "trainer.seed", "trainer.checkpoint_every", "critic.enable",
+            "critic.warmup_iterations", *_WORKER,
+        ),  # fmt: skip
+        reads_if=lambda v: _TOTAL_STEPS if _decays(v.actor.optim) else (),
+        inputs=("experience", "policy"),
+        output="policy",
+        output_ref=True,
+        replayable=True,
+    ),
+    StageSpec(
+        "eval",
+        files=("eval.parquet",),
+        reads=("data.eval_size", "trainer.eval_n", *_SAMPLING, *_ENGINE, "agent.enable", "reward", *_WORKER),
+        reads_if=_eval_extra,
+        inputs=("prompts", "policy"),
+        phase="eval",
+        replayable=True,
+    ),
+)
+
+STAGE_SPECS: dict[str, StageSpec] = {s.name: s for s in SPECS}
+STAGES = tuple(STAGE_SPECS)
+# The main Parquet file each per-iteration stage commits (the update stage also commits a model directory).
+STAGE_FILES = {s.name: s.files[0] for s in SPECS if s.per_iteration}
+REPLAYABLE = tuple(s.name for s in SPECS if s.replayable)
+
+
+def spec(stage: str) -> StageSpec:
+    if stage not in STAGE_SPECS:
+        raise KeyError(f"unknown stage {stage!r}; valid: {', '.join(STAGES)}")
+    return STAGE_SPECS[stage]
+
+
+def covers(path: str, paths: tuple[str, ...]) -> bool:
+    """Whether the declared ``paths`` cover the dotted ``path`` (a section path covers its settings)."""
+    return any(path == p or path.startswith(p + ".") for p in paths)
+
+
+class ConfigView:
+    """A read-only view of a run config for one stage: its declared paths and the execution sections.
+
+    Reading any other setting raises ``UndeclaredConfigRead`` naming the stage and the path.
+    """
+
+    __slots__ = ("_node", "_stage", "_paths", "_prefix")
+
+    def __init__(self, node: BaseModel, stage: str, paths: tuple[str, ...], prefix: str = "") -> None:
+        object.__setattr__(self, "_node", node)
+        object.__setattr__(self, "_stage", stage)
+        object.__setattr__(self, "_paths", paths)
+        object.__setattr__(self, "_prefix", prefix)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):  # copy/pickle protocol probes: a view is not a value to copy
+            raise AttributeError(name)
+        path = self._prefix + name
+        allowed = (not self._prefix and name in EXECUTION) or covers(path, self._paths)
+        if name in type(self._node).model_fields:
+            value = getattr(self._node, name)
+            if isinstance(value, BaseModel):  # a section: checked at the setting read from it
+                return ConfigView(value, self._stage, (path,) if allowed else self._paths, path + ".")
+            if allowed:
+                return value
+        raise UndeclaredConfigRead(
+            f"stage {self._stage!r} read config {path!r}, which its view does not declare "
+            f"(schemas/stages.py: add it to the stage's reads, so its cache key hashes it)"
+        )
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise TypeError(f"stage {self._stage!r}: the config view is read-only (tried to set {self._prefix + name})")
+
+    def __repr__(self) -> str:
+        return f"ConfigView({self._stage!r}, {self._prefix or '<root>'}: {', '.join(self._paths)})"
+
+
+def whole_config(cfg: RunConfig | ConfigView) -> RunConfig:
+    """The run config behind a view: for the execution plumbing only (the policy worker is started from
+    the whole config; what it reads for each stage is declared in that stage's view)."""
+    if isinstance(cfg, ConfigView):
+        if cfg._prefix:
+            raise TypeError(f"whole_config needs a stage's root view, got the {cfg._prefix[:-1]} section")
+        return cfg._node  # type: ignore[return-value]
+    return cfg
+
+
+def view_paths(cfg: RunConfig | ConfigView, stage: str) -> tuple[str, ...]:
+    """The dotted paths stage ``stage`` may read under ``cfg``: its reads plus those its settings add."""
+    s, whole = spec(stage), whole_config(cfg)
+    paths = s.reads
+    if s.reads_if is not None:
+        paths = paths + s.reads_if(ConfigView(whole, stage, s.reads))
+    return tuple(sorted(set(paths)))
+
+
+def stage_view(cfg: RunConfig | ConfigView, stage: str) -> ConfigView:
+    return ConfigView(whole_config(cfg), stage, view_paths(cfg, stage))
+
+
+def view_hash(cfg: RunConfig | ConfigView, stage: str) -> str:
+    """What a stage's output depends on in the config: the hash of exactly its view (the one given,
+    when ``cfg`` is that stage's view)."""
+    own = isinstance(cfg, ConfigView) and cfg._stage == stage and not cfg._prefix
+    return whole_config(cfg).stage_hash(*(cfg._paths if own else view_paths(cfg, stage)))

@@ -11,8 +11,6 @@ import tempfile
 from pathlib import Path
 
 import torch
-from prefect import task
-from prefect.cache_policies import NO_CACHE
 
 from engines import datasets, rewards
 from engines.agent_loop import AgentLimits, ChatFormat, agent_metrics, demonstrations, run_agent_config
@@ -22,24 +20,14 @@ from engines.tinykit import build_char_tokenizer, build_tiny_llama, save_model_d
 from engines.tools import CALCULATOR_PATHS, load_tools, resolve_template
 from schemas.config import RunConfig
 from schemas.manifest import PolicyRef
-from tasks.runtime import STAGE_CONFIG, policy_ref_from
-from tasks.stages import StageOutput, StageResult, run_stage
-
-# What the multiply task's warm start depends on beyond kit and sft: tool demonstrations or direct
-# answers, their format, and the agent settings of the accuracy check that stops SFT early.
-_MULTIPLY_SFT_CONFIG = (
-    "agent.enable", "agent.tools", "agent.chat_template", "agent.tools_in_prompt", "agent.max_turns",
-    "agent.max_tool_calls", "agent.max_response_tokens", "agent.max_tool_output_chars", "agent.tool_timeout_s",
-    "rollout.max_new_tokens",
-)  # fmt: skip
+from schemas.stages import ConfigView, view_hash
+from tasks.runtime import policy_ref_from
+from tasks.stages import StageOutput, StageResult, run_stage, stage_task
 
 
-def _sft_sections(cfg: RunConfig) -> tuple[str, ...]:
-    return STAGE_CONFIG["sft"] + (_MULTIPLY_SFT_CONFIG if cfg.kit.task == "multiply" else ())
-
-
-def kit_run_name(cfg: RunConfig) -> str:
-    return f"kit-{cfg.stage_hash(*_sft_sections(cfg))}"
+def kit_run_name(cfg: RunConfig | ConfigView) -> str:
+    """The kit's own run, shared by every run with the same SFT view (kit, sft, and the agent for multiply)."""
+    return f"kit-{view_hash(cfg, 'sft')}"
 
 
 def greedy_accuracy(model, tokenizer, prompts: list[str], answers: list[str], data_source: str) -> float:
@@ -51,7 +39,7 @@ def greedy_accuracy(model, tokenizer, prompts: list[str], answers: list[str], da
     return sum(r.score for r in rewards.score_batch(rows, timeout_s=5.0)) / max(1, len(rows))
 
 
-def agent_accuracy(cfg: RunConfig, model, tokenizer, rows: list[dict]) -> tuple[float, dict[str, float]]:
+def agent_accuracy(cfg: ConfigView, model, tokenizer, rows: list[dict]) -> tuple[float, dict[str, float]]:
     """Greedy multi-turn answers (with the configured tools) to prompts-table rows: accuracy and tool metrics."""
     engine = HFRolloutEngine(model, tokenizer, batch_size=512)
     params = SamplingParams(n=1, temperature=0, max_new_tokens=cfg.rollout.max_new_tokens)
@@ -61,7 +49,7 @@ def agent_accuracy(cfg: RunConfig, model, tokenizer, rows: list[dict]) -> tuple[
     return acc, agent_metrics(comps, stats)
 
 
-def multiply_demo_turns(cfg: RunConfig, row: dict) -> list[str]:
+def multiply_demo_turns(cfg: ConfigView, row: dict) -> list[str]:
     """The demonstration of one multiply row: call the calculator with the operands, then answer."""
     tool = next((t.name for t in cfg.agent.tools if t.callable in CALCULATOR_PATHS), None)
     if tool is None:
@@ -71,7 +59,7 @@ def multiply_demo_turns(cfg: RunConfig, row: dict) -> list[str]:
     return [f"<tool_call>{json.dumps(call, separators=(',', ':'))}</tool_call>", row["ground_truth"]]
 
 
-def tool_demonstrations(cfg: RunConfig, tokenizer, rows: list[dict]) -> list[tuple[list[int], list[int]]]:
+def tool_demonstrations(cfg: ConfigView, tokenizer, rows: list[dict]) -> list[tuple[list[int], list[int]]]:
     """SFT sequences ``(ids, loss_mask)`` of multiply demonstrations, masked as agent rollouts are."""
     a = cfg.agent
     fmt = ChatFormat(tokenizer, resolve_template(a.chat_template))
@@ -84,8 +72,8 @@ def tool_demonstrations(cfg: RunConfig, tokenizer, rows: list[dict]) -> list[tup
     return [(t.prompt_ids + t.response_ids, [0] * len(t.prompt_ids) + t.response_mask) for t in trajs]
 
 
-@task(name="sft", cache_policy=NO_CACHE, persist_result=False)
-def sft_warm_start(cfg: RunConfig) -> StageResult:
+@stage_task("sft")
+def sft_warm_start(cfg: ConfigView) -> StageResult:
     """Train (or reuse) the SFT checkpoint of the tiny kit, committed under the kit's own run."""
 
     def produce() -> StageOutput:
@@ -99,7 +87,7 @@ def sft_warm_start(cfg: RunConfig) -> StageResult:
         prompts, answers = test.column("prompt").to_pylist(), test.column("ground_truth").to_pylist()
         # Early stopping looks at a slice of the test split; the reported accuracy is on all of it.
         probe = (prompts[: s.eval_size], answers[: s.eval_size])
-        agent = cfg.agent.enable and cfg.kit.task == "multiply"  # tool-call demonstrations
+        agent = cfg.kit.task == "multiply" and cfg.agent.enable  # tool-call demonstrations
         test_rows = test.to_pylist()
         tool_metrics: dict[str, float] = {}
 
@@ -136,9 +124,8 @@ def sft_warm_start(cfg: RunConfig) -> StageResult:
             meta={"parameters": sum(p.numel() for p in model.parameters())},
         )
 
-    # The agent config is an input of the multiply kit only, so addition kits keep their checkpoints.
-    inputs = {"agent_config": cfg.stage_hash(*_MULTIPLY_SFT_CONFIG)} if cfg.kit.task == "multiply" else {}
-    return run_stage(cfg, "sft", None, inputs, produce, run=kit_run_name(cfg))
+    # The agent settings are in the multiply kit's view only, so addition kits keep their checkpoints.
+    return run_stage(cfg, "sft", None, {}, produce, run=kit_run_name(cfg))
 
 
 def initial_policy(cfg: RunConfig, sft: StageResult | None) -> PolicyRef:

@@ -11,19 +11,7 @@ from pathlib import Path
 from infra.store import ArtifactStore
 from schemas.config import RunConfig
 from schemas.manifest import Manifest, PolicyRef
-
-# What each stage's output depends on, as dotted config paths: the rest of the config may change.
-STAGE_CONFIG = {
-    "data_prep": ("data", "kit"),
-    "rollout": ("rollout", "data.prompts_per_iteration", "data.shuffle_seed", "agent"),
-    "reward": ("reward",),
-    "advantage": ("algorithm", "rollout.temperature", "actor.use_kl_loss"),
-    "update": ("actor", "rollout.temperature", "trainer.seed", "critic.warmup_iterations", "trainer.checkpoint_every"),
-    "critic": ("critic", "trainer.seed"),
-    "eval": ("rollout", "trainer.eval_n", "data.eval_size", "agent"),
-    "sft": ("kit", "sft"),
-}
-
+from schemas.stages import ConfigView
 
 @lru_cache(maxsize=1)
 def code_version() -> str:
@@ -35,7 +23,7 @@ def code_version() -> str:
         return "unknown"
 
 
-def store_for(cfg: RunConfig) -> ArtifactStore:
+def store_for(cfg: RunConfig | ConfigView) -> ArtifactStore:
     return ArtifactStore(cfg.store.root, cfg.store.storage_options, retries=cfg.store.retries)
 
 

@@ -1,12 +1,15 @@
 """One Prefect task per stage: read input artifacts, call an engine, commit the output artifact.
 
-Every stage is skipped when its output for the same inputs and config is already committed,
-so rerunning an interrupted run continues where it stopped. Retries and Ray resources come from
+Every stage is skipped when its output for the same inputs and config view is already committed,
+so rerunning an interrupted run continues where it stopped. Each task is registered against its
+spec in ``schemas/stages.py`` (``stage_task``) and its body receives the stage's config view, so
+it reads only what its cache key hashes. Retries and Ray resources come from
 ``ray.stages.<stage>`` in the config (see ``submit_stage``).
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -14,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 import torch
-from prefect import task
+from prefect import Task, task
 from prefect.cache_policies import NO_CACHE
 
 from engines import algorithms as algos
@@ -26,7 +29,8 @@ from infra.drill import fault_point
 from schemas import artifacts as A
 from schemas.config import RunConfig
 from schemas.manifest import Manifest, PolicyRef
-from tasks.runtime import STAGE_CONFIG, code_version, stage_key, store_for
+from schemas.stages import ConfigView, spec, stage_view, view_hash, whole_config
+from tasks.runtime import code_version, stage_key, store_for
 from workers.group import PolicyGroup, open_group
 
 
@@ -50,7 +54,7 @@ class StageOutput:
 
 
 def run_stage(
-    cfg: RunConfig,
+    cfg: ConfigView,
     stage: str,
     iteration: int | None,
     inputs: dict[str, str],
@@ -65,7 +69,7 @@ def run_stage(
     """
     store = store_for(cfg)
     run = run or cfg.run_name
-    config_hash = cfg.stage_hash(*STAGE_CONFIG[stage])
+    config_hash = view_hash(cfg, stage)
     key = stage_key(stage, inputs, config_hash)
     existing = store.committed(run, iteration, stage, key, version=version)
     if existing is not None:
@@ -92,13 +96,29 @@ def run_stage(
     return StageResult(manifest, executed=True, seconds=seconds, metrics=out.metrics)
 
 
-def _stage_task(name: str):
-    return task(name=name, cache_policy=NO_CACHE, persist_result=False)
+# The Prefect task of each registry stage, by name (registered by ``stage_task``).
+TASKS: dict[str, Task] = {}
+
+
+def stage_task(name: str) -> Callable[[Callable[..., StageResult]], Task]:
+    """Register ``body`` as the task of registry stage ``name``: called with the run config, it runs
+    ``body`` on the stage's config view (reads outside it raise ``UndeclaredConfigRead``)."""
+    spec(name)  # a task for an undeclared stage fails at import
+
+    def register(body: Callable[..., StageResult]) -> Task:
+        @functools.wraps(body)
+        def run(cfg: RunConfig, *args, **kwargs) -> StageResult:
+            return body(stage_view(cfg, name), *args, **kwargs)
+
+        TASKS[name] = task(name=name, cache_policy=NO_CACHE, persist_result=False)(run)
+        return TASKS[name]
+
+    return register
 
 
 # ---------------------------------------------------------------- data prep
-@_stage_task("data_prep")
-def data_prep(cfg: RunConfig) -> StageResult:
+@stage_task("data_prep")
+def data_prep(cfg: ConfigView) -> StageResult:
     def produce() -> StageOutput:
         d = cfg.data
         if d.source == "synthetic":
@@ -116,11 +136,11 @@ def data_prep(cfg: RunConfig) -> StageResult:
     return run_stage(cfg, "data_prep", None, {}, produce)
 
 
-def _read(cfg: RunConfig, manifest: Manifest, name: str) -> pa.Table:
+def _read(cfg: ConfigView, manifest: Manifest, name: str) -> pa.Table:
     return store_for(cfg).read_table(manifest, name)
 
 
-def _sampling(cfg: RunConfig, iteration: int, n: int | None = None, greedy: bool = False) -> dict:
+def _sampling(cfg: ConfigView, iteration: int, n: int | None = None, greedy: bool = False) -> dict:
     r = cfg.rollout
     return {
         "n": r.n if n is None else n,
@@ -133,9 +153,9 @@ def _sampling(cfg: RunConfig, iteration: int, n: int | None = None, greedy: bool
 
 
 # ---------------------------------------------------------------- rollout
-@_stage_task("rollout")
+@stage_task("rollout")
 def rollout(
-    cfg: RunConfig, iteration: int, prompts: Manifest, policy: PolicyRef, version: str = "main", meta: dict | None = None
+    cfg: ConfigView, iteration: int, prompts: Manifest, policy: PolicyRef, version: str = "main", meta: dict | None = None
 ) -> StageResult:
     def produce() -> StageOutput:
         train = _read(cfg, prompts, "train.parquet")
@@ -171,7 +191,7 @@ def rollout(
     return run_stage(cfg, "rollout", iteration, inputs, produce, version=version, meta=meta)
 
 
-def _complete(cfg: RunConfig, group: PolicyGroup, version: str, batch: list[dict], params: dict) -> tuple[list[dict], dict]:
+def _complete(cfg: ConfigView, group: PolicyGroup, version: str, batch: list[dict], params: dict) -> tuple[list[dict], dict]:
     """Completions of prompts-table rows: single-turn, or multi-turn tool-calling rollouts (agent.enable)."""
     if cfg.agent.enable:
         return group.generate("agent_generate", version, batch, params)
@@ -207,15 +227,15 @@ def _rollouts_table(batch: list[dict], comps: list[dict], iteration: int) -> pa.
 
 
 # ---------------------------------------------------------------- reward
-def score_rows(cfg: RunConfig, rows: list[dict]) -> list:
+def score_rows(cfg: ConfigView, rows: list[dict]) -> list:
     return rewards.score_batch(
         rows, timeout_s=cfg.reward.timeout_s, function=cfg.reward.function, gsm8k_method=cfg.reward.gsm8k_method
     )
 
 
-@_stage_task("reward")
+@stage_task("reward")
 def reward(
-    cfg: RunConfig, iteration: int, rollouts: Manifest, version: str = "main", meta: dict | None = None
+    cfg: ConfigView, iteration: int, rollouts: Manifest, version: str = "main", meta: dict | None = None
 ) -> StageResult:
     def produce() -> StageOutput:
         table = _read(cfg, rollouts, "rollouts.parquet")
@@ -270,23 +290,23 @@ def _unpad(t: torch.Tensor, lens: list[int]) -> list[list[float]]:
     return [t[i, :n].tolist() for i, n in enumerate(lens)]
 
 
-@_stage_task("advantage")
+@stage_task("advantage")
 def advantage(
-    cfg: RunConfig,
+    cfg: ConfigView,
     iteration: int,
     rollouts: Manifest,
     rewards_m: Manifest,
     policy: PolicyRef,
     ref: PolicyRef | None = None,
     critic: PolicyRef | None = None,
-    prev: Manifest | None = None,
+    prev_experience: Manifest | None = None,
     version: str = "main",
     meta: dict | None = None,
 ) -> StageResult:
     """Old log-probs, optional ref log-probs / values / KL-in-reward, then the advantage estimator.
 
-    ``ref`` is the frozen starting policy (KL), ``critic`` the value model (GAE), ``prev`` the
-    previous iteration's experience, whose manifest carries the adaptive KL controller's state.
+    ``ref`` is the frozen starting policy (KL), ``critic`` the value model (GAE), ``prev_experience``
+    the previous iteration's experience, whose manifest carries the adaptive KL controller's state.
     """
     a = cfg.algorithm
 
@@ -342,8 +362,8 @@ def advantage(
         kl_state = None
         if a.use_kl_in_reward:
             ctrl = algos.get_kl_controller(a.kl_ctrl.type, a.kl_ctrl.kl_coef, a.kl_ctrl.target_kl, a.kl_ctrl.horizon)
-            if prev is not None and "kl_ctrl" in prev.meta:
-                ctrl.load_state_dict(prev.meta["kl_ctrl"])  # beta carries over between iterations
+            if prev_experience is not None and "kl_ctrl" in prev_experience.meta:
+                ctrl.load_state_dict(prev_experience.meta["kl_ctrl"])  # beta carries over between iterations
             token_rewards, kl_metrics = algos.apply_kl_penalty(
                 token_scores, old_t, _padded(ref_lp, width), mask, ctrl, a.kl_penalty
             )
@@ -415,15 +435,15 @@ def advantage(
 
     inputs = {"rollouts": rollouts.artifact_id, "rewards": rewards_m.artifact_id, "policy": policy.version}
     inputs.update({k: v.version for k, v in (("ref", ref), ("critic", critic)) if v is not None})
-    if prev is not None and a.use_kl_in_reward and a.kl_ctrl.type == "adaptive":
-        inputs["prev_experience"] = prev.artifact_id
+    if prev_experience is not None and a.use_kl_in_reward and a.kl_ctrl.type == "adaptive":
+        inputs["prev_experience"] = prev_experience.artifact_id
     return run_stage(cfg, "advantage", iteration, inputs, produce, version=version, meta=meta)
 
 
 # ---------------------------------------------------------------- critic
-@_stage_task("critic")
+@stage_task("critic")
 def critic_update(
-    cfg: RunConfig, iteration: int, experience: Manifest, critic: PolicyRef, version: str = "main", meta: dict | None = None
+    cfg: ConfigView, iteration: int, experience: Manifest, critic: PolicyRef, version: str = "main", meta: dict | None = None
 ) -> StageResult:
     """Fit the value model to this iteration's returns; the worker commits the new critic checkpoint."""
 
@@ -442,24 +462,24 @@ def critic_update(
 
 
 # ---------------------------------------------------------------- update
-def is_checkpoint(cfg: RunConfig, iteration: int) -> bool:
+def is_checkpoint(cfg: ConfigView, iteration: int) -> bool:
     return iteration % cfg.trainer.checkpoint_every == 0
 
 
-def update_hash(cfg: RunConfig) -> str:
+def update_hash(cfg: ConfigView) -> str:
     """The update settings a policy committed between checkpoints must have been trained with to be rebuilt
-    (by re-running its updates from stored experience)."""
-    return cfg.stage_hash(*STAGE_CONFIG["update"])
+    (by re-running its updates from stored experience): the update stage's view."""
+    return view_hash(whole_config(cfg), "update")
 
 
-def hold_policy(group: PolicyGroup, cfg: RunConfig, ref: PolicyRef) -> None:
+def hold_policy(group: PolicyGroup, cfg: ConfigView, ref: PolicyRef) -> None:
     """Make the trainer hold policy ``ref`` (rebuilt in the worker when it lies between checkpoints)."""
     group.acquire(ref, "policy", update_hash=update_hash(cfg))
 
 
-@_stage_task("update")
+@stage_task("update")
 def update(
-    cfg: RunConfig, iteration: int, experience: Manifest, policy: PolicyRef, version: str = "main", meta: dict | None = None
+    cfg: ConfigView, iteration: int, experience: Manifest, policy: PolicyRef, version: str = "main", meta: dict | None = None
 ) -> StageResult:
     def produce() -> StageOutput:
         group = open_group(cfg, version)
@@ -483,9 +503,9 @@ def update(
 
 
 # ---------------------------------------------------------------- eval
-@_stage_task("eval")
+@stage_task("eval")
 def evaluate(
-    cfg: RunConfig, iteration: int, prompts: Manifest, policy: PolicyRef, version: str = "main", meta: dict | None = None
+    cfg: ConfigView, iteration: int, prompts: Manifest, policy: PolicyRef, version: str = "main", meta: dict | None = None
 ) -> StageResult:
     def produce() -> StageOutput:
         test = _read(cfg, prompts, "test.parquet")
@@ -535,11 +555,11 @@ def evaluate(
     return run_stage(cfg, "eval", iteration, inputs, produce, version=version, meta=meta)
 
 
-def submit_stage(task_fn, cfg: RunConfig, stage: str, *args, **kwargs):
-    """Submit a stage task with the retries and Ray resources configured for it."""
+def submit_stage(cfg: RunConfig, stage: str, *args, **kwargs):
+    """Submit stage ``stage``'s registered task with the retries and Ray resources configured for it."""
     from prefect_ray.context import remote_options
 
     res = cfg.ray.resources(stage)
-    configured = task_fn.with_options(retries=res.retries, retry_delay_seconds=res.retry_delay_s)
+    configured = TASKS[stage].with_options(retries=res.retries, retry_delay_seconds=res.retry_delay_s)
     with remote_options(num_cpus=res.num_cpus, num_gpus=res.num_gpus):
         return configured.submit(cfg, *args, **kwargs)

@@ -22,6 +22,7 @@ from engines.agent_loop import (
     run_agent_batch,
     run_requests,
 )
+from engines.preflight import preflight
 from engines.rollout import HFRolloutEngine, SamplingParams
 from engines.tinykit import build_char_tokenizer, build_tiny_llama
 from engines.tools import (
@@ -410,7 +411,9 @@ def test_parse_tool_calls():
 
 
 def _agent(*extra: str):
-    return load_config(None, ["agent.enable=true", *extra])
+    cfg = load_config(None, ["agent.enable=true", *extra])
+    preflight(cfg)  # tools and templates are checked before any stage, not by the config model
+    return cfg
 
 
 @pytest.mark.parametrize(
@@ -439,7 +442,7 @@ def test_bad_agent_config_fails_at_load_with_one_line(overrides, needle):
 )
 def test_chat_template_without_a_tool_role_fails_at_load(template, needle):
     with pytest.raises(ConfigError) as err:
-        build_config({"agent": {"enable": True, "chat_template": template}})
+        preflight(build_config({"agent": {"enable": True, "chat_template": template}}))
     msg = str(err.value)
     assert "agent.chat_template: the chat template has no tool role" in msg and needle in msg and "\n" not in msg
 

@@ -65,3 +65,47 @@ def test_stage_hash_depends_only_on_named_sections():
     b = load_config(None, ["actor.optim.lr=2e-4"])
     assert a.stage_hash("reward") == b.stage_hash("reward")
     assert a.stage_hash("actor") != b.stage_hash("actor")
+
+
+def test_the_config_package_imports_no_engine_task_or_flow_module():
+    """schemas/ is a leaf: loading and validating a config (agent tools included) imports no code that runs."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "import sys\n"
+        "from schemas.config import load_config\n"
+        "import schemas.stages, schemas.artifacts, schemas.manifest\n"
+        "load_config('configs/agent_calc.yaml', ['rollout.engine=vllm', \"agent.tools=[{name: c, callable: 'engines.tools:calculator'}, {name: t, callable: 'no_such:fn'}]\"])\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('engines', 'tasks', 'flows')))\n"
+    )
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needle"),
+    [
+        (["agent.tools=[{name: c, callable: 'no_such_module:fn'}]"], "config error: agent.tools.0.callable: cannot import 'no_such_module:fn'"),
+        (["agent.tools=[{name: c, callable: 'engines.tools:calculator', parameters: {type: objekt}}]"], "config error: agent.tools.0.parameters: not a valid JSON schema"),
+        (["agent.enable=true", "agent.chat_template=/no/such/template.jinja"], "config error: agent.chat_template: "),
+        (["model.path=/no/such/model"], "model.path /no/such/model is not a Hugging Face model directory"),
+    ],
+)
+def test_preflight_checks_give_one_line(overrides, needle):
+    """Checks that need a user's module, a template file or a model directory: in preflight, before any stage."""
+    from engines.preflight import preflight
+
+    cfg = load_config(None, overrides)  # the config itself is valid
+    with pytest.raises((ConfigError, FileNotFoundError)) as err:
+        preflight(cfg)
+    assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_preflight_accepts_the_agent_demo_config():
+    from engines.preflight import preflight
+
+    preflight(load_config("configs/agent_calc.yaml"))

@@ -206,11 +206,11 @@ def test_weight_push_after_an_optimizer_step(engine, kit, tmp_path):
 
 
 def test_vllm_engine_config_needs_vllm_installed():
-    """``rollout.engine=vllm`` without vllm: one ConfigError at load naming the setting."""
+    """``rollout.engine=vllm`` without vllm: one ConfigError in preflight naming the setting."""
     code = (
         "import sys; sys.modules['vllm'] = None\n"  # how the import system marks a module as absent
-        "from schemas.config import ConfigError, load_config\n"
-        "try:\n    load_config(None, ['rollout.engine=vllm'])\nexcept ConfigError as e:\n    print(e)\n"
+        "from engines.preflight import preflight\nfrom schemas.config import ConfigError, load_config\n"
+        "try:\n    preflight(load_config(None, ['rollout.engine=vllm']))\nexcept ConfigError as e:\n    print(e)\n"
         "else:\n    print('loaded')\n"
     )
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -21,6 +21,7 @@ from ray.exceptions import ActorUnavailableError
 from infra.ray_runtime import RAY_NAMESPACE
 from schemas.config import ConfigError, RunConfig
 from schemas.manifest import Manifest, PolicyRef
+from schemas.stages import ConfigView, whole_config
 from workers.policy import CRITIC_INIT, PolicyWorker
 from workers.rollout import RolloutWorker
 
@@ -157,8 +158,12 @@ def check_placement(cfg: RunConfig) -> None:
                 raise ConfigError(f"config error: {key}.{name}={amount:g}: the Ray cluster has {cluster.get(name, 0.0):g} of it")
 
 
-def open_group(cfg: RunConfig, version: str = "main") -> PolicyGroup:
-    """The run's policy workers, created on first use (the flow keeps the handles: the actors live as long)."""
+def open_group(cfg: RunConfig | ConfigView, version: str = "main") -> PolicyGroup:
+    """The run's policy workers, created on first use (the flow keeps the handles: the actors live as long).
+
+    Started from the whole config: what a worker reads for each stage is declared in that stage's view.
+    """
+    cfg = whole_config(cfg)
     r = cfg.ray
     common = {"namespace": RAY_NAMESPACE, "get_if_exists": True, "max_restarts": -1, "max_task_retries": 0}
     cfg_json = cfg.model_dump(mode="json")
