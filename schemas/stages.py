@@ -51,7 +51,7 @@ _ENGINE = (
     "rollout.vllm_enforce_eager", "rollout.vllm_max_num_seqs", "rollout.vllm_cpu_threads_bind",
 )  # fmt: skip
 _SAMPLING = ("rollout.top_p", "rollout.top_k", "rollout.max_new_tokens", "rollout.seed")
-# The worker's optimizer schedule length (tasks.runtime.total_update_steps), used by decaying schedules.
+# The worker's optimizer schedule length (workers.group.total_update_steps), used by decaying schedules.
 _TOTAL_STEPS = (
     "data.prompts_per_iteration", "rollout.n", "actor.ppo_mini_batch_size", "actor.ppo_epochs", "trainer.iterations",
 )  # fmt: skip
@@ -136,6 +136,8 @@ SPECS: tuple[StageSpec, ...] = (
         reads=(
             "actor", "rollout.temperature", "trainer.seed", "trainer.checkpoint_every", "critic.enable",
             "critic.warmup_iterations", *_WORKER,
+            # mirrored into actor.rollout_correction at config load (verl's layout); the loss reads it there
+            "algorithm.rollout_correction",
         ),  # fmt: skip
         reads_if=lambda v: _TOTAL_STEPS if _decays(v.actor.optim) else (),
         inputs=("experience", "policy"),

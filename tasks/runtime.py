@@ -13,6 +13,7 @@ from schemas.config import RunConfig
 from schemas.manifest import Manifest, PolicyRef
 from schemas.stages import ConfigView
 
+
 @lru_cache(maxsize=1)
 def code_version() -> str:
     try:

@@ -29,7 +29,7 @@ from schemas.stages import (
     view_paths,
 )
 from tasks import kit as _kit  # noqa: F401  (registers the sft stage's task)
-from tasks.runtime import total_update_steps
+from workers.group import total_update_steps
 from tasks.stages import TASKS, StageOutput, run_stage
 
 REPO = Path(__file__).resolve().parent.parent
@@ -42,6 +42,11 @@ BASES = {
         "critic.optim.lr_schedule=linear", "trainer.eval_n=2", "algorithm.use_kl_in_reward=true",
     ],  # fmt: skip
     "agent": None,  # configs/agent_calc.yaml
+    # settings valid only beside others: DAPO's overlong buffer, data-parallel ranks, pipelined rollouts
+    "scaled": [
+        "data.train_path=train.jsonl", "reward.overlong_buffer.len=4", "actor.engine=deepspeed",
+        "ray.rollout_placement=separate",
+    ],  # fmt: skip
 }
 
 
@@ -61,11 +66,14 @@ def _leaves(model: type[BaseModel], prefix: str = "") -> list[tuple[str, typing.
     return out
 
 
-LEAVES = _leaves(RunConfig)
+# actor.rollout_correction is copied from algorithm.rollout_correction at load (verl's layout): never set alone.
+LEAVES = [(p, ann) for p, ann in _leaves(RunConfig) if not p.startswith("actor.rollout_correction.")]
 EXPLICIT = {
     "agent.tools": [[CALC]],
     "ray.stages": [{"rollout": {"num_cpus": 1.0}}],
     "store.storage_options": [{"anon": True}],
+    "ray.trainer_resources": [{"node_a": 1.0}],
+    "ray.rollout_resources": [{"node_b": 1.0}],
     "optim.betas": [[0.8, 0.99]],
 }
 
@@ -82,6 +90,8 @@ def _candidates(path: str, value: typing.Any, ann: typing.Any) -> list:
         return [["rollout:1"]]
     if value is None:
         inner = next(a for a in args if a is not type(None))
+        if typing.get_origin(inner) is typing.Literal:
+            return list(typing.get_args(inner))
         return {int: [4096, 7], float: [0.5], str: ["changed"]}[inner]
     tail = [None] if type(None) in args else []
     if isinstance(value, bool):
@@ -181,8 +191,9 @@ def test_settings_no_stage_reads_by_default_are_the_documented_ones():
     assert agent == {p for p, _ in LEAVES if p.startswith("agent.") and p != "agent.enable"}
     assert unread - agent == {
         "data.max_prompt_length",  # validates token budgets only
-        "trainer.iterations",  # read by decaying schedules only (tasks.runtime.total_update_steps)
+        "trainer.iterations",  # read by decaying schedules only (workers.group.total_update_steps)
         "trainer.eval_every",  # the flow's eval schedule
+        "trainer.async_staleness",  # the flow's schedule: which policy a rollout gets (recorded as its input)
     }
 
 
