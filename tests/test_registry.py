@@ -29,8 +29,8 @@ from schemas.stages import (
     view_paths,
 )
 from tasks import kit as _kit  # noqa: F401  (registers the sft stage's task)
-from workers.group import total_update_steps
 from tasks.stages import TASKS, StageOutput, run_stage
+from workers.group import total_update_steps
 
 REPO = Path(__file__).resolve().parent.parent
 CALC = {"name": "calculator", "callable": "engines.tools:calculator", "description": "changed"}
