@@ -66,13 +66,18 @@ class PolicyGroup:
     def call_rank(self, rank: int, method: str, *args: Any) -> Any:
         return _wait_restart(lambda: ray.get(getattr(self.ranks[rank], method).remote(*args)))
 
-    def call_all(self, method: str, *args: Any, **kwargs: Any) -> list:
-        """The same call on every rank at once (collectives: every rank must enter them)."""
-        return _wait_restart(lambda: self._gather([getattr(r, method).remote(*args, **kwargs) for r in self.ranks]))
+    def query_all(self, method: str, *args: Any) -> list:
+        """A query on every rank (no collective inside): restarting ranks are waited for."""
+        return _wait_restart(lambda: ray.get([getattr(r, method).remote(*args) for r in self.ranks]))
 
-    def _gather(self, futures: list) -> list:
-        """Results in rank order; when one rank fails, every rank is restarted: the others would wait in a
-        collective for the lost one (gloo's timeout is 30 min), and the retry re-forms the group anyway."""
+    def call_all(self, method: str, *args: Any) -> list:
+        """The same collective call on every rank at once; results in rank order.
+
+        When one rank fails, every rank is restarted and the error raised (no retry here): the others would
+        wait in a collective for the lost one (gloo's timeout is 30 min). The stage's retry then finds
+        fresh ranks, which join a new process group and load the policy from the store.
+        """
+        futures = [getattr(r, method).remote(*args) for r in self.ranks]
         pending = list(futures)
         while pending:
             done, pending = ray.wait(pending, num_returns=1)
@@ -89,7 +94,7 @@ class PolicyGroup:
         args = (ref.model_dump(mode="json"), role, update_hash)
         if role != "policy" or len(self.ranks) == 1:
             return self.call("acquire", *args)
-        if all(v == ref.version for v in self.call_all("version")):
+        if all(v == ref.version for v in self.query_all("version")):
             return ref.version
         # Some rank lacks it (a restart, a resume): every rank joins a new process group and loads it.
         addr, port = self.call("rendezvous")
@@ -125,7 +130,7 @@ class PolicyGroup:
         """Rank 0 writes the checkpoint to the store; the other ranks name their (identical) weights alike."""
         manifest = Manifest.model_validate(self.call("commit", role, commit, tables))
         if role == "policy" and len(self.ranks) > 1:
-            self.call_all("adopt", manifest.artifact_id)  # a rank that lost them reloads at the next acquire
+            self.query_all("adopt", manifest.artifact_id)  # a rank that lost them reloads at the next acquire
         return manifest
 
     def release(self) -> None:
