@@ -171,12 +171,25 @@ def stored_config(store: ArtifactStore, run_name: str) -> RunConfig:
     return RunConfig.model_validate(stored["config"])
 
 
+def with_model_folder(cfg: RunConfig) -> RunConfig:
+    """``cfg`` with ``model.path`` a Hugging Face folder: a .gguf file is converted once (infra/models.py)."""
+    if cfg.model.path is None or not cfg.model.path.lower().endswith(".gguf"):
+        return cfg
+    from infra.models import resolve_model_path
+
+    return cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": resolve_model_path(cfg.model.path)})})
+
+
 def check_inputs(cfg: RunConfig) -> None:
     """Fail before anything is written when a named input does not exist."""
     from pathlib import Path
 
     if cfg.model.path is not None and not (Path(cfg.model.path).expanduser() / "config.json").is_file():
         raise FileNotFoundError(f"model.path {cfg.model.path} is not a Hugging Face model directory")
+    if cfg.model.path is not None and cfg.data.source != "synthetic":  # gsm8k and verl rows are chat messages
+        from engines.chat import check_chat_template, policy_tokenizer
+
+        check_chat_template(policy_tokenizer(cfg.model.path), f"data.source={cfg.data.source}")
     for key in ("train_path", "test_path"):
         value = getattr(cfg.data, key)
         if value is not None and "://" not in value and not Path(value).expanduser().is_file():
@@ -194,6 +207,7 @@ def run_training(cfg: RunConfig, first: int = 1, last: int | None = None) -> dic
     """Run iterations ``first..last`` (default: all) of ``cfg``'s run, skipping committed stages."""
     apply_defaults()
     last = cfg.trainer.iterations if last is None else last
+    cfg = with_model_folder(cfg)
     check_inputs(cfg)
     check_reachable(tracking_uri_for(cfg))
     store = store_for(cfg)
@@ -215,6 +229,10 @@ def _run_iterations(cfg: RunConfig, store: ArtifactStore, first: int, last: int,
     status = "FAILED"
     try:
         prep = stages.submit_stage(stages.data_prep, cfg, "data_prep").result()
+        tracker.log_metrics(0, prep.metrics)  # prompt counts, and those dropped as over data.max_prompt_length
+        dropped = prep.metrics.get("data/train_dropped_overlong", 0) + prep.metrics.get("data/test_dropped_overlong", 0)
+        if dropped:
+            _emit(f"  data prep: {dropped:.0f} prompt(s) over data.max_prompt_length={cfg.data.max_prompt_length} tokens dropped")
         sft = None
         if cfg.model.path is None:
             _emit("  [kit] SFT warm start of the tiny model (reused when already committed) ...")

@@ -157,6 +157,11 @@ class PolicyWorker:
         self._require(version)
         return [asdict(c) for c in self.rollout.generate(prompts, SamplingParams(**params))]
 
+    def generate_ids(self, version: str, prompt_ids: list[list[int]], params: dict) -> list[dict]:
+        """Completions of prompts already rendered in this policy's tokens (engines.chat.render_prompt_ids)."""
+        self._require(version)
+        return [asdict(c) for c in self.rollout.generate_ids(prompt_ids, SamplingParams(**params))]
+
     def agent_generate(self, version: str, rows: list[dict], params: dict) -> tuple[list[dict], dict]:
         """Multi-turn tool-calling rollouts of prompts-table rows (``agent`` config); completions and timings."""
         self._require(version)

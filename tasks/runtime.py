@@ -19,7 +19,7 @@ RAY_NAMESPACE = "rlstage"
 
 # What each stage's output depends on, as dotted config paths: the rest of the config may change.
 STAGE_CONFIG = {
-    "data_prep": ("data", "kit"),
+    "data_prep": ("data", "kit", "model.path"),  # prompt lengths are counted in the policy's tokens
     "rollout": ("rollout", "data.prompts_per_iteration", "data.shuffle_seed", "agent"),
     "reward": ("reward",),
     "advantage": ("algorithm", "rollout.temperature", "actor.use_kl_loss"),
