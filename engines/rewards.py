@@ -94,7 +94,10 @@ def verl_gsm8k_answer(text: str, method: str = "strict") -> str | None:
     if method == "strict":
         found = _VERL_STRICT.findall(tail)
         return found[-1].replace(",", "").replace("$", "") if found else None
-    return next((m for m in reversed(_VERL_FLEXIBLE.findall(tail)) if m not in ("", ".")), None)
+    found = _VERL_FLEXIBLE.findall(tail)
+    valid = [m for m in found if m not in ("", ".")]
+    # As verl's loop: when every match is a lone ".", the first match is what it ends on.
+    return valid[-1] if valid else (found[0] if found else None)
 
 
 @register_reward_fn("gsm8k")

@@ -190,6 +190,16 @@ def check_inputs(cfg: RunConfig) -> None:
         from engines.chat import check_chat_template, policy_tokenizer
 
         check_chat_template(policy_tokenizer(cfg.model.path), f"data.source={cfg.data.source}")
+    if cfg.model.path is not None:
+        import json
+
+        context = json.loads((Path(cfg.model.path).expanduser() / "config.json").read_text()).get("max_position_embeddings")
+        key, new = ("agent.max_response_tokens", cfg.agent.max_response_tokens) if cfg.agent.enable else ("rollout.max_new_tokens", cfg.rollout.max_new_tokens)
+        if context and cfg.data.max_prompt_length + new > context:
+            raise ConfigError(
+                f"config error: {key}: data.max_prompt_length + {key} = {cfg.data.max_prompt_length + new} "
+                f"exceeds the context of model.path {cfg.model.path} ({context} tokens)"
+            )
     for key in ("train_path", "test_path"):
         value = getattr(cfg.data, key)
         if value is not None and "://" not in value and not Path(value).expanduser().is_file():

@@ -136,3 +136,24 @@ def test_one_iteration_of_smollm2_through_the_pipeline(prefect_api, smollm2_path
     for name in ("actor/pg_loss", "critic/score/mean", "val/accuracy", "data/train_dropped_overlong"):
         assert name in metrics, name
     print("iteration timings:", {k: round(v, 1) for k, v in result["history"][-1].items() if k.startswith("timing_s/")})
+
+
+def test_bad_real_model_settings_fail_in_one_line(smollm2_path, tmp_path) -> None:
+    from flows.training import check_inputs
+    from schemas.config import ConfigError, load_config
+
+    train = tmp_path / "train.jsonl"
+    train.write_text(json.dumps({"question": "What is 3 + 4?", "answer": "#### 7"}) + "\n")
+    base = [f"model.path={smollm2_path}", "data.source=gsm8k", f"data.train_path={train}"]
+    check_inputs(load_config(None, base))
+    with pytest.raises(ConfigError) as err:  # SmolLM2's context is 8192 tokens
+        check_inputs(load_config(None, [*base, "rollout.max_new_tokens=8000"]))
+    assert "\n" not in str(err.value) and "rollout.max_new_tokens" in str(err.value) and "8192" in str(err.value)
+    # A model folder whose tokenizer has no chat template, with chat-message prompts.
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for f in smollm2_path.iterdir():
+        if f.name != "chat_template.jinja":
+            (bare / f.name).symlink_to(f)
+    with pytest.raises(ConfigError, match=r"^config error: model\.path .*bare has no chat template, but the prompts of data\.source=gsm8k"):
+        check_inputs(load_config(None, [f"model.path={bare}", *base[1:]]))

@@ -109,6 +109,7 @@ def test_gsm8k_scores() -> None:
         ("#### $18", None, "18"),  # and no currency sign after it
         ("The answer is 42.", None, "42."),
         ("costs $18 for 3 items. . .", None, "3"),  # a lone "." is not an answer
+        ("No idea.", None, "."),  # unless nothing else matches: verl's loop then ends on the first match
         ("no numbers here", None, None),
         ("#### 5 " + "x" * 400, None, None),  # only the last 300 characters are searched
     ],
@@ -125,6 +126,7 @@ def test_verl_gsm8k_score_compares_strings_and_pays_the_format_score() -> None:
     assert R.gsm8k("#### 72.00", "72", {}, format_score=0.1) == 0.1  # compared as strings, as verl does
     assert R.gsm8k("The answer is 72", "72", {}, format_score=0.1) == 0.0  # nothing to parse: no format score
     assert R.gsm8k("The answer is 72", "72", {}, method="flexible") == 1.0
+    assert R.gsm8k("No idea.", "72", {}, method="flexible", format_score=0.1) == 0.1  # verl's "." quirk
     assert R.gsm8k("#### 72", "72", {}, score=2.0) == 2.0
     # rlstage's numeric scorer, kept under its own names, compares numbers.
     assert R.gsm8k_strict("#### 72.00", "72", {}) == 1.0
