@@ -96,13 +96,17 @@ def multiply_question(a: int, b: int) -> str:
 
 
 def _multiply_table(pairs: Sequence[tuple[int, int]], split: str) -> pa.Table:
+    from engines.tinykit import build_char_tokenizer
+
+    kit_tokenizer = build_char_tokenizer()
     rows = []
     for i, (a, b) in enumerate(pairs):
         messages = [{"role": "user", "content": multiply_question(a, b)}]
         rows.append(
             {
                 "prompt_id": f"multiply-{split}-{i}",
-                "prompt": render_messages(messages),  # agent rollouts render the messages with the policy's template
+                # The text the kit's SFT trains on is what rollouts render from the messages (its chat template).
+                "prompt": render_messages(messages, kit_tokenizer),
                 "messages": messages,
                 "data_source": MULTIPLY_SOURCE,
                 "ground_truth": str(a * b),
@@ -294,6 +298,20 @@ def load_verl_parquet(path: str, split: str | None = None) -> pa.Table:
             }
         )
     return _to_table(rows)
+
+
+# ---------------------------------------------------------------- prompt length
+
+
+def drop_overlong(table: pa.Table, tokenizer: Any, max_prompt_length: int) -> tuple[pa.Table, int]:
+    """Rows whose rendered prompt (``engines.chat.render_prompt_ids``) fits ``max_prompt_length`` tokens, and
+    how many were dropped (verl's ``filter_overlong_prompts``)."""
+    from engines.chat import render_batch
+
+    lengths = [len(ids) for ids in render_batch(tokenizer, table.to_pylist())]
+    keep = pa.array([n <= max_prompt_length for n in lengths], pa.bool_())
+    kept = table.filter(keep)
+    return kept, table.num_rows - kept.num_rows
 
 
 # ---------------------------------------------------------------- dispatcher

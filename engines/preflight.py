@@ -8,6 +8,7 @@ a tokenizer, a user's module or an installed package is checked here, with the s
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 from engines.tools import ToolConfigError, check_agent_template, check_parameters_schema, resolve_callable
@@ -18,6 +19,22 @@ def check_inputs(cfg: RunConfig) -> None:
     """The named model directory and data files exist (FileNotFoundError naming the setting)."""
     if cfg.model.path is not None and not (Path(cfg.model.path).expanduser() / "config.json").is_file():
         raise FileNotFoundError(f"model.path {cfg.model.path} is not a Hugging Face model directory")
+    if cfg.model.path is not None and cfg.data.source != "synthetic":  # gsm8k and verl rows are chat messages
+        from engines.chat import check_chat_template, policy_tokenizer
+
+        check_chat_template(policy_tokenizer(cfg.model.path), f"data.source={cfg.data.source}")
+    if cfg.model.path is not None:
+        context = json.loads((Path(cfg.model.path).expanduser() / "config.json").read_text()).get("max_position_embeddings")
+        key, new = (
+            ("agent.max_response_tokens", cfg.agent.max_response_tokens)
+            if cfg.agent.enable
+            else ("rollout.max_new_tokens", cfg.rollout.max_new_tokens)
+        )
+        if context and cfg.data.max_prompt_length + new > context:
+            raise ConfigError(
+                f"config error: {key}: data.max_prompt_length + {key} = {cfg.data.max_prompt_length + new} "
+                f"exceeds the context of model.path {cfg.model.path} ({context} tokens)"
+            )
     for key in ("train_path", "test_path"):
         value = getattr(cfg.data, key)
         if value is not None and "://" not in value and not Path(value).expanduser().is_file():

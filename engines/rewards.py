@@ -29,11 +29,11 @@ RewardFn = Callable[[str, str, dict], float]
 
 REWARD_FNS: dict[str, RewardFn] = {}
 
-# data_source -> reward function name; gsm8k's entry is resolved by method (strict / flexible).
+# data_source -> reward function name (verl's default_compute_score: openai/gsm8k -> gsm8k).
 DATA_SOURCE_FNS: dict[str, str] = {
     "synthetic/addition": "exact_match",
     "synthetic/multiply": "exact_match",
-    "openai/gsm8k": "gsm8k_{method}",
+    "openai/gsm8k": "gsm8k",
 }
 GSM8K_METHODS = ("strict", "flexible")
 
@@ -48,12 +48,10 @@ def register_reward_fn(name: str) -> Callable[[RewardFn], RewardFn]:
     return deco
 
 
-def default_reward_fn(data_source: str, method: str = "strict") -> str:
-    """The registered reward function name for a ``data_source`` (``method`` picks the gsm8k variant)."""
-    if method not in GSM8K_METHODS:
-        raise ValueError(f"unknown gsm8k method {method!r}; valid: {', '.join(GSM8K_METHODS)}")
+def default_reward_fn(data_source: str) -> str:
+    """The registered reward function name for a ``data_source``."""
     try:
-        return DATA_SOURCE_FNS[data_source].format(method=method)
+        return DATA_SOURCE_FNS[data_source]
     except KeyError:
         raise ValueError(
             f"no reward function for data_source {data_source!r} (known: {', '.join(sorted(DATA_SOURCE_FNS))}); "
@@ -85,6 +83,45 @@ def exact_match(response_text: str, ground_truth: str, extra_info: dict) -> floa
 
 # Like verl, only the tail is searched: answers come last, and regexes on huge strings are slow.
 _GSM8K_CLIP_CHARS = 300
+# verl's gsm8k patterns: digits, dots and commas, an optional minus; strict needs "#### " before it.
+_VERL_NUMBER = r"-?[0-9.,]+"
+_VERL_STRICT = re.compile("#### (" + _VERL_NUMBER + ")")
+_VERL_FLEXIBLE = re.compile("(" + _VERL_NUMBER + ")")
+
+
+def verl_gsm8k_answer(text: str, method: str = "strict") -> str | None:
+    """verl's ``extract_solution``: the last ``#### <number>`` without ``,``/``$`` (strict), or the last
+    number-like run that is not a lone ``.``, as written (flexible)."""
+    if method not in GSM8K_METHODS:
+        raise ValueError(f"unknown gsm8k method {method!r}; valid: {', '.join(GSM8K_METHODS)}")
+    tail = text[-_GSM8K_CLIP_CHARS:]
+    if method == "strict":
+        found = _VERL_STRICT.findall(tail)
+        return found[-1].replace(",", "").replace("$", "") if found else None
+    found = _VERL_FLEXIBLE.findall(tail)
+    valid = [m for m in found if m not in ("", ".")]
+    # As verl's loop: when every match is a lone ".", the first match is what it ends on.
+    return valid[-1] if valid else (found[0] if found else None)
+
+
+@register_reward_fn("gsm8k")
+def gsm8k(
+    response_text: str,
+    ground_truth: str,
+    extra_info: dict,
+    method: str = "strict",
+    format_score: float = 0.0,
+    score: float = 1.0,
+) -> float:
+    """verl's gsm8k ``compute_score`` (ReFT, Trung et al. 2024): ``score`` when the extracted answer equals
+    the ground truth as a string, ``format_score`` when an answer is extracted but differs, else 0."""
+    answer = verl_gsm8k_answer(response_text, method)
+    if answer is None:
+        return 0.0
+    return score if answer == ground_truth else format_score
+
+
+# rlstage's own gsm8k comparison: "$1,234.50" and "1234.5" are the same number.
 _NUMBER = r"-?\$?\d[\d,]*(?:\.\d+)?"
 _STRICT = re.compile(r"####\s*\$?\s*(" + _NUMBER + ")")
 _FLEXIBLE = re.compile(_NUMBER)
@@ -117,13 +154,13 @@ def _same_number(answer: str | None, ground_truth: str) -> bool:
 
 @register_reward_fn("gsm8k_strict")
 def gsm8k_strict(response_text: str, ground_truth: str, extra_info: dict) -> float:
-    """verl's gsm8k reward: 1.0 when the last ``#### <number>`` equals the ground truth, else 0.0."""
+    """rlstage's numeric gsm8k reward: 1.0 when the last ``#### <number>`` is the ground truth's number."""
     return 1.0 if _same_number(extract_gsm8k_answer(response_text, "strict"), ground_truth) else 0.0
 
 
 @register_reward_fn("gsm8k_flexible")
 def gsm8k_flexible(response_text: str, ground_truth: str, extra_info: dict) -> float:
-    """1.0 when the last number in the response equals the ground truth, else 0.0."""
+    """rlstage's numeric gsm8k reward: 1.0 when the last number in the response is the ground truth's."""
     return 1.0 if _same_number(extract_gsm8k_answer(response_text, "flexible"), ground_truth) else 0.0
 
 
@@ -176,7 +213,7 @@ def _load_ref(ref: _Ref) -> RewardFn:
 
 
 def _score_one(
-    fn: RewardFn, response: str, truth: str, extra: Any, timeout_s: float
+    fn: RewardFn, response: str, truth: str, extra: Any, timeout_s: float, kwargs: dict | None = None
 ) -> tuple[float, str | None]:
     try:
         # Re-installed every call: a reward function may have replaced the handler.
@@ -186,7 +223,7 @@ def _score_one(
             info = json.loads(extra) if isinstance(extra, str) else (extra or {})
             if not isinstance(info, dict):
                 raise ValueError(f"extra_info must be a JSON object, got {type(info).__name__}")
-            value = fn(response, truth, info)
+            value = fn(response, truth, info, **(kwargs or {}))
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
         if isinstance(value, dict):  # verl-style functions may return {"score": ..., ...}
@@ -216,7 +253,7 @@ def _child_main(conn: Any, progress: Any) -> None:
         refs, tasks, timeout_s = msg
         out: list[tuple[float, str | None]] = []
         last_flush = time.monotonic()
-        for i, (ref_index, response, truth, extra) in enumerate(tasks):
+        for i, (ref_index, response, truth, extra, kwargs) in enumerate(tasks):
             ref = refs[ref_index]
             if ref not in fns:
                 # Imported outside the timer (a half-imported module would poison later samples); the
@@ -229,7 +266,7 @@ def _child_main(conn: Any, progress: Any) -> None:
             if isinstance(fn, BaseException):
                 out.append((0.0, f"{type(fn).__name__}: cannot load reward function {ref[0]}:{ref[1]}: {fn}"))
             else:
-                out.append(_score_one(fn, response, truth, extra, timeout_s))
+                out.append(_score_one(fn, response, truth, extra, timeout_s, kwargs))
             progress.value = i + 1
             if time.monotonic() - last_flush > _FLUSH_S:
                 conn.send(out)
@@ -382,13 +419,17 @@ def score_batch(
     timeout_s: float,
     function: str | None = None,
     gsm8k_method: str = "strict",
+    format_score: float = 0.0,
 ) -> list[RewardResult]:
     """Score rows ``{response_text, ground_truth, data_source, extra_info}`` in order.
 
     ``function`` forces one reward function (a registered name or an import path ``module:function``);
     otherwise each row's ``data_source`` picks it. Every sample is bounded by ``timeout_s``; a sample
     whose function raises, hangs or crashes the scorer scores 0.0 with its error recorded.
+    ``gsm8k_method`` and ``format_score`` are verl's ``gsm8k`` arguments (``reward.*`` in the config).
     """
+    if gsm8k_method not in GSM8K_METHODS:
+        raise ValueError(f"unknown gsm8k method {gsm8k_method!r}; valid: {', '.join(GSM8K_METHODS)}")
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
     timeout_s = float(timeout_s)
@@ -398,12 +439,19 @@ def score_batch(
         if ":" in function:  # fail fast on a typo rather than once per sample
             _load_ref(refs_by_name[function])
     else:
-        names = [default_reward_fn(row.get("data_source"), gsm8k_method) for row in rows]
+        names = [default_reward_fn(row.get("data_source")) for row in rows]
         refs_by_name = {n: _ref_for(n) for n in dict.fromkeys(names)}
     refs = list(refs_by_name.values())
     index_of = {n: refs.index(r) for n, r in refs_by_name.items()}
+    gsm8k_kwargs = {"method": gsm8k_method, "format_score": format_score}
     tasks = [
-        (index_of[n], row.get("response_text") or "", row.get("ground_truth") or "", row.get("extra_info"))
+        (
+            index_of[n],
+            row.get("response_text") or "",
+            row.get("ground_truth") or "",
+            row.get("extra_info"),
+            gsm8k_kwargs if n == "gsm8k" else None,
+        )
         for n, row in zip(names, rows, strict=True)
     ]
     scored: list[tuple[float, str | None]] = []

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 from transformers import GenerationConfig
 
+from engines.chat import stop_token_ids
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -30,16 +32,21 @@ class Completion:
     response_ids: list[int]
     log_probs: list[float]
     text: str
-    finish_reason: str  # "stop" when the eos token was sampled, else "length"
+    finish_reason: str  # "stop" when a stop token (eos, the template's end of turn) was sampled, else "length"
 
 
 class HFRolloutEngine:
-    """Batched Hugging Face ``generate`` over a model owned by the caller (shared with the trainer)."""
+    """Batched Hugging Face ``generate`` over a model owned by the caller (shared with the trainer).
+
+    Generation stops at any of ``stop_ids`` (eos and the chat template's end of turn); a response
+    keeps its stop token, so its mask ends there.
+    """
 
     def __init__(self, model: torch.nn.Module, tokenizer, batch_size: int = 512) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.batch_size = batch_size
+        self.stop_ids = stop_token_ids(tokenizer)
 
     def generate(self, prompts: list[str], params: SamplingParams) -> list[Completion]:
         encoded = [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
@@ -57,8 +64,8 @@ class HFRolloutEngine:
             top_p=None if greedy else params.top_p,
             top_k=None if greedy or params.top_k == 0 else params.top_k,
             max_new_tokens=params.max_new_tokens,
-            eos_token_id=tok.eos_token_id,
-            pad_token_id=tok.pad_token_id,
+            eos_token_id=self.stop_ids,
+            pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
             return_dict_in_generate=True,
             output_logits=True,
         )
@@ -67,7 +74,10 @@ class HFRolloutEngine:
         out: list[Completion] = []
         for b, start in enumerate(range(0, len(jobs), self.batch_size)):
             chunk = jobs[start : start + self.batch_size]
-            batch = tok.pad({"input_ids": [encoded[i] for i, _ in chunk]}, padding=True, return_tensors="pt")
+            # Left padding with its attention mask: every prompt ends where generation starts.
+            batch = tok.pad(
+                {"input_ids": [encoded[i] for i, _ in chunk]}, padding=True, padding_side="left", return_tensors="pt"
+            )
             # One seed per batch: the same config and model give the same samples on a rerun.
             torch.manual_seed(params.seed * 1_000_003 + b)
             res = self.model.generate(**batch, generation_config=gen_cfg)
@@ -80,8 +90,9 @@ class HFRolloutEngine:
             for row, (i, k) in enumerate(chunk):
                 ids = seqs[row].tolist()
                 finish = "length"
-                if tok.eos_token_id in ids:
-                    ids = ids[: ids.index(tok.eos_token_id) + 1]
+                end = next((j for j, t in enumerate(ids) if t in self.stop_ids), None)
+                if end is not None:
+                    ids = ids[: end + 1]
                     finish = "stop"
                 out.append(
                     Completion(

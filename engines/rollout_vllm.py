@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from engines.chat import stop_token_ids as template_stop_ids
 from engines.rollout import Completion, SamplingParams
 
 
@@ -87,6 +88,7 @@ class VLLMRolloutEngine:
         from vllm import LLM  # lazy: vllm is an optional extra
 
         self.tokenizer = tokenizer
+        self.stop_ids = template_stop_ids(tokenizer)  # eos and the chat template's end of turn
         self.model_path = str(model_path)
         self.batch_size = max_num_seqs  # what callers that batch requests (the agent loop) read
         args = {
@@ -110,7 +112,7 @@ class VLLMRolloutEngine:
         from vllm import SamplingParams as VSamplingParams
 
         greedy = params.temperature == 0
-        stops = [self.tokenizer.eos_token_id, *[t for t in stop_token_ids if t != self.tokenizer.eos_token_id]]
+        stops = [*self.stop_ids, *[t for t in stop_token_ids if t not in self.stop_ids]]
         return VSamplingParams(
             n=params.n,
             temperature=params.temperature,
@@ -126,7 +128,8 @@ class VLLMRolloutEngine:
     def generate(
         self, prompts: list[str], params: SamplingParams, stop_token_ids: Sequence[int] = ()
     ) -> list[Completion]:
-        """``n`` samples per prompt; generation ends at eos or any of ``stop_token_ids`` (kept in the response)."""
+        """``n`` samples per prompt; generation ends at eos, the template's end of turn or any of
+        ``stop_token_ids`` (kept in the response)."""
         encoded = [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
         return self.generate_ids(encoded, params, stop_token_ids)
 

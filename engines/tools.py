@@ -435,16 +435,11 @@ def resolve_template(value: str | None) -> str | None:
 
 def agent_tokenizer(cfg: Any) -> Any | None:
     """The tokenizer the run's policy will have: ``model.path``'s, else the tiny kit's (None if unreadable yet)."""
-    if cfg.model.path is None:
-        from engines.tinykit import build_char_tokenizer
+    from engines.chat import policy_tokenizer
 
-        return build_char_tokenizer()
-    path = Path(cfg.model.path).expanduser()
-    if not path.is_dir():
-        return None  # check_inputs reports the missing model directory
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)
+    if cfg.model.path is not None and not Path(cfg.model.path).expanduser().is_dir():
+        return None  # check_inputs reports the missing model directory (a .gguf is converted at run start)
+    return policy_tokenizer(cfg.model.path)
 
 
 def check_agent_template(cfg: Any) -> None:

@@ -207,6 +207,15 @@ def stored_config(store: ArtifactStore, run_name: str) -> RunConfig:
     return RunConfig.model_validate(stored["config"])
 
 
+def with_model_folder(cfg: RunConfig) -> RunConfig:
+    """``cfg`` with ``model.path`` a Hugging Face folder: a .gguf file is converted once (infra/models.py)."""
+    if cfg.model.path is None or not cfg.model.path.lower().endswith(".gguf"):
+        return cfg
+    from infra.models import resolve_model_path
+
+    return cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": resolve_model_path(cfg.model.path)})})
+
+
 def _flow_run_id() -> str:
     try:
         return str(get_run_context().flow_run.id)
@@ -218,6 +227,7 @@ def run_training(cfg: RunConfig, first: int = 1, last: int | None = None) -> dic
     """Run iterations ``first..last`` (default: all) of ``cfg``'s run, skipping committed stages."""
     apply_defaults()
     last = cfg.trainer.iterations if last is None else last
+    cfg = with_model_folder(cfg)
     preflight(cfg)
     check_reachable(tracking_uri_for(cfg))
     store = store_for(cfg)
@@ -240,6 +250,10 @@ def _run_iterations(cfg: RunConfig, store: ArtifactStore, first: int, last: int,
     status = "FAILED"
     try:
         prep = stages.submit_stage(cfg, "data_prep").result()
+        tracker.log_metrics(0, prep.metrics)  # prompt counts, and those dropped as over data.max_prompt_length
+        dropped = prep.metrics.get("data/train_dropped_overlong", 0) + prep.metrics.get("data/test_dropped_overlong", 0)
+        if dropped:
+            _emit(f"  data prep: {dropped:.0f} prompt(s) over data.max_prompt_length={cfg.data.max_prompt_length} tokens dropped")
         sft = None
         if cfg.model.path is None:
             _emit("  [kit] SFT warm start of the tiny model (reused when already committed) ...")

@@ -103,7 +103,9 @@ class SFTConfig(_Section):
 
 
 class ModelConfig(_Section):
-    path: str | None = None  # a local Hugging Face model directory; None builds the tiny kit
+    # A local Hugging Face model directory or a .gguf file (converted once at run start, infra/models.py);
+    # None builds the tiny kit.
+    path: str | None = None
     dtype: Literal["float32", "bfloat16"] = "float32"
     torch_threads: int = Field(1, ge=1)
 
@@ -157,7 +159,9 @@ class OverlongBufferConfig(_Section):
 
 class RewardConfig(_Section):
     function: str | None = None  # force one registered reward function; None: chosen by data_source
-    gsm8k_method: Literal["strict", "flexible"] = "strict"
+    gsm8k_method: Literal["strict", "flexible"] = "strict"  # verl's gsm8k extraction method
+    # verl's gsm8k format_score: the reward of a parsable but wrong answer (0 in verl's default scorer)
+    format_score: float = 0.0
     timeout_s: float = Field(2.0, gt=0)
     overlong_buffer: OverlongBufferConfig = Field(default_factory=OverlongBufferConfig)
 

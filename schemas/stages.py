@@ -80,7 +80,8 @@ SPECS: tuple[StageSpec, ...] = (
     StageSpec(
         "data_prep",
         files=("train.parquet", "test.parquet"),
-        reads=("data.source", "data.train_path", "data.test_path"),
+        # prompts over data.max_prompt_length in the policy's tokens are dropped: the tokenizer is model.path's
+        reads=("data.source", "data.train_path", "data.test_path", "data.max_prompt_length", "model.path"),
         reads_if=lambda v: (
             ("kit.task", "kit.digits", "kit.train_size", "kit.test_size", "kit.seed") if v.data.source == "synthetic" else ()
         ),

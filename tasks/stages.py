@@ -21,10 +21,11 @@ from prefect import Task, task
 from prefect.cache_policies import NO_CACHE
 
 from engines import algorithms as algos
-from engines import datasets, rewards
+from engines import chat, datasets, rewards
 from engines import metrics as eval_metrics
 from engines.agent_loop import agent_metrics
 from engines.cursor import prompt_batch
+from engines.tools import agent_tokenizer
 from infra.drill import fault_point
 from schemas import artifacts as A
 from schemas.config import RunConfig
@@ -128,9 +129,18 @@ def data_prep(cfg: ConfigView) -> StageResult:
         else:
             train = datasets.load_prompts(d.source, d.train_path)
             test = datasets.load_prompts(d.source, d.test_path) if d.test_path else train.slice(0, 0)
+        # As verl's filter_overlong_prompts: measured in the policy's rendered prompt tokens.
+        tok = agent_tokenizer(cfg)
+        train, train_dropped = datasets.drop_overlong(train, tok, d.max_prompt_length)
+        test, test_dropped = datasets.drop_overlong(test, tok, d.max_prompt_length)
         return StageOutput(
             tables={"train.parquet": train, "test.parquet": test},
-            metrics={"data/train_prompts": train.num_rows, "data/test_prompts": test.num_rows},
+            metrics={
+                "data/train_prompts": train.num_rows,
+                "data/test_prompts": test.num_rows,
+                "data/train_dropped_overlong": train_dropped,
+                "data/test_dropped_overlong": test_dropped,
+            },
         )
 
     return run_stage(cfg, "data_prep", None, {}, produce)
@@ -195,7 +205,9 @@ def _complete(cfg: ConfigView, group: PolicyGroup, version: str, batch: list[dic
     """Completions of prompts-table rows: single-turn, or multi-turn tool-calling rollouts (agent.enable)."""
     if cfg.agent.enable:
         return group.generate("agent_generate", version, batch, params)
-    return group.generate("generate", version, [p["prompt"] for p in batch], params), {}
+    # Chat messages through the policy's chat template (verl's way); plain-text rows as they stand.
+    prompt_ids = chat.render_batch(agent_tokenizer(cfg), batch)
+    return group.generate("generate_ids", version, prompt_ids, params), {}
 
 
 _AGENT_COLUMNS = ("turn_bounds", "truncated", "num_turns", "tool_calls", "tool_errors", "tool_timeouts")
@@ -229,7 +241,11 @@ def _rollouts_table(batch: list[dict], comps: list[dict], iteration: int) -> pa.
 # ---------------------------------------------------------------- reward
 def score_rows(cfg: ConfigView, rows: list[dict]) -> list:
     return rewards.score_batch(
-        rows, timeout_s=cfg.reward.timeout_s, function=cfg.reward.function, gsm8k_method=cfg.reward.gsm8k_method
+        rows,
+        timeout_s=cfg.reward.timeout_s,
+        function=cfg.reward.function,
+        gsm8k_method=cfg.reward.gsm8k_method,
+        format_score=cfg.reward.format_score,
     )
 
 

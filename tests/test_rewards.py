@@ -97,15 +97,49 @@ def test_gsm8k_scores() -> None:
         R.extract_gsm8k_answer("#### 1", "loose")
 
 
+@pytest.mark.parametrize(
+    ("text", "strict", "flexible"),
+    [
+        ("so 3+4=7\n#### 7", "7", "7"),
+        ("#### 1,234", "1234", "1,234"),  # flexible keeps the commas as written
+        ("#### -5", "-5", "-5"),
+        ("first #### 3 then #### 4", "4", "4"),  # the last one
+        ("#### 72.", "72.", "72."),  # a trailing full stop is part of the number
+        ("####12", None, "12"),  # strict wants "#### " with the space
+        ("#### $18", None, "18"),  # and no currency sign after it
+        ("The answer is 42.", None, "42."),
+        ("costs $18 for 3 items. . .", None, "3"),  # a lone "." is not an answer
+        ("No idea.", None, "."),  # unless nothing else matches: verl's loop then ends on the first match
+        ("no numbers here", None, None),
+        ("#### 5 " + "x" * 400, None, None),  # only the last 300 characters are searched
+    ],
+)
+def test_verl_gsm8k_extraction(text: str, strict: str | None, flexible: str | None) -> None:
+    assert R.verl_gsm8k_answer(text, "strict") == strict
+    assert R.verl_gsm8k_answer(text, "flexible") == flexible
+
+
+def test_verl_gsm8k_score_compares_strings_and_pays_the_format_score() -> None:
+    assert R.gsm8k("work...\n#### 1,000", "1000", {}) == 1.0
+    assert R.gsm8k("#### 71", "72", {}) == 0.0  # verl's default format_score is 0
+    assert R.gsm8k("#### 71", "72", {}, format_score=0.1) == 0.1  # parsable, wrong
+    assert R.gsm8k("#### 72.00", "72", {}, format_score=0.1) == 0.1  # compared as strings, as verl does
+    assert R.gsm8k("The answer is 72", "72", {}, format_score=0.1) == 0.0  # nothing to parse: no format score
+    assert R.gsm8k("The answer is 72", "72", {}, method="flexible") == 1.0
+    assert R.gsm8k("No idea.", "72", {}, method="flexible", format_score=0.1) == 0.1  # verl's "." quirk
+    assert R.gsm8k("#### 72", "72", {}, score=2.0) == 2.0
+    # rlstage's numeric scorer, kept under its own names, compares numbers.
+    assert R.gsm8k_strict("#### 72.00", "72", {}) == 1.0
+
+
 def test_default_reward_fn() -> None:
     assert R.default_reward_fn("synthetic/addition") == "exact_match"
-    assert R.default_reward_fn("openai/gsm8k") == "gsm8k_strict"
-    assert R.default_reward_fn("openai/gsm8k", method="flexible") == "gsm8k_flexible"
+    assert R.default_reward_fn("openai/gsm8k") == "gsm8k"  # verl's default_compute_score
     with pytest.raises(
         ValueError, match=r"no reward function for data_source 'lighteval/MATH'.*reward\.function"
     ):
         R.default_reward_fn("lighteval/MATH")
-    assert {"exact_match", "gsm8k_strict", "gsm8k_flexible"} <= set(R.REWARD_FNS)
+    assert {"exact_match", "gsm8k", "gsm8k_strict", "gsm8k_flexible"} <= set(R.REWARD_FNS)
 
 
 # ---------------------------------------------------------------- the sandboxed scorer
@@ -132,12 +166,16 @@ def test_score_batch_chooses_by_data_source_and_method() -> None:
     ]
     strict = R.score_batch(rows, timeout_s=2.0)
     assert [(r.score, r.reward_fn) for r in strict] == [
-        (1.0, "gsm8k_strict"),
-        (0.0, "gsm8k_strict"),
+        (1.0, "gsm8k"),
+        (0.0, "gsm8k"),
         (1.0, "exact_match"),
     ]
     flexible = R.score_batch(rows, timeout_s=2.0, gsm8k_method="flexible")
     assert [r.score for r in flexible] == [1.0, 1.0, 1.0]
+    wrong = _rows(["#### 6", "I get 6"], truth="5", source="openai/gsm8k")
+    assert [r.score for r in R.score_batch(wrong, timeout_s=2.0, format_score=0.1)] == [0.1, 0.0]
+    with pytest.raises(ValueError, match="unknown gsm8k method 'loose'"):
+        R.score_batch(rows, timeout_s=2.0, gsm8k_method="loose")
     with pytest.raises(ValueError, match="no reward function for data_source 'nope'"):
         R.score_batch(_rows(["1"], source="nope"), timeout_s=2.0)
     assert R.score_batch([], timeout_s=1.0) == []

@@ -113,7 +113,7 @@ class PolicyGroup:
         _wait_restart(lambda: ray.get(self.rollout.acquire.remote(ref.model_dump(mode="json"), handoff)))
 
     def generate(self, method: str, *args: Any) -> Any:
-        """A generation call (``generate`` or ``agent_generate``) on the role that generates."""
+        """A generation call (``generate_ids`` or ``agent_generate``) on the role that generates."""
         target = self.rollout if self.rollout is not None else self.ranks[0]
         return _wait_restart(lambda: ray.get(getattr(target, method).remote(*args)))
 

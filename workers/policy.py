@@ -299,9 +299,10 @@ class PolicyWorker:
             raise RuntimeError(f"worker holds {role} version {self.versions[role]}, stage needs {version}")
 
     # ------------------------------------------------------------------ compute
-    def generate(self, version: str, prompts: list[str], params: dict) -> list[dict]:
+    def generate_ids(self, version: str, prompt_ids: list[list[int]], params: dict) -> list[dict]:
+        """Completions of rendered prompts (the stage renders chat messages with the policy's template)."""
         self._require(version)
-        return [asdict(c) for c in self.rollout.generate(prompts, SamplingParams(**params))]
+        return [asdict(c) for c in self.rollout.generate_ids(prompt_ids, SamplingParams(**params))]
 
     def agent_generate(self, version: str, rows: list[dict], params: dict) -> tuple[list[dict], dict]:
         """Multi-turn tool-calling rollouts of prompts-table rows (``agent`` config); completions and timings."""

@@ -78,10 +78,11 @@ class RolloutWorker:
         if self.held != version:
             raise RuntimeError(f"rollout worker holds policy version {self.held}, stage needs {version}")
 
-    def generate(self, version: str, prompts: list[str], params: dict) -> list[dict]:
+    def generate_ids(self, version: str, prompt_ids: list[list[int]], params: dict) -> list[dict]:
+        """Completions of rendered prompts (the stage renders chat messages with the policy's template)."""
         self._require(version)
         t0 = time.time()
-        out = [asdict(c) for c in self.rollout.generate(prompts, SamplingParams(**params))]
+        out = [asdict(c) for c in self.rollout.generate_ids(prompt_ids, SamplingParams(**params))]
         self.busy.append((t0, time.time()))
         return out
 
