@@ -190,7 +190,6 @@ def test_settings_no_stage_reads_by_default_are_the_documented_ones():
     agent = {p for p in unread if p.startswith("agent.")}
     assert agent == {p for p, _ in LEAVES if p.startswith("agent.") and p != "agent.enable"}
     assert unread - agent == {
-        "data.max_prompt_length",  # validates token budgets only
         "trainer.iterations",  # read by decaying schedules only (workers.group.total_update_steps)
         "trainer.eval_every",  # the flow's eval schedule
         "trainer.async_staleness",  # the flow's schedule: which policy a rollout gets (recorded as its input)
