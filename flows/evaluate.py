@@ -12,10 +12,9 @@ import json
 
 from prefect import flow
 
-from flows.nightly import last_completed_iteration
-from flows.replay import need, policy_before, stored_config_with
+from flows.checks import check_eval, need, stored_config_with
+from flows.replay import policy_before
 from infra.ray_runtime import ensure_ray
-from schemas.config import ConfigError
 from schemas.stages import STAGE_FILES
 from tasks import stages
 from tasks.runtime import policy_worker, release_worker
@@ -32,10 +31,7 @@ def evaluate_run(
     """Score the policy after update ``iteration`` (default: the last committed; 0: the start policy)."""
     overrides = list(overrides or [])
     store, cfg = stored_config_with(store_root, run_name, overrides, "an evaluation")
-    last = last_completed_iteration(store, run_name)
-    iteration = last if iteration is None else iteration
-    if not 0 <= iteration <= last:
-        raise ConfigError(f"config error: iteration: run {run_name!r} has policies for 0..{last}, got {iteration}")
+    iteration = check_eval(store, run_name, iteration)
     prompts = need(store, run_name, None, "data_prep")
     policy = policy_before(cfg, store, iteration + 1)  # the policy after update k
     version = eval_version(overrides)

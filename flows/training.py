@@ -16,6 +16,7 @@ from prefect import flow, get_run_logger
 from prefect.context import get_run_context
 from prefect_ray import RayTaskRunner
 
+from flows.checks import check_inputs, check_run_config, record_run_config
 from infra.env import apply_defaults
 from infra.lease import run_lease
 from infra.ray_runtime import RAY_NAMESPACE, ensure_ray
@@ -26,9 +27,6 @@ from schemas.manifest import Manifest, PolicyRef
 from tasks import stages
 from tasks.kit import initial_policy, sft_warm_start
 from tasks.runtime import critic_init_ref, policy_ref_from, policy_worker, release_worker, store_for
-
-# Fields that may differ between invocations of one run: where and how it executes, and how long.
-RUN_MUTABLE = ("run_name", "store", "ray", "tracking", "trainer.iterations", "drill")
 
 
 @dataclass
@@ -128,61 +126,6 @@ def iteration_flow(cfg: RunConfig, iteration: int, prompts: Manifest, models: Mo
     return out
 
 
-def _identity(cfg: RunConfig) -> dict:
-    dump = cfg.model_dump(mode="json")
-    for path in RUN_MUTABLE:
-        node = dump
-        *parents, leaf = path.split(".")
-        for p in parents:
-            node = node[p]
-        node.pop(leaf, None)
-    return dump
-
-
-def _diff(a: dict, b: dict, prefix: str = "") -> list[str]:
-    out = []
-    for k in sorted(set(a) | set(b)):
-        va, vb = a.get(k), b.get(k)
-        if isinstance(va, dict) and isinstance(vb, dict):
-            out += _diff(va, vb, f"{prefix}{k}.")
-        elif va != vb:
-            out.append(f"{prefix}{k}: stored {va!r}, given {vb!r}")
-    return out
-
-
-def record_run_config(store: ArtifactStore, cfg: RunConfig) -> None:
-    """Store the resolved config with the run; refuse a later invocation whose config conflicts."""
-    stored = store.get_json(cfg.run_name, "run.json")
-    if stored is None:
-        store.put_json(cfg.run_name, "run.json", {"config": cfg.model_dump(mode="json"), "identity": _identity(cfg)})
-        return
-    diff = _diff(stored["identity"], _identity(cfg))
-    if diff:
-        raise ConfigError(
-            f"config error: run {cfg.run_name!r} exists with another config ({diff[0]}"
-            f"{f' and {len(diff) - 1} more' if len(diff) > 1 else ''}); use a new run_name or replay a stage"
-        )
-
-
-def stored_config(store: ArtifactStore, run_name: str) -> RunConfig:
-    stored = store.get_json(run_name, "run.json")
-    if stored is None:
-        raise ConfigError(f"config error: run {run_name!r} does not exist under {store.root}")
-    return RunConfig.model_validate(stored["config"])
-
-
-def check_inputs(cfg: RunConfig) -> None:
-    """Fail before anything is written when a named input does not exist."""
-    from pathlib import Path
-
-    if cfg.model.path is not None and not (Path(cfg.model.path).expanduser() / "config.json").is_file():
-        raise FileNotFoundError(f"model.path {cfg.model.path} is not a Hugging Face model directory")
-    for key in ("train_path", "test_path"):
-        value = getattr(cfg.data, key)
-        if value is not None and "://" not in value and not Path(value).expanduser().is_file():
-            raise FileNotFoundError(f"data.{key} {value} does not exist")
-
-
 def _flow_run_id() -> str:
     try:
         return str(get_run_context().flow_run.id)
@@ -198,7 +141,7 @@ def run_training(cfg: RunConfig, first: int = 1, last: int | None = None) -> dic
     check_reachable(tracking_uri_for(cfg))
     store = store_for(cfg)
     store.check_writable()
-    record_run_config(store, cfg)
+    check_run_config(store, cfg)  # recorded only once data prep has read its inputs (_run_iterations)
     ensure_ray(cfg)
     _emit(f"rlstage: run {cfg.run_name!r}, iterations {first}..{last}, artifacts under {store.root}/{cfg.run_name}")
     with run_lease(store, cfg.run_name, label=f"flow run {_flow_run_id() or os.getpid()}") as renew:
@@ -215,6 +158,7 @@ def _run_iterations(cfg: RunConfig, store: ArtifactStore, first: int, last: int,
     status = "FAILED"
     try:
         prep = stages.submit_stage(stages.data_prep, cfg, "data_prep").result()
+        record_run_config(store, cfg)  # after a failed first attempt, a corrected command is not "another config"
         sft = None
         if cfg.model.path is None:
             _emit("  [kit] SFT warm start of the tiny model (reused when already committed) ...")

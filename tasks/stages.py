@@ -229,9 +229,11 @@ def _rollouts_table(batch: list[dict], comps: list[dict], iteration: int) -> pa.
 
 # ---------------------------------------------------------------- reward
 def score_rows(cfg: RunConfig, rows: list[dict]) -> list:
-    return rewards.score_batch(
+    results = rewards.score_batch(
         rows, timeout_s=cfg.reward.timeout_s, function=cfg.reward.function, gsm8k_method=cfg.reward.gsm8k_method
     )
+    rewards.check_failures(results, cfg.reward.stop_failure_share)  # a broken reward function is not a 0.0 reward
+    return results
 
 
 @_stage_task("reward")
