@@ -55,13 +55,13 @@ def _check_new_run(cfg, tracking: bool = True) -> None:
     from infra.store import ArtifactStore
 
     check_inputs(cfg)
+    store = ArtifactStore(cfg.store.root, cfg.store.storage_options, cfg.store.retries)
+    store.check_writable()
+    check_run_config(store, cfg)
     if tracking:
         from infra.tracking import check_reachable, tracking_uri_for
 
         check_reachable(tracking_uri_for(cfg))
-    store = ArtifactStore(cfg.store.root, cfg.store.storage_options, cfg.store.retries)
-    store.check_writable()
-    check_run_config(store, cfg)
     _check_services()
 
 

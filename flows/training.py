@@ -138,10 +138,10 @@ def run_training(cfg: RunConfig, first: int = 1, last: int | None = None) -> dic
     apply_defaults()
     last = cfg.trainer.iterations if last is None else last
     check_inputs(cfg)
-    check_reachable(tracking_uri_for(cfg))
     store = store_for(cfg)
-    store.check_writable()
+    store.check_writable()  # before the tracking URI, which may create a folder under the store root
     check_run_config(store, cfg)  # recorded only once data prep has read its inputs (_run_iterations)
+    check_reachable(tracking_uri_for(cfg))
     ensure_ray(cfg)
     _emit(f"rlstage: run {cfg.run_name!r}, iterations {first}..{last}, artifacts under {store.root}/{cfg.run_name}")
     with run_lease(store, cfg.run_name, label=f"flow run {_flow_run_id() or os.getpid()}") as renew:
