@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
+import signal
 import sys
 import time
 import traceback
@@ -174,6 +176,38 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+class Stopped(KeyboardInterrupt):
+    """SIGTERM (or SIGINT), raised in the main thread so every ``finally`` stops what this command started."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _stop_on_signals() -> None:
+    """The first SIGINT/SIGTERM unwinds the command (servers, Ray, engines stop); a second one forces."""
+
+    def first(signum: int, frame) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_DFL)
+        raise Stopped(signum)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, first)
+
+
+def _hide_prefect_tracebacks() -> None:
+    """Prefect logs a failed task or flow run with its traceback; the command ends with one line instead."""
+    make = logging.getLogRecordFactory()
+
+    def factory(name, level, fn, lno, msg, args, exc_info, func=None, sinfo=None, **kwargs):
+        if name.startswith("prefect"):
+            exc_info = None
+        return make(name, level, fn, lno, msg, args, exc_info, func, sinfo, **kwargs)
+
+    logging.setLogRecordFactory(factory)
+
+
 def _one_line(err: BaseException) -> str:
     return " ".join(str(err).split()) or type(err).__name__
 
@@ -236,11 +270,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     verbose = args.verbose or os.environ.get("RLSTAGE_DEBUG", "") not in ("", "0")
     user_errors = _user_errors()
+    _stop_on_signals()
+    if not verbose:
+        _hide_prefect_tracebacks()
     try:
         return args.fn(args)
-    except KeyboardInterrupt:
-        print("rlstage: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as err:
+        signum = err.signum if isinstance(err, Stopped) else signal.SIGINT
+        print(f"rlstage: stopped by {signal.Signals(signum).name}; rerun the command to continue", file=sys.stderr)
+        return 128 + signum
     except Exception as err:
         if verbose:
             traceback.print_exc()

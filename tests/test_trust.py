@@ -5,6 +5,11 @@ documents refuse a writer without the key, and a reward function that fails on a
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -245,3 +250,56 @@ def test_a_failed_first_attempt_records_nothing(clean_env: Path) -> None:
         check_inputs(typo)
     assert store.get_json("r", "run.json") is None
     assert check_run_config(store, load_config(None, ["run_name=r"])) is False  # the corrected command may run
+
+
+# ---------------------------------------------------------------- stopped cleanly
+
+
+def _processes_with_env(entry: str) -> list[int]:
+    """Processes of this user whose environment holds ``entry`` (``NAME=value``)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            if entry.encode() in (proc / "environ").read_bytes().split(b"\0"):
+                found.append(int(proc.name))
+        except OSError:  # gone, or another user's
+            pass
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_stops_the_prefect_server_and_ray_that_train_started(tmp_path: Path, signum: int) -> None:
+    from tests_support import tiny_overrides
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API", "PREFECT_HOME", "RLSTAGE_"))}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parent.parent)
+    store = tmp_path / "store"
+    cmd = [sys.executable, "-m", "flows.cli", "train", *tiny_overrides(), "run_name=sig", f"store.root={store}"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    lines = []
+    try:
+        for line in proc.stderr:  # until the run has started: its Prefect server and Ray are up
+            lines.append(line)
+            if line.startswith("rlstage: run 'sig'"):
+                break
+        else:
+            pytest.fail("train ended before the run started:\n" + "".join(lines))
+        home = f"PREFECT_HOME={(store / 'prefect').resolve()}"
+        started = _processes_with_env(home)
+        assert len(started) >= 2  # the Prefect server and Ray's processes, all children of the command
+        proc.send_signal(signum)
+        rest = proc.stderr.read()
+        assert proc.wait(60) == 128 + signum
+        assert rest.strip().splitlines()[-1] == f"rlstage: stopped by {signal.Signals(signum).name}; rerun the command to continue"
+        for _ in range(100):  # processes that got their signal may take a moment to exit
+            left = [pid for pid in _processes_with_env(home) if pid in started]
+            if not left:
+                break
+            time.sleep(0.2)
+        assert left == [], [Path(f"/proc/{pid}/cmdline").read_bytes() for pid in left]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
