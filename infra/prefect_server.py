@@ -90,7 +90,7 @@ def start_prefect_server(home: str | Path, port: int | None = None, timeout_s: f
     url = f"http://127.0.0.1:{port}/api"
     try:
         wait_http(f"{url}/health", timeout_s, proc)
-    except Exception:
+    except BaseException:  # a signal while waiting too: nothing started here outlives the call
         stop_process_group(proc)
         raise
     return PrefectServer(url=url, proc=proc, home=home)
