@@ -556,11 +556,18 @@ def evaluate(
     return run_stage(cfg, "eval", iteration, inputs, produce, version=version, meta=meta)
 
 
+def _retryable(task, task_run, state) -> bool:
+    """A reward function that failed a batch fails it again: retries are for lost workers and stores."""
+    return not isinstance(state.data, rewards.RewardFailure)
+
+
 def submit_stage(task_fn, cfg: RunConfig, stage: str, *args, **kwargs):
     """Submit a stage task with the retries and Ray resources configured for it."""
     from prefect_ray.context import remote_options
 
     res = cfg.ray.resources(stage)
-    configured = task_fn.with_options(retries=res.retries, retry_delay_seconds=res.retry_delay_s)
+    configured = task_fn.with_options(
+        retries=res.retries, retry_delay_seconds=res.retry_delay_s, retry_condition_fn=_retryable
+    )
     with remote_options(num_cpus=res.num_cpus, num_gpus=res.num_gpus):
         return configured.submit(cfg, *args, **kwargs)
