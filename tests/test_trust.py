@@ -303,3 +303,12 @@ def test_a_signal_stops_the_prefect_server_and_ray_that_train_started(tmp_path: 
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_a_failed_batch_is_not_retried_but_a_lost_worker_is() -> None:
+    from prefect.states import Failed
+
+    from tasks.stages import _retryable
+
+    assert not _retryable(None, None, Failed(data=R.RewardFailure("reward function f failed on 3 of 3 samples")))
+    assert _retryable(None, None, Failed(data=OSError("connection reset")))
