@@ -538,9 +538,11 @@ def stored_config_from(stored: Any, where: str, overrides: list[str] | tuple[str
         raise ConfigError(f"config error: {where} holds no config mapping")
     given = parse_overrides(overrides)
     merged = merge_dicts(base, given)
+    named = code_settings(merged)
     own = {path for _, path in code_settings(given)} | set(trusted) | set(CALCULATOR_PATHS)
-    for setting, path in code_settings(merged):
-        if path not in own and path not in allowed_callables():
+    allowed = own | (allowed_callables() if any(path not in own for _, path in named) else set())
+    for setting, path in named:
+        if path not in allowed:
             raise ConfigError(
                 f"config error: {setting}: {path!r} comes from the stored config {where}, which may not name code "
                 f"to import; give it in this command ({setting}=...) or allow it in {ALLOWED_CALLABLES_ENV} "
