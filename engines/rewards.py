@@ -400,6 +400,34 @@ def _ref_for(name: str) -> _Ref:
     return (module, qualname, getattr(sys.modules.get(module), "__file__", None))
 
 
+def check_reward_fn(name: str) -> None:
+    """Raise ValueError (one line) unless ``name`` is a registered reward function or an import path that resolves."""
+    ref = _ref_for(name)
+    if ":" in name:
+        if ref[2] is not None and not os.path.isfile(ref[2]):
+            raise ValueError(f"reward function file {ref[2]} does not exist")
+        try:
+            _load_ref(ref)
+        except Exception as err:  # whatever the module raised while importing
+            raise ValueError(f"cannot load reward function {name!r}: {type(err).__name__}: {err}") from None
+
+
+class RewardFailure(RuntimeError):
+    """Too many samples of a batch failed to score: the message is one line quoting the first error."""
+
+
+def check_failures(results: list[RewardResult], stop_share: float) -> None:
+    """Raise RewardFailure when at least ``stop_share`` of ``results`` failed (1.0: all of them)."""
+    errors = [r for r in results if r.error is not None]
+    if errors and len(errors) >= stop_share * len(results):
+        first = errors[0]
+        quoted = " ".join(str(first.error).split())[:300]  # one line, whatever the function raised
+        raise RewardFailure(
+            f"reward function {first.reward_fn} failed on {len(errors)} of {len(results)} samples "
+            f"(reward.stop_failure_share={stop_share:g}); first error: {quoted}"
+        )
+
+
 def completion_rows(prompts: list[dict], completions: list[dict]) -> list[dict]:
     """The rows ``score_batch`` takes, one per completion, its prompt found by ``prompt_index``."""
     return [

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
+import signal
 import sys
 import time
+import traceback
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -40,8 +43,35 @@ def _load(args) -> object:
     return load_config(args.config, args.overrides)
 
 
+def _check_services() -> None:
+    """A Prefect API named by ``PREFECT_API_URL`` must answer before anything starts."""
+    from flows.checks import check_prefect_api
+
+    if os.environ.get("PREFECT_API_URL"):
+        check_prefect_api(os.environ["PREFECT_API_URL"])
+
+
+def _check_new_run(cfg, tracking: bool = True) -> None:
+    """Inputs, store and services of a train / data-prep command, checked before any flow run."""
+    from engines.preflight import preflight
+    from flows.checks import check_inputs, check_run_config
+    from infra.store import ArtifactStore
+
+    check_inputs(cfg)
+    preflight(cfg)  # the model, engines, tools and reward function this config names
+    store = ArtifactStore(cfg.store.root, cfg.store.storage_options, cfg.store.retries)
+    store.check_writable()
+    check_run_config(store, cfg)
+    if tracking:
+        from infra.tracking import check_reachable, tracking_uri_for
+
+        check_reachable(tracking_uri_for(cfg))
+    _check_services()
+
+
 def cmd_train(args) -> int:
     cfg = _load(args)
+    _check_new_run(cfg)
     with prefect_api(cfg.store.root if "://" not in cfg.store.root else ".rlstage"):
         from flows.training import train
 
@@ -59,6 +89,14 @@ def cmd_demo(args) -> int:
 
 
 def cmd_nightly(args) -> int:
+    from flows.checks import check_inputs, stored_config
+    from infra.store import ArtifactStore
+    from schemas.config import ConfigError
+
+    if args.iterations < 1:
+        raise ConfigError(f"config error: --iterations: must be >= 1, got {args.iterations}")
+    check_inputs(stored_config(ArtifactStore(args.store), args.run))
+    _check_services()
     with prefect_api(args.store if "://" not in args.store else ".rlstage"):
         from flows.nightly import nightly
 
@@ -68,6 +106,11 @@ def cmd_nightly(args) -> int:
 
 
 def cmd_replay(args) -> int:
+    from flows.checks import check_replay, stored_config_with
+
+    store, _ = stored_config_with(args.store, args.run, args.overrides, "a replay")
+    check_replay(store, args.run, args.iteration, args.stage)
+    _check_services()
     with prefect_api(args.store if "://" not in args.store else ".rlstage"):
         from flows.replay import format_summary, replay
 
@@ -79,6 +122,11 @@ def cmd_replay(args) -> int:
 
 
 def cmd_eval(args) -> int:
+    from flows.checks import check_eval, stored_config_with
+
+    store, _ = stored_config_with(args.store, args.run, args.overrides, "an evaluation")
+    check_eval(store, args.run, args.iteration)
+    _check_services()
     with prefect_api(args.store if "://" not in args.store else ".rlstage"):
         from flows.evaluate import evaluate_run
 
@@ -94,6 +142,7 @@ def cmd_eval(args) -> int:
 
 def cmd_data_prep(args) -> int:
     cfg = _load(args)
+    _check_new_run(cfg, tracking=False)
     with prefect_api(cfg.store.root if "://" not in cfg.store.root else ".rlstage"):
         from flows.data_prep import prepare_data
 
@@ -121,9 +170,69 @@ def _summary(result: dict) -> None:
     print(f"mlflow: {result['mlflow']}")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage mistake is one line (exit 2) instead of the usage text plus the error."""
+
+    def error(self, message: str):
+        print(f"{self.prog}: {message} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+class Stopped(KeyboardInterrupt):
+    """SIGTERM (or SIGINT), raised in the main thread so every ``finally`` stops what this command started."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _stop_on_signals() -> None:
+    """The first SIGINT/SIGTERM unwinds the command (servers, Ray, engines stop); a second one forces."""
+
+    def first(signum: int, frame) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_DFL)
+        raise Stopped(signum)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, first)
+
+
+def _hide_prefect_tracebacks() -> None:
+    """Prefect logs a failed task or flow run with its traceback; the command ends with one line instead."""
+    make = logging.getLogRecordFactory()
+
+    def factory(name, level, fn, lno, msg, args, exc_info, func=None, sinfo=None, **kwargs):
+        if name.startswith("prefect"):
+            exc_info = None
+        return make(name, level, fn, lno, msg, args, exc_info, func, sinfo, **kwargs)
+
+    logging.setLogRecordFactory(factory)
+
+
+def _one_line(err: BaseException) -> str:
+    return " ".join(str(err).split()) or type(err).__name__
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions that mean the user's input is wrong (exit 2): each carries one line naming it."""
+    from engines.datasets import DatasetError
+    from engines.rewards import RewardFailure
+    from flows.checks import InputError
+    from infra.lease import RunLocked
+    from infra.store import StoreError
+    from infra.tracking import TrackingUnavailable
+    from schemas.config import ConfigError
+
+    return (ConfigError, InputError, DatasetError, RewardFailure, FileNotFoundError, StoreError, RunLocked, TrackingUnavailable)
+
+
 def main(argv: list[str] | None = None) -> int:
     apply_defaults()
-    parser = argparse.ArgumentParser(prog="rlstage", description="RL post-training as Prefect stages on Ray")
+    parser = _Parser(prog="rlstage", description="RL post-training as Prefect stages on Ray")
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", help="print tracebacks (also RLSTAGE_DEBUG=1)"
+    )
     sub = parser.add_subparsers(dest="cmd", required=True)
     for name, fn, helptext in (
         ("demo", cmd_demo, "tiny kit + GRPO on CPU through Prefect, Ray, the store and MLflow"),
@@ -158,17 +267,29 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("compare", help="compare runs from MLflow: table + PNG of curves")
     p.add_argument("rest", nargs=argparse.REMAINDER, help="RUN [RUN ...] [--tracking-uri URI] [--png out.png]")
     p.set_defaults(fn=cmd_compare)
+    for p in sub.choices.values():  # "rlstage train --verbose" works as well as "rlstage --verbose train"
+        p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    from infra.lease import RunLocked
-    from infra.store import StoreError
-    from infra.tracking import TrackingUnavailable
-    from schemas.config import ConfigError
-
+    verbose = args.verbose or os.environ.get("RLSTAGE_DEBUG", "") not in ("", "0")
+    user_errors = _user_errors()
+    _stop_on_signals()
+    if not verbose:
+        _hide_prefect_tracebacks()
     try:
         return args.fn(args)
-    except (ConfigError, FileNotFoundError, StoreError, RunLocked, TrackingUnavailable) as err:
-        print(f"rlstage: {err}", file=sys.stderr)
-        return 2
+    except KeyboardInterrupt as err:
+        signum = err.signum if isinstance(err, Stopped) else signal.SIGINT
+        print(f"rlstage: stopped by {signal.Signals(signum).name}; rerun the command to continue", file=sys.stderr)
+        return 128 + signum
+    except Exception as err:
+        if verbose:
+            traceback.print_exc()
+        if isinstance(err, user_errors):
+            print(f"rlstage: {_one_line(err)}", file=sys.stderr)
+            return 2
+        hint = "" if verbose else " (--verbose or RLSTAGE_DEBUG=1 prints the traceback)"
+        print(f"rlstage: internal error: {type(err).__name__}: {_one_line(err)}{hint}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

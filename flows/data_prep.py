@@ -9,7 +9,8 @@ from __future__ import annotations
 from prefect import flow
 
 from engines.preflight import preflight
-from flows.training import record_run_config, resolve_config
+from flows.checks import check_inputs, check_run_config, record_run_config
+from flows.training import resolve_config
 from infra.env import apply_defaults
 from infra.lease import run_lease
 from schemas.config import RunConfig
@@ -24,12 +25,14 @@ def prepare_data(
     """Commit the prompts of ``config``'s run: synthetic task, GSM8K jsonl or verl-format parquet."""
     apply_defaults()
     cfg = resolve_config(config, config_path, overrides)
+    check_inputs(cfg)
     preflight(cfg)
     store = store_for(cfg)
     store.check_writable()
-    record_run_config(store, cfg)
+    check_run_config(store, cfg)
     with run_lease(store, cfg.run_name, label="data-prep flow"):
         result = stages.data_prep(cfg)  # no model involved: runs in the flow's process, not on Ray
+        record_run_config(store, cfg)  # only once the data was read
     m = result.manifest
     return {
         "run": cfg.run_name,

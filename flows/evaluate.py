@@ -11,10 +11,10 @@ from __future__ import annotations
 from prefect import flow
 
 from engines.preflight import preflight
-from flows.nightly import last_completed_iteration
-from flows.replay import stage_inputs, stored_config_with
+from flows.checks import check_eval, stored_config_with
+from flows.replay import stage_inputs
 from infra.ray_runtime import ensure_ray
-from schemas.config import ConfigError, RunConfig
+from schemas.config import RunConfig
 from schemas.stages import STAGE_FILES, view_hash
 from tasks import stages
 from workers.group import check_placement, open_group
@@ -32,10 +32,7 @@ def evaluate_run(
     overrides = list(overrides or [])
     store, cfg = stored_config_with(store_root, run_name, overrides, "an evaluation")
     preflight(cfg)
-    last = last_completed_iteration(store, run_name)
-    iteration = last if iteration is None else iteration
-    if not 0 <= iteration <= last:
-        raise ConfigError(f"config error: iteration: run {run_name!r} has policies for 0..{last}, got {iteration}")
+    iteration = check_eval(store, run_name, iteration)
     prompts, policy = stage_inputs(cfg, store, "eval", iteration)  # the policy after update k
     version = eval_version(cfg)
     ensure_ray(cfg)

@@ -4,15 +4,10 @@ from __future__ import annotations
 
 from prefect import flow
 
-from flows.training import _diff, _identity, resolve_config, run_training, stored_config
+from flows.checks import _diff, _identity, last_completed_iteration, stored_config
+from flows.training import resolve_config, run_training
 from infra.store import ArtifactStore
-from schemas.config import ConfigError, RunConfig
-
-
-def last_completed_iteration(store: ArtifactStore, run: str) -> int:
-    """The highest iteration whose update is committed (0 when none is)."""
-    done = [it for it in store.iterations(run) if it > 0 and store.manifest(run, it, "update") is not None]
-    return max(done, default=0)
+from schemas.config import ConfigError, RunConfig, code_settings
 
 
 def continuation_config(
@@ -20,10 +15,14 @@ def continuation_config(
 ) -> RunConfig:
     """The run's stored config, checked against the deployment's when one is given."""
     store = ArtifactStore(store_root)
-    cfg = stored_config(store, run_name)
-    cfg = cfg.model_copy(update={"store": cfg.store.model_copy(update={"root": store_root})})
+    given = None
     if config_path is not None or overrides:
         given = resolve_config(None, config_path, [*(overrides or []), f"run_name={run_name}"])
+    # Code named by the deployment's own config may be imported; the stored copy must then agree with it.
+    trusted = {path for _, path in code_settings(given.model_dump(mode="json"))} if given is not None else set()
+    cfg = stored_config(store, run_name, trusted=trusted)
+    cfg = cfg.model_copy(update={"store": cfg.store.model_copy(update={"root": store_root})})
+    if given is not None:
         diff = _diff(_identity(cfg), _identity(given))
         if diff:
             raise ConfigError(f"config error: nightly run {run_name!r} conflicts with its stored config ({diff[0]})")

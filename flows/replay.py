@@ -13,26 +13,17 @@ import json
 from prefect import flow
 
 from engines.preflight import preflight
-from flows.training import Models, models_before, stored_config
+from flows.checks import check_replay, need, stored_config_with
+from flows.training import Models, models_before
 from infra.ray_runtime import ensure_ray
 from infra.store import ArtifactStore
-from schemas.config import ConfigError, RunConfig, build_config, merge_dicts, parse_overrides
+from schemas.config import ConfigError, RunConfig
 from schemas.manifest import Manifest, PolicyRef
-from schemas.stages import REPLAYABLE, SPECS, STAGE_FILES, spec
+from schemas.stages import SPECS, STAGE_FILES, spec
 from tasks import stages
 from tasks.kit import initial_policy, kit_run_name
 from tasks.runtime import policy_ref_from, store_for
 from workers.group import check_placement, open_group
-
-FIXED = ("run_name", "store")  # a replay may not move the run
-
-
-def need(store: ArtifactStore, run: str, iteration: int | None, stage: str) -> Manifest:
-    m = store.manifest(run, iteration, stage)
-    if m is None:
-        where = "run level" if iteration is None else f"iteration {iteration}"
-        raise ConfigError(f"config error: run {run!r} has no committed {stage} at {where}")
-    return m
 
 
 def policy_before(cfg: RunConfig, store: ArtifactStore, iteration: int) -> PolicyRef:
@@ -48,17 +39,6 @@ def _check(original: Manifest, name: str, current: str) -> None:
             f"config error: the {name} input of {original.stage} at iteration {original.iteration} "
             "was replaced since it ran; replay the upstream stage first"
         )
-
-
-def stored_config_with(store_root: str, run_name: str, overrides: list[str], what: str) -> tuple[ArtifactStore, RunConfig]:
-    """The run's store and its stored config plus ``overrides`` (which may not move the run)."""
-    for item in overrides:
-        if item.split("=", 1)[0].split(".")[0] in FIXED:
-            raise ConfigError(f"config error: {item.split('=', 1)[0]}: {what} cannot change it")
-    store = ArtifactStore(store_root)
-    base = stored_config(store, run_name)
-    cfg = build_config(merge_dicts(base.model_dump(mode="json"), parse_overrides(overrides)))
-    return store, cfg.model_copy(update={"store": cfg.store.model_copy(update={"root": store_root})})
 
 
 def replay_version(overrides: list[str]) -> str:
@@ -96,10 +76,9 @@ def replay(
     run_name: str, iteration: int, stage: str, store_root: str = "./rlstage-runs", overrides: list[str] | None = None
 ) -> dict:
     """Re-execute ``stage`` of ``iteration`` into a sibling version; report checksums and a metric diff."""
-    if stage not in REPLAYABLE:
-        raise ConfigError(f"config error: stage {stage!r} cannot be replayed; valid: {', '.join(REPLAYABLE)}")
     overrides = list(overrides or [])
     store, cfg = stored_config_with(store_root, run_name, overrides, "a replay")
+    check_replay(store, run_name, iteration, stage)
     preflight(cfg)
     original = need(store, run_name, iteration, stage)
     version = replay_version(overrides)

@@ -17,6 +17,7 @@ from prefect.context import get_run_context
 from prefect_ray import RayTaskRunner
 
 from engines.preflight import preflight
+from flows.checks import check_inputs, check_run_config, record_run_config
 from infra.drill import fault_point
 from infra.env import apply_defaults
 from infra.lease import run_lease
@@ -25,15 +26,11 @@ from infra.store import ArtifactStore
 from infra.tracking import Tracker, check_reachable, tracking_uri_for
 from schemas.config import ConfigError, RunConfig, build_config, load_config, merge_dicts, parse_overrides
 from schemas.manifest import Manifest, PolicyRef
-from schemas.stages import EXECUTION, SPECS, STAGES, StageSpec, covers, view_paths
+from schemas.stages import SPECS, StageSpec
 from tasks import stages
 from tasks.kit import initial_policy  # also registers the sft stage's task
 from tasks.runtime import policy_ref_from, store_for
 from workers.group import check_placement, critic_init_ref, open_group
-
-# Fields that may differ between invocations of one run: where and how it executes, and how long
-# (unless a stage's view holds the length: a decaying schedule derives its steps from it).
-RUN_MUTABLE = (*EXECUTION, "trainer.iterations")
 
 
 @dataclass
@@ -162,51 +159,6 @@ def _output(spec: StageSpec, result: stages.StageResult) -> Manifest | PolicyRef
     return policy_ref_from(result.manifest) if spec.output_ref else result.manifest
 
 
-def _identity(cfg: RunConfig) -> dict:
-    dump = cfg.model_dump(mode="json")
-    for path in RUN_MUTABLE:
-        if any(covers(path, view_paths(cfg, s)) for s in STAGES):
-            continue
-        node = dump
-        *parents, leaf = path.split(".")
-        for p in parents:
-            node = node[p]
-        node.pop(leaf, None)
-    return dump
-
-
-def _diff(a: dict, b: dict, prefix: str = "") -> list[str]:
-    out = []
-    for k in sorted(set(a) | set(b)):
-        va, vb = a.get(k), b.get(k)
-        if isinstance(va, dict) and isinstance(vb, dict):
-            out += _diff(va, vb, f"{prefix}{k}.")
-        elif va != vb:
-            out.append(f"{prefix}{k}: stored {va!r}, given {vb!r}")
-    return out
-
-
-def record_run_config(store: ArtifactStore, cfg: RunConfig) -> None:
-    """Store the resolved config with the run; refuse a later invocation whose config conflicts."""
-    stored = store.get_json(cfg.run_name, "run.json")
-    if stored is None:
-        store.put_json(cfg.run_name, "run.json", {"config": cfg.model_dump(mode="json"), "identity": _identity(cfg)})
-        return
-    diff = _diff(stored["identity"], _identity(cfg))
-    if diff:
-        raise ConfigError(
-            f"config error: run {cfg.run_name!r} exists with another config ({diff[0]}"
-            f"{f' and {len(diff) - 1} more' if len(diff) > 1 else ''}); use a new run_name or replay a stage"
-        )
-
-
-def stored_config(store: ArtifactStore, run_name: str) -> RunConfig:
-    stored = store.get_json(run_name, "run.json")
-    if stored is None:
-        raise ConfigError(f"config error: run {run_name!r} does not exist under {store.root}")
-    return RunConfig.model_validate(stored["config"])
-
-
 def with_model_folder(cfg: RunConfig) -> RunConfig:
     """``cfg`` with ``model.path`` a Hugging Face folder: a .gguf file is converted once (infra/models.py)."""
     if cfg.model.path is None or not cfg.model.path.lower().endswith(".gguf"):
@@ -228,11 +180,12 @@ def run_training(cfg: RunConfig, first: int = 1, last: int | None = None) -> dic
     apply_defaults()
     last = cfg.trainer.iterations if last is None else last
     cfg = with_model_folder(cfg)
+    check_inputs(cfg)
     preflight(cfg)
-    check_reachable(tracking_uri_for(cfg))
     store = store_for(cfg)
-    store.check_writable()
-    record_run_config(store, cfg)
+    store.check_writable()  # before the tracking URI, which may create a folder under the store root
+    check_run_config(store, cfg)  # recorded only once data prep has read its inputs (_run_iterations)
+    check_reachable(tracking_uri_for(cfg))
     ensure_ray(cfg)
     check_placement(cfg)
     _emit(f"rlstage: run {cfg.run_name!r}, iterations {first}..{last}, artifacts under {store.root}/{cfg.run_name}")
@@ -254,6 +207,7 @@ def _run_iterations(cfg: RunConfig, store: ArtifactStore, first: int, last: int,
         dropped = prep.metrics.get("data/train_dropped_overlong", 0) + prep.metrics.get("data/test_dropped_overlong", 0)
         if dropped:
             _emit(f"  data prep: {dropped:.0f} prompt(s) over data.max_prompt_length={cfg.data.max_prompt_length} tokens dropped")
+        record_run_config(store, cfg)  # after a failed first attempt, a corrected command is not "another config"
         sft = None
         if cfg.model.path is None:
             _emit("  [kit] SFT warm start of the tiny model (reused when already committed) ...")

@@ -64,6 +64,15 @@ def prefect_env(home: Path) -> dict[str, str]:
     return {**os.environ, "PREFECT_HOME": str(home), "PREFECT_UI_ENABLED": "false", "PREFECT_LOGGING_LEVEL": "WARNING"}
 
 
+def _die_with_parent() -> None:
+    """In the server's process: get SIGTERM when the process that started it dies, even by SIGKILL (Linux)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
 def start_prefect_server(home: str | Path, port: int | None = None, timeout_s: float = 90.0) -> PrefectServer:
     """Start ``prefect server start`` on 127.0.0.1 with its state under ``home``; wait until healthy."""
     home = Path(home).resolve()
@@ -76,11 +85,12 @@ def start_prefect_server(home: str | Path, port: int | None = None, timeout_s: f
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,
+        preexec_fn=_die_with_parent,
     )
     url = f"http://127.0.0.1:{port}/api"
     try:
         wait_http(f"{url}/health", timeout_s, proc)
-    except Exception:
+    except BaseException:  # a signal while waiting too: nothing started here outlives the call
         stop_process_group(proc)
         raise
     return PrefectServer(url=url, proc=proc, home=home)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import signal
+import threading
+
 import ray
 
 from infra.env import apply_defaults
@@ -19,13 +22,20 @@ def ensure_ray(cfg: RunConfig) -> None:
     if ray.is_initialized():
         return
     apply_defaults()
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     if cfg.ray.address:
         ray.init(address=cfg.ray.address, namespace=RAY_NAMESPACE, log_to_driver=False)
-        return
-    ray.init(
-        num_cpus=cfg.ray.num_cpus,
-        include_dashboard=False,
-        object_store_memory=cfg.ray.object_store_memory_mb << 20,
-        namespace=RAY_NAMESPACE,
-        log_to_driver=False,
-    )
+    else:
+        ray.init(
+            num_cpus=cfg.ray.num_cpus,
+            include_dashboard=False,
+            object_store_memory=cfg.ray.object_store_memory_mb << 20,
+            namespace=RAY_NAMESPACE,
+            log_to_driver=False,
+        )
+    # Ray's core worker replaces the process's SIGTERM handler with one that aborts; the command's
+    # own handlers stop what it started (flows/cli.py), so they are put back.
+    if threading.current_thread() is threading.main_thread():
+        for sig, handler in handlers.items():
+            if handler is not None:
+                signal.signal(sig, handler)

@@ -11,12 +11,17 @@ Each artifact folder holds its data files and ``_manifest.json``. The manifest i
 with a conditional create, so an artifact is visible exactly when it is completely written and a
 commit happens at most once; files without a manifest are garbage of an interrupted attempt.
 Every read checks sha256, byte size and (for Parquet) row count against the manifest.
+
+Checksums catch corruption, not a writer: with a key in ``RLSTAGE_STORE_HMAC_KEY`` every manifest
+and run document is signed (HMAC-SHA256 over its content) and readers refuse unsigned or
+mis-signed ones, so only holders of the key can make the store say anything.
 """
 
 from __future__ import annotations
 
 import errno
 import hashlib
+import hmac
 import io
 import json
 import logging
@@ -96,6 +101,32 @@ class StoreError(RuntimeError):
 
 class ArtifactCorrupt(StoreError):
     """A committed artifact does not match its manifest (checksum, size, rows, missing file)."""
+
+
+HMAC_KEY_ENV = "RLSTAGE_STORE_HMAC_KEY"
+_SIGNATURE = "signature"  # the manifest field (and, prefixed "_", the run documents' key) holding it
+
+
+def _hmac_key() -> bytes | None:
+    key = os.environ.get(HMAC_KEY_ENV)
+    if key is None:
+        return None
+    if not key:  # an unset shell variable expanded to "" must not silently turn signing off
+        raise StoreError(f"{HMAC_KEY_ENV} is set but empty")
+    return key.encode()
+
+
+def _sign(key: bytes, content: dict) -> str:
+    """HMAC-SHA256 of ``content`` (a parsed JSON document without its signature) in canonical form."""
+    canonical = json.dumps(content, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+    return hmac.new(key, canonical, hashlib.sha256).hexdigest()
+
+
+def _check_signature(key: bytes, uri: str, content: dict, signature: Any) -> None:
+    if not isinstance(signature, str):
+        raise ArtifactCorrupt(f"{uri} is unsigned, but {HMAC_KEY_ENV} is set (only signed documents are read)")
+    if not hmac.compare_digest(signature, _sign(key, content)):
+        raise ArtifactCorrupt(f"{uri}: signature does not match ({HMAC_KEY_ENV}): edited, or signed with another key")
 
 
 class CommitConflict(StoreError):
@@ -360,6 +391,10 @@ class ArtifactStore:
             raise ArtifactCorrupt(
                 f"manifest {self._uri(path)} is unreadable: {first['loc']}: {first['msg']}"
             ) from e
+        key = _hmac_key()
+        if key is not None:
+            content = json.loads(raw)
+            _check_signature(key, self._uri(path), content, content.pop(_SIGNATURE, None))
         where = (m.run, m.iteration, m.stage, m.version)
         if where != (run, iteration, stage, version):
             # A manifest copied or moved by hand would point reads at the wrong folder.
@@ -431,6 +466,9 @@ class ArtifactStore:
         files = {rel: writer() for rel, writer in sorted(plan.items())}
         # 3. The manifest, last and exclusively.
         m = m.model_copy(update={"files": files})
+        key = _hmac_key()
+        if key is not None:  # signed as readers will parse it (JSON floats, nulls), not as held in memory
+            m = m.model_copy(update={_SIGNATURE: _sign(key, json.loads(m.model_dump_json(exclude={_SIGNATURE})))})
         data = m.model_dump_json(indent=2).encode()
         try:
             self._create_exclusive(manifest_path, data)
@@ -646,6 +684,9 @@ class ArtifactStore:
     def put_json(self, run: str, name: str, obj: dict, *, exclusive: bool = False) -> None:
         """Write ``<root>/<run>/<name>.json``; with ``exclusive``, only if it does not exist yet."""
         path = self._json_path(run, name)
+        key = _hmac_key()
+        if key is not None:
+            obj = {**obj, f"_{_SIGNATURE}": _sign(key, json.loads(json.dumps(obj)))}
         data = json.dumps(obj, indent=2, sort_keys=True).encode()
         if exclusive:
             try:
@@ -668,9 +709,16 @@ class ArtifactStore:
         except FileNotFoundError:
             return None
         try:
-            return json.loads(raw)
+            doc = json.loads(raw)
         except ValueError as e:
             raise ArtifactCorrupt(f"{self._uri(path)} is not valid JSON: {e}") from e
+        if not isinstance(doc, dict):
+            raise ArtifactCorrupt(f"{self._uri(path)} is not a JSON object")
+        signature = doc.pop(f"_{_SIGNATURE}", None)
+        key = _hmac_key()
+        if key is not None:
+            _check_signature(key, self._uri(path), doc, signature)
+        return doc
 
     def delete_json(self, run: str, name: str) -> None:
         """Remove the document; missing is fine."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -123,6 +124,9 @@ class DataConfig(_Section):
     def _paths(self) -> DataConfig:
         if self.source != "synthetic" and not self.train_path:
             raise ValueError(f"data.train_path is required for data.source={self.source}")
+        # Without a held-out set every eval would average nothing (nan): refused, not defaulted.
+        if self.source != "synthetic" and not self.test_path:
+            raise ValueError(f"data.test_path (the held-out set) is required for data.source={self.source}")
         return self
 
 
@@ -158,11 +162,16 @@ class OverlongBufferConfig(_Section):
 
 
 class RewardConfig(_Section):
-    function: str | None = None  # force one registered reward function; None: chosen by data_source
+    # Force one reward function: a registered name or an import path "pkg.module:function" /
+    # "file.py:function" (see ALLOWED_CALLABLES_ENV for stored configs); None: chosen by data_source.
+    # Whether it resolves is checked before any stage (engines/preflight.py).
+    function: str | None = None
     gsm8k_method: Literal["strict", "flexible"] = "strict"  # verl's gsm8k extraction method
     # verl's gsm8k format_score: the reward of a parsable but wrong answer (0 in verl's default scorer)
     format_score: float = 0.0
     timeout_s: float = Field(2.0, gt=0)
+    # A scoring stage stops when at least this share of its samples failed (1.0: only when all did).
+    stop_failure_share: float = Field(1.0, gt=0, le=1)
     overlong_buffer: OverlongBufferConfig = Field(default_factory=OverlongBufferConfig)
 
 
@@ -461,6 +470,14 @@ class RunConfig(_Section):
                 )
         if self.critic.ppo_mini_batch_size % self.critic.micro_batch_size:
             raise ValueError("critic.ppo_mini_batch_size must be a multiple of critic.micro_batch_size")
+        # A remainder would be a short last mini-batch each epoch, a step on fewer samples than configured.
+        samples = self.data.prompts_per_iteration * self.rollout.n
+        for name, section in (("actor", self.actor), ("critic", self.critic)):
+            if samples % section.ppo_mini_batch_size and (name == "actor" or self.critic.enable):
+                raise ValueError(
+                    f"{name}.ppo_mini_batch_size={section.ppo_mini_batch_size} does not divide the samples per "
+                    f"iteration, data.prompts_per_iteration x rollout.n = {samples}"
+                )
         # A token budget must hold the longest possible sequence (as verl's ppo_max_token_len_per_gpu).
         if self.agent.enable:
             response_key, response_max = "agent.max_response_tokens", self.agent.max_response_tokens
@@ -526,6 +543,13 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    """PyYAML's multi-line report as one line: the problem and where."""
+    mark = getattr(err, "problem_mark", None)
+    problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+    return f"{problem} at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else problem
+
+
 def parse_overrides(overrides: list[str] | tuple[str, ...]) -> dict:
     """``["actor.optim.lr=1e-5", ...]`` -> nested dict; values are parsed as YAML scalars."""
     tree: dict = {}
@@ -533,7 +557,11 @@ def parse_overrides(overrides: list[str] | tuple[str, ...]) -> dict:
         if "=" not in item:
             raise ConfigError(f"config error: override {item!r} is not of the form key=value")
         key, raw = item.split("=", 1)
-        _set_dotted(tree, key.strip(), yaml.safe_load(raw) if raw.strip() else None)
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError as err:
+            raise ConfigError(f"config error: override {key.strip()}: value is not YAML ({_yaml_problem(err)})") from None
+        _set_dotted(tree, key.strip(), value)
     return tree
 
 
@@ -565,11 +593,84 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"config error: config file {p} does not exist")
-        loaded = yaml.safe_load(p.read_text()) or {}
+        try:
+            loaded = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+        except UnicodeDecodeError as err:
+            raise ConfigError(f"config error: config file {p} is not UTF-8 text ({err.reason} at byte {err.start})") from None
+        except OSError as err:
+            raise ConfigError(f"config error: config file {p} is unreadable: {err.strerror or err}") from None
+        except yaml.YAMLError as err:
+            raise ConfigError(f"config error: config file {p} is not valid YAML ({_yaml_problem(err)})") from None
         if not isinstance(loaded, dict):
             raise ConfigError(f"config error: {p} must hold a mapping")
         data = loaded
     return build_config(merge_dicts(data, parse_overrides(overrides)))
+
+
+# Import paths a *stored* config may name, besides the built-in tools: the allow-list lives outside
+# any store (the environment and the user's config folder), since whoever writes the store is not trusted.
+ALLOWED_CALLABLES_ENV = "RLSTAGE_ALLOWED_CALLABLES"  # comma- or whitespace-separated import paths
+
+
+def allowed_callables_file() -> Path:
+    """``$XDG_CONFIG_HOME/rlstage/allowed_callables`` (default ``~/.config``): one import path a line, ``#`` comments."""
+    base = os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config"
+    return Path(base) / "rlstage" / "allowed_callables"
+
+
+def allowed_callables() -> set[str]:
+    allowed = set(os.environ.get(ALLOWED_CALLABLES_ENV, "").replace(",", " ").split())
+    try:
+        text = allowed_callables_file().read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return allowed
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"config error: allow-list {allowed_callables_file()} is unreadable: {err}") from None
+    return allowed | {line.split("#", 1)[0].strip() for line in text.splitlines()} - {""}
+
+
+def code_settings(data: Any) -> list[tuple[str, str]]:
+    """(setting, import path) for every setting of a raw config dict that names code to import."""
+    data = data if isinstance(data, dict) else {}
+    out = []
+    reward = data.get("reward")
+    fn = reward.get("function") if isinstance(reward, dict) else None
+    if isinstance(fn, str) and ":" in fn:  # registered reward names hold no ':'
+        out.append(("reward.function", fn))
+    agent = data.get("agent")
+    tools = agent.get("tools") if isinstance(agent, dict) else None
+    for i, tool in enumerate(tools if isinstance(tools, list) else []):
+        path = tool.get("callable") if isinstance(tool, dict) else None
+        if path is not None:
+            out.append((f"agent.tools.{i}.callable", str(path)))
+    return out
+
+
+def stored_config_from(stored: Any, where: str, overrides: list[str] | tuple[str, ...] = (), trusted: set[str] = frozenset()) -> RunConfig:
+    """A stored config (``run.json``) plus this invocation's ``overrides``, validated.
+
+    Code it names is imported only when this invocation names it too (in ``overrides`` or ``trusted``),
+    or it is built in, or allow-listed outside the store; otherwise it is refused before validation
+    (which would import it).
+    """
+    from engines.tools import CALCULATOR_PATHS
+
+    base = stored.get("config") if isinstance(stored, dict) else None
+    if not isinstance(base, dict):
+        raise ConfigError(f"config error: {where} holds no config mapping")
+    given = parse_overrides(overrides)
+    merged = merge_dicts(base, given)
+    named = code_settings(merged)
+    own = {path for _, path in code_settings(given)} | set(trusted) | set(CALCULATOR_PATHS)
+    allowed = own | (allowed_callables() if any(path not in own for _, path in named) else set())
+    for setting, path in named:
+        if path not in allowed:
+            raise ConfigError(
+                f"config error: {setting}: {path!r} comes from the stored config {where}, which may not name code "
+                f"to import; give it in this command ({setting}=...) or allow it in {ALLOWED_CALLABLES_ENV} "
+                f"or {allowed_callables_file()}"
+            )
+    return build_config(merged)
 
 
 def config_to_yaml(cfg: RunConfig) -> str:

@@ -31,6 +31,8 @@ class Manifest(BaseModel):
     inputs: dict[str, str] = Field(default_factory=dict)  # input name -> artifact_id
     files: dict[str, FileEntry] = Field(default_factory=dict)
     meta: dict = Field(default_factory=dict)
+    # HMAC-SHA256 over the rest of the manifest, present when the writer had a store key (infra/store.py).
+    signature: str | None = None
 
 
 class PolicyRef(BaseModel):

@@ -240,13 +240,15 @@ def _rollouts_table(batch: list[dict], comps: list[dict], iteration: int) -> pa.
 
 # ---------------------------------------------------------------- reward
 def score_rows(cfg: ConfigView, rows: list[dict]) -> list:
-    return rewards.score_batch(
+    results = rewards.score_batch(
         rows,
         timeout_s=cfg.reward.timeout_s,
         function=cfg.reward.function,
         gsm8k_method=cfg.reward.gsm8k_method,
         format_score=cfg.reward.format_score,
     )
+    rewards.check_failures(results, cfg.reward.stop_failure_share)  # a broken reward function is not a 0.0 reward
+    return results
 
 
 @stage_task("reward")
@@ -571,11 +573,18 @@ def evaluate(
     return run_stage(cfg, "eval", iteration, inputs, produce, version=version, meta=meta)
 
 
+def _retryable(task, task_run, state) -> bool:
+    """A reward function that failed a batch fails it again: retries are for lost workers and stores."""
+    return not isinstance(state.data, rewards.RewardFailure)
+
+
 def submit_stage(cfg: RunConfig, stage: str, *args, **kwargs):
     """Submit stage ``stage``'s registered task with the retries and Ray resources configured for it."""
     from prefect_ray.context import remote_options
 
     res = cfg.ray.resources(stage)
-    configured = TASKS[stage].with_options(retries=res.retries, retry_delay_seconds=res.retry_delay_s)
+    configured = TASKS[stage].with_options(
+        retries=res.retries, retry_delay_seconds=res.retry_delay_s, retry_condition_fn=_retryable
+    )
     with remote_options(num_cpus=res.num_cpus, num_gpus=res.num_gpus):
         return configured.submit(cfg, *args, **kwargs)

@@ -125,10 +125,11 @@ def test_conflicting_config_for_existing_run_is_refused(first_run):
 
 
 def test_missing_model_path_is_a_clear_error(prefect_api, tmp_path):
+    from flows.checks import InputError
     from flows.training import train
 
     cfg = _cfg(tmp_path, f"model.path={tmp_path / 'no-such-model'}", "run_name=nomodel")
-    with pytest.raises(FileNotFoundError, match="no-such-model"):
+    with pytest.raises(InputError, match="no-such-model"):
         train(config=cfg)
     assert not (tmp_path / "store").exists()  # nothing written
 

@@ -139,12 +139,12 @@ def test_one_iteration_of_smollm2_through_the_pipeline(prefect_api, smollm2_path
 
 
 def test_bad_real_model_settings_fail_in_one_line(smollm2_path, tmp_path) -> None:
-    from flows.training import check_inputs
+    from engines.preflight import check_model as check_inputs
     from schemas.config import ConfigError, load_config
 
     train = tmp_path / "train.jsonl"
     train.write_text(json.dumps({"question": "What is 3 + 4?", "answer": "#### 7"}) + "\n")
-    base = [f"model.path={smollm2_path}", "data.source=gsm8k", f"data.train_path={train}"]
+    base = [f"model.path={smollm2_path}", "data.source=gsm8k", f"data.train_path={train}", f"data.test_path={train}"]
     check_inputs(load_config(None, base))
     with pytest.raises(ConfigError) as err:  # SmolLM2's context is 8192 tokens
         check_inputs(load_config(None, [*base, "rollout.max_new_tokens=8000"]))

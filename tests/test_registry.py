@@ -313,7 +313,7 @@ def test_eval_reexecutes_for_a_reward_change_and_not_for_an_actor_change(prefect
 
 def test_a_run_whose_schedule_reads_its_length_cannot_change_it(tmp_path):
     """trainer.iterations may change between invocations of a run unless a stage's view holds it."""
-    from flows.training import record_run_config
+    from flows.checks import record_run_config
     from tasks.runtime import store_for
 
     for schedule, refused in (("constant", False), ("cosine", True)):

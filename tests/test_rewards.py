@@ -226,9 +226,9 @@ def test_raising_and_hanging_functions_cost_only_their_sample() -> None:
     texts = ["ok"] * 300 + ["raise", "ok", "hang", "busy", "nan", "ok", "bad extra"] + ["x"] * 700
     rows = _rows(texts)
     rows[306]["extra_info"] = "[1, 2]"
-    start = time.monotonic()
+    R.score_batch(_rows(["ok"]), timeout_s=0.5, function="test_chaos")
+    scorer = R._POOL[0].proc.pid
     results = R.score_batch(rows, timeout_s=0.5, function="test_chaos")
-    elapsed = time.monotonic() - start
     assert len(results) == len(rows)
     errors = {i: r.error for i, r in enumerate(results) if r.error is not None}
     assert errors == {
@@ -240,7 +240,8 @@ def test_raising_and_hanging_functions_cost_only_their_sample() -> None:
     }
     assert [r.score for r in results] == [1.0 if t == "ok" else 0.0 for t in texts]
     assert {r.reward_fn for r in results} == {"test_chaos"}
-    assert 1.0 <= elapsed < 5
+    # The hangs were cut by the child's own per-sample timer: the watchdog never had to kill the scorer.
+    assert R._POOL[0].proc.pid == scorer and R._POOL[0].alive()
 
 
 def test_dying_and_deaf_children_are_killed_and_replaced(monkeypatch: pytest.MonkeyPatch) -> None:

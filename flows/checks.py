@@ -1,0 +1,205 @@
+"""What a command checks before any flow run, Ray or server starts: its inputs, its run, its services.
+
+Everything here imports only light modules (no Prefect, Ray or torch), so the CLI answers a
+mistake in about a second, with one line that names the file, setting or service.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import urllib.request
+from pathlib import Path
+
+from infra.store import ArtifactStore
+from schemas.config import ConfigError, RunConfig, stored_config_from
+from schemas.manifest import Manifest
+from schemas.stages import EXECUTION, REPLAYABLE, STAGES, covers, view_paths
+
+# Fields that may differ between invocations of one run: where and how it executes, and how long
+# (unless a stage's view holds the length: a decaying schedule derives its steps from it).
+RUN_MUTABLE = (*EXECUTION, "trainer.iterations")
+FIXED = ("run_name", "store")  # a replay or an evaluation may not move the run
+
+
+class InputError(ValueError):
+    """A named input (model folder, data file, service) is missing or unusable: one line naming it."""
+
+
+# ---------------------------------------------------------------- the run's config
+
+
+def _identity(cfg: RunConfig) -> dict:
+    dump = cfg.model_dump(mode="json")
+    for path in RUN_MUTABLE:
+        if any(covers(path, view_paths(cfg, s)) for s in STAGES):
+            continue
+        node = dump
+        *parents, leaf = path.split(".")
+        for p in parents:
+            node = node[p]
+        node.pop(leaf, None)
+    return dump
+
+
+def _diff(a: dict, b: dict, prefix: str = "") -> list[str]:
+    out = []
+    for k in sorted(set(a) | set(b)):
+        va, vb = a.get(k), b.get(k)
+        if isinstance(va, dict) and isinstance(vb, dict):
+            out += _diff(va, vb, f"{prefix}{k}.")
+        elif va != vb:
+            out.append(f"{prefix}{k}: stored {va!r}, given {vb!r}")
+    return out
+
+
+def check_run_config(store: ArtifactStore, cfg: RunConfig) -> bool:
+    """Refuse a config that conflicts with the run's recorded one; True when one is recorded."""
+    stored = store.get_json(cfg.run_name, "run.json")
+    if stored is None:
+        return False
+    identity = stored.get("identity")
+    if not isinstance(identity, dict):
+        raise ConfigError(f"config error: {store.root}/{cfg.run_name}/run.json holds no config identity")
+    diff = _diff(identity, _identity(cfg))
+    if diff:
+        raise ConfigError(
+            f"config error: run {cfg.run_name!r} exists with another config ({diff[0]}"
+            f"{f' and {len(diff) - 1} more' if len(diff) > 1 else ''}); use a new run_name or replay a stage"
+        )
+    return True
+
+
+def record_run_config(store: ArtifactStore, cfg: RunConfig) -> None:
+    """Store the resolved config with the run (once its inputs proved usable); refuse a conflicting one."""
+    if not check_run_config(store, cfg):
+        store.put_json(cfg.run_name, "run.json", {"config": cfg.model_dump(mode="json"), "identity": _identity(cfg)})
+
+
+def stored_config(
+    store: ArtifactStore, run_name: str, overrides: list[str] | tuple[str, ...] = (), trusted: set[str] = frozenset()
+) -> RunConfig:
+    """The run's recorded config plus ``overrides``; code it names must be named by this invocation or allow-listed."""
+    stored = store.get_json(run_name, "run.json")
+    if stored is None:
+        raise ConfigError(f"config error: run {run_name!r} does not exist under {store.root}")
+    return stored_config_from(stored, f"{store.root}/{run_name}/run.json", overrides, trusted)
+
+
+def stored_config_with(store_root: str, run_name: str, overrides: list[str], what: str) -> tuple[ArtifactStore, RunConfig]:
+    """The run's store and its stored config plus ``overrides`` (which may not move the run)."""
+    for item in overrides:
+        if item.split("=", 1)[0].split(".")[0] in FIXED:
+            raise ConfigError(f"config error: {item.split('=', 1)[0]}: {what} cannot change it")
+    store = ArtifactStore(store_root)
+    cfg = stored_config(store, run_name, overrides)
+    return store, cfg.model_copy(update={"store": cfg.store.model_copy(update={"root": store_root})})
+
+
+# ---------------------------------------------------------------- committed artifacts
+
+
+def need(store: ArtifactStore, run: str, iteration: int | None, stage: str) -> Manifest:
+    m = store.manifest(run, iteration, stage)
+    if m is None:
+        where = "run level" if iteration is None else f"iteration {iteration}"
+        raise ConfigError(f"config error: run {run!r} has no committed {stage} at {where}")
+    return m
+
+
+def last_completed_iteration(store: ArtifactStore, run: str) -> int:
+    """The highest iteration whose update is committed (0 when none is)."""
+    done = [it for it in store.iterations(run) if it > 0 and store.manifest(run, it, "update") is not None]
+    return max(done, default=0)
+
+
+def check_replay(store: ArtifactStore, run: str, iteration: int, stage: str) -> None:
+    if stage not in REPLAYABLE:
+        raise ConfigError(f"config error: stage {stage!r} cannot be replayed; valid: {', '.join(REPLAYABLE)}")
+    need(store, run, iteration, stage)
+
+
+def check_eval(store: ArtifactStore, run: str, iteration: int | None) -> int:
+    """The iteration an evaluation scores (default: the last completed), refused when it has no policy."""
+    last = last_completed_iteration(store, run)
+    iteration = last if iteration is None else iteration
+    if not 0 <= iteration <= last:
+        raise ConfigError(f"config error: iteration: run {run!r} has policies for 0..{last}, got {iteration}")
+    need(store, run, None, "data_prep")
+    return iteration
+
+
+# ---------------------------------------------------------------- inputs
+
+
+def check_model_dir(value: str) -> None:
+    """A Hugging Face model folder: a readable ``config.json`` and complete safetensors weights."""
+    path = Path(value).expanduser()
+    if not path.is_dir():
+        raise InputError(f"model.path {value}: not a directory")
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise InputError(f"model.path {value}: no config.json (not a Hugging Face model directory)") from None
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise InputError(f"model.path {value}: config.json is unreadable: {err}") from None
+    if not isinstance(config, dict):
+        raise InputError(f"model.path {value}: config.json is not a JSON object")
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            files = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as err:
+            raise InputError(f"model.path {value}: {index.name} is unreadable: {err}") from None
+    else:
+        files = [p.name for p in sorted(path.glob("*.safetensors"))]
+    if not files:
+        # Pickled weights (pytorch_model.bin) are never loaded: they can carry code.
+        raise InputError(f"model.path {value}: no *.safetensors weights")
+    for name in files:
+        _check_safetensors(path / name, f"model.path {value}: {name}")
+
+
+def _check_safetensors(file: Path, label: str) -> None:
+    """The header parses and the file holds every byte it announces (a truncated copy fails here)."""
+    try:
+        size = file.stat().st_size
+        with open(file, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > min(size - 8, 100 << 20):
+                raise ValueError(f"header length {n} exceeds the file")
+            header = json.loads(f.read(n))
+        ends = [t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"]
+    except FileNotFoundError:
+        raise InputError(f"{label}: file is missing") from None
+    except (OSError, struct.error, ValueError, KeyError, TypeError, AttributeError, IndexError) as err:
+        raise InputError(f"{label}: not a readable safetensors file ({err})") from None
+    if 8 + n + max(ends, default=0) > size:
+        raise InputError(f"{label}: truncated ({size} bytes, its header announces {8 + n + max(ends)})")
+
+
+def check_inputs(cfg: RunConfig) -> None:
+    """Fail before anything is written when a named input does not exist or cannot be read."""
+    from engines.datasets import DatasetError, load_prompts
+
+    if cfg.model.path is not None and not cfg.model.path.lower().endswith(".gguf"):  # a .gguf is converted at run start
+        check_model_dir(cfg.model.path)
+    for key in ("train_path", "test_path"):
+        value = getattr(cfg.data, key)
+        if value is None or "://" in value:
+            continue
+        if not Path(value).expanduser().is_file():
+            raise InputError(f"data.{key} {value} does not exist")
+        try:
+            load_prompts(cfg.data.source, value)  # the data prep stage reads it again; errors surface here first
+        except DatasetError as err:
+            raise InputError(f"data.{key}: {err}") from None
+
+
+def check_prefect_api(url: str, timeout_s: float = 3.0) -> None:
+    """The Prefect API at ``PREFECT_API_URL`` answers its health check."""
+    try:
+        with urllib.request.urlopen(f"{url.rstrip('/')}/health", timeout=timeout_s):
+            pass
+    except (OSError, ValueError) as err:
+        raise InputError(f"Prefect API {url} (PREFECT_API_URL) is unreachable: {err}") from None

@@ -1,0 +1,246 @@
+"""One line for every bad input: a table of mistakes walked through the real ``rlstage`` CLI.
+
+Every case must end before any flow run, Ray or server starts, with exit code 2, exactly one stderr
+line that names the file, setting or service, no traceback, and nothing written to the store.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+GOOD_GSM8K = '{"question": "What is 2+3?", "answer": "2+3=5\\n#### 5"}\n'
+
+
+def _safetensors(data_bytes: int = 4, announce: int = 4) -> bytes:
+    header = json.dumps({"w": {"dtype": "F32", "shape": [announce // 4], "data_offsets": [0, announce]}}).encode()
+    return struct.pack("<Q", len(header)) + header + b"\0" * data_bytes
+
+
+def _model_dir(root: Path, name: str, config: bytes | None = b"{}", files: dict[str, bytes] | None = None) -> str:
+    d = root / name
+    d.mkdir()
+    if config is not None:
+        (d / "config.json").write_bytes(config)
+    for fname, data in (files or {}).items():
+        (d / fname).write_bytes(data)
+    return str(d)
+
+
+def _world(w: Path) -> dict[str, str]:
+    """Files, model folders and a store holding the runs the table refers to."""
+    from flows.checks import record_run_config
+    from infra.store import ArtifactStore
+    from schemas.config import RunConfig
+
+    p: dict[str, str] = {"w": str(w), "store": str(w / "store"), "marker": str(w / "marker")}
+    data = w / "data"
+    data.mkdir()
+    files = {
+        "good.jsonl": GOOD_GSM8K.encode(),
+        "badline.jsonl": (GOOD_GSM8K + "{not json\n").encode(),
+        "empty.jsonl": b"",
+        "latin1.jsonl": '{"question": "caf\xe9", "answer": "#### 1"}\n'.encode("latin-1"),
+        "nomarker.jsonl": b'{"question": "q", "answer": "5"}\n',
+        "noquestion.jsonl": b'{"answer": "#### 5"}\n',
+        "array.jsonl": b"[1, 2]\n",
+        "notparquet.parquet": b"PAR1 this is not parquet",
+        "bad.yaml": b"run_name: x\nactor: [1, 2\n",
+        "latin1.yaml": "run_name: caf\xe9\n".encode("latin-1"),
+        "list.yaml": b"- a\n- b\n",
+        "tabs.yaml": b"run_name: x\n\tactor: 1\n",
+    }
+    for name, content in files.items():
+        (data / name).write_bytes(content)
+        p[name.replace(".", "_")] = str(data / name)
+    pq.write_table(pa.table({"foo": [1]}), data / "nocols.parquet")
+    p["nocols_parquet"] = str(data / "nocols.parquet")
+    verl = {"data_source": pa.array([], pa.string()), "prompt": pa.array([], pa.string()), "reward_model": pa.array([], pa.string())}
+    pq.write_table(pa.table(verl), data / "empty.parquet")
+    p["empty_parquet"] = str(data / "empty.parquet")
+    models = w / "models"
+    models.mkdir()
+    p["m_noconfig"] = _model_dir(models, "noconfig", None, {"model.safetensors": _safetensors()})
+    p["m_badjson"] = _model_dir(models, "badjson", b"{'not': json", {"model.safetensors": _safetensors()})
+    p["m_latin1"] = _model_dir(models, "latin1", '{"n": "caf\xe9"}'.encode("latin-1"), {"model.safetensors": _safetensors()})
+    p["m_noweights"] = _model_dir(models, "noweights")
+    p["m_pickle"] = _model_dir(models, "pickle", files={"pytorch_model.bin": b"\x80\x04K\x01."})
+    p["m_corrupt"] = _model_dir(models, "corrupt", files={"model.safetensors": b"\xff" * 64})
+    p["m_truncated"] = _model_dir(models, "truncated", files={"model.safetensors": _safetensors(4, 4096)})
+    p["m_index"] = _model_dir(models, "index", files={"model.safetensors.index.json": b'{"weight_map": {"w": "shard-1.safetensors"}}'})
+    blocker = w / "blocker"
+    blocker.write_text("a file where the store root's parent should be")
+    p["blocker"] = str(blocker)
+
+    store = ArtifactStore(p["store"])
+    record_run_config(store, RunConfig(run_name="good"))
+    kw = {"key": "k", "config_hash": "c", "code_version": "v", "inputs": {}}
+    store.commit("good", None, "data_prep", tables={"train.parquet": pa.table({"x": [1]}), "test.parquet": pa.table({"x": [1]})}, **kw)
+    store.commit("good", 1, "rollout", tables={"rollouts.parquet": pa.table({"x": [1]})}, **kw)
+    # Runs whose run.json a writer of the store edited to name code.
+    evil = data / "evil_reward.py"
+    evil.write_text(f"import pathlib\npathlib.Path({p['marker']!r}).write_text('ran')\n\ndef score(*a):\n    return 1.0\n")
+    (w / "evil_tool.py").write_text(evil.read_text())
+    for run, edit in (
+        ("evil", lambda c: c["reward"].update(function=f"{evil}:score")),
+        ("eviltool", lambda c: c["agent"].update(tools=[{"name": "t", "callable": "evil_tool:score"}])),
+    ):
+        record_run_config(store, RunConfig(run_name=run))
+        path = w / "store" / run / "run.json"
+        doc = json.loads(path.read_text())
+        edit(doc["config"])
+        path.write_text(json.dumps(doc))
+    (w / "store" / "broken").mkdir()
+    (w / "store" / "broken" / "run.json").write_text("{half a document")
+    return p
+
+
+GSM = ["data.source=gsm8k"]
+
+
+def _train_data(train: str, test: str = "{good_jsonl}", source: str = "gsm8k") -> list[str]:
+    return [f"data.source={source}", f"data.train_path={train}", f"data.test_path={test}"]
+
+
+# (name, argv with {placeholders} from _world, extra environment, pattern the one stderr line must match)
+CASES: list[tuple[str, list[str], dict[str, str], str]] = [
+    # ---- the command line
+    ("unknown command", ["bogus"], {}, r"^rlstage: argument cmd: invalid choice: 'bogus'"),
+    ("iteration not an int", ["replay", "good", "x", "reward"], {}, r"^rlstage replay: argument iteration: invalid int value: 'x'"),
+    ("missing arguments", ["replay", "good"], {}, r"^rlstage replay: the following arguments are required: iteration, stage"),
+    ("unknown option", ["train", "--nope"], {}, r"^rlstage: unrecognized arguments: --nope"),
+    # ---- the config
+    ("override without =", ["train", "nonsense"], {}, r"override 'nonsense' is not of the form key=value"),
+    ("unknown key", ["train", "actor.optim.lrr=1"], {}, r"config error: actor\.optim\.lrr: Extra inputs are not permitted"),
+    ("bad value", ["train", "actor.optim.lr=-1"], {}, r"config error: actor\.optim\.lr: Input should be greater than 0"),
+    ("unknown estimator", ["demo", "algorithm.adv_estimator=ppo2"], {}, r"config error: algorithm\.adv_estimator: .*'grpo'"),
+    ("override value not YAML", ["train", "actor.optim.betas=[0.9,"], {}, r"config error: override actor\.optim\.betas: value is not YAML"),
+    ("config file missing", ["train", "-c", "{w}/nope.yaml"], {}, r"config error: config file .*/nope\.yaml does not exist"),
+    ("config file YAML syntax", ["train", "-c", "{bad_yaml}"], {}, r"config error: config file .*/bad\.yaml is not valid YAML \(expected .* at line 3, column 1\)"),
+    ("config file with a tab", ["train", "-c", "{tabs_yaml}"], {}, r"config error: config file .*/tabs\.yaml is not valid YAML"),
+    ("config file not UTF-8", ["train", "-c", "{latin1_yaml}"], {}, r"config error: config file .*/latin1\.yaml is not UTF-8 text"),
+    ("config file not a mapping", ["train", "-c", "{list_yaml}"], {}, r"config error: .*/list\.yaml must hold a mapping"),
+    ("run name with /", ["train", "run_name=a/b"], {}, r"config error: run_name: run name 'a/b' must be"),
+    ("groups of one", ["train", "rollout.n=1"], {}, r"config error: <root>: rollout\.n=1: algorithm\.adv_estimator=grpo needs groups"),
+    ("no held-out set", ["train", *GSM, "data.train_path=x.jsonl"], {}, r"data\.test_path \(the held-out set\) is required for data\.source=gsm8k"),
+    ("mini-batch remainder", ["train", "actor.ppo_mini_batch_size=48", "actor.micro_batch_size=16"], {}, r"actor\.ppo_mini_batch_size=48 does not divide the samples per iteration"),
+    ("unknown reward name", ["train", "reward.function=exact_mtch"], {}, r"config error: reward\.function: unknown reward function 'exact_mtch'; valid: "),
+    ("reward file missing", ["train", "reward.function={w}/nope.py:f"], {}, r"config error: reward\.function: reward function file .*/nope\.py does not exist"),
+    ("reward module missing", ["train", "reward.function=no_such_mod:f"], {}, r"cannot load reward function 'no_such_mod:f': ModuleNotFoundError"),
+    ("tool not importable", ["train", "agent.tools=[{{name: t, callable: no_such_mod:f}}]"], {}, r"config error: agent\.tools\.0\.callable: cannot import 'no_such_mod:f'"),
+    ("failure share 0", ["train", "reward.stop_failure_share=0"], {}, r"config error: reward\.stop_failure_share: Input should be greater than 0"),
+    # ---- data files
+    ("train file missing", ["train", *_train_data("{w}/nope.jsonl")], {}, r"data\.train_path .*/nope\.jsonl does not exist"),
+    ("test file missing", ["train", *_train_data("{good_jsonl}", "{w}/nope.jsonl")], {}, r"data\.test_path .*/nope\.jsonl does not exist"),
+    ("jsonl bad line", ["train", *_train_data("{badline_jsonl}")], {}, r"data\.train_path: .*/badline\.jsonl:2: invalid JSON"),
+    ("jsonl empty", ["train", *_train_data("{empty_jsonl}")], {}, r"data\.train_path: .*/empty\.jsonl: file is empty"),
+    ("jsonl not UTF-8", ["train", *_train_data("{good_jsonl}", "{latin1_jsonl}")], {}, r"data\.test_path: .*/latin1\.jsonl: not UTF-8 text"),
+    ("jsonl no ####", ["train", *_train_data("{nomarker_jsonl}")], {}, r"nomarker\.jsonl:1: answer has no '####' final-answer marker"),
+    ("jsonl no question", ["train", *_train_data("{noquestion_jsonl}")], {}, r"noquestion\.jsonl:1: row has no 'question'"),
+    ("jsonl not an object", ["train", *_train_data("{array_jsonl}")], {}, r"array\.jsonl:1: expected a JSON object, got list"),
+    ("parquet missing columns", ["train", *_train_data("{nocols_parquet}", "{nocols_parquet}", "verl_parquet")], {}, r"nocols\.parquet: missing columns"),
+    ("parquet empty", ["train", *_train_data("{empty_parquet}", "{empty_parquet}", "verl_parquet")], {}, r"empty\.parquet: file is empty \(no rows\)"),
+    ("not parquet", ["train", *_train_data("{notparquet_parquet}", "{notparquet_parquet}", "verl_parquet")], {}, r"notparquet\.parquet: not a readable parquet file"),
+    ("data-prep bad line", ["data-prep", *_train_data("{badline_jsonl}")], {}, r"badline\.jsonl:2: invalid JSON"),
+    # ---- the model folder
+    ("model folder missing", ["train", "model.path={w}/nomodel"], {}, r"model\.path .*/nomodel: not a directory"),
+    ("model without config.json", ["train", "model.path={m_noconfig}"], {}, r"model\.path .*/noconfig: no config\.json"),
+    ("model config.json not JSON", ["train", "model.path={m_badjson}"], {}, r"model\.path .*/badjson: config\.json is unreadable"),
+    ("model config.json not UTF-8", ["train", "model.path={m_latin1}"], {}, r"model\.path .*/latin1: config\.json is unreadable"),
+    ("model without weights", ["train", "model.path={m_noweights}"], {}, r"model\.path .*/noweights: no \*\.safetensors weights"),
+    ("model with pickled weights only", ["train", "model.path={m_pickle}"], {}, r"model\.path .*/pickle: no \*\.safetensors weights"),
+    ("model weights corrupt", ["train", "model.path={m_corrupt}"], {}, r"model\.safetensors: not a readable safetensors file"),
+    ("model weights truncated", ["train", "model.path={m_truncated}"], {}, r"model\.safetensors: truncated \(79 bytes, its header announces 4171\)"),
+    ("model shard missing", ["train", "model.path={m_index}"], {}, r"shard-1\.safetensors: file is missing"),
+    # ---- services and the store
+    ("Prefect API unreachable", ["train", "store.root={w}/s2"], {"PREFECT_API_URL": "http://127.0.0.1:9/api"}, r"Prefect API http://127\.0\.0\.1:9/api \(PREFECT_API_URL\) is unreachable"),
+    ("MLflow unreachable", ["train", "tracking.tracking_uri=http://127.0.0.1:9"], {}, r"MLflow tracking server http://127\.0\.0\.1:9 is unreachable"),
+    ("store root unwritable", ["train", "store.root={blocker}/store"], {}, r"store root .*/blocker/store cannot be written"),
+    ("empty store key", ["replay", "good", "1", "reward", "--store", "{store}"], {"RLSTAGE_STORE_HMAC_KEY": ""}, r"RLSTAGE_STORE_HMAC_KEY is set but empty"),
+    ("unsigned store with a key", ["eval", "good", "--store", "{store}"], {"RLSTAGE_STORE_HMAC_KEY": "k"}, r"good/run\.json is unsigned, but RLSTAGE_STORE_HMAC_KEY is set"),
+    # ---- runs and iterations
+    ("conflicting config", ["train", "run_name=good", "store.root={store}", "actor.optim.lr=0.5"], {}, r"run 'good' exists with another config \(actor\.optim\.lr: stored 0\.0001, given 0\.5\)"),
+    ("replay run missing", ["replay", "nope", "1", "reward", "--store", "{store}"], {}, r"run 'nope' does not exist under"),
+    ("replay iteration missing", ["replay", "good", "5", "reward", "--store", "{store}"], {}, r"run 'good' has no committed reward at iteration 5"),
+    ("replay stage unknown", ["replay", "good", "1", "rolout", "--store", "{store}"], {}, r"stage 'rolout' cannot be replayed; valid: rollout, reward"),
+    ("replay moves the run", ["replay", "good", "1", "reward", "store.root=/x", "--store", "{store}"], {}, r"config error: store\.root: a replay cannot change it"),
+    ("replay bad override", ["replay", "good", "1", "reward", "reward.timeout_s=0", "--store", "{store}"], {}, r"config error: reward\.timeout_s: Input should be greater than 0"),
+    ("eval run missing", ["eval", "nope", "--store", "{store}"], {}, r"run 'nope' does not exist under"),
+    ("eval iteration missing", ["eval", "good", "-i", "3", "--store", "{store}"], {}, r"iteration: run 'good' has policies for 0\.\.0, got 3"),
+    ("nightly run missing", ["nightly", "nope", "--store", "{store}"], {}, r"run 'nope' does not exist under"),
+    ("nightly zero iterations", ["nightly", "good", "-k", "0", "--store", "{store}"], {}, r"--iterations: must be >= 1, got 0"),
+    ("run.json not JSON", ["eval", "broken", "--store", "{store}"], {}, r"broken/run\.json is not valid JSON"),
+    # ---- a stored config naming code (the attack): refused, and the marker never appears
+    ("stored reward fn: replay", ["replay", "evil", "1", "reward", "--store", "{store}"], {}, r"reward\.function: '.*evil_reward\.py:score' comes from the stored config .*RLSTAGE_ALLOWED_CALLABLES"),
+    ("stored reward fn: eval", ["eval", "evil", "--store", "{store}"], {}, r"reward\.function: '.*evil_reward\.py:score' comes from the stored config"),
+    ("stored reward fn: nightly", ["nightly", "evil", "--store", "{store}"], {}, r"reward\.function: '.*evil_reward\.py:score' comes from the stored config"),
+    ("stored tool: replay", ["replay", "eviltool", "1", "rollout", "--store", "{store}"], {}, r"agent\.tools\.0\.callable: 'evil_tool:score' comes from the stored config"),
+]  # fmt: skip
+
+
+def _files(root: Path) -> set[str]:
+    return {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory) -> dict:
+    w = tmp_path_factory.mktemp("bad-input")
+    paths = _world(w)
+    cwd = w / "cwd"
+    cwd.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RLSTAGE_", "PREFECT_API", "MLFLOW_TRACKING"))}
+    # Our modules from this tree; evil_tool importable if the check failed to stop it; an empty allow-list.
+    env.update(PYTHONPATH=os.pathsep.join([str(REPO), str(w)]), XDG_CONFIG_HOME=str(w / "xdg"))
+    before = _files(w)
+
+    def run(case):
+        name, argv, extra, _ = case
+        args = [a.format(**paths) for a in argv]
+        proc = subprocess.run(
+            [sys.executable, "-m", "flows.cli", *args], cwd=cwd, env={**env, **extra}, capture_output=True, text=True, timeout=120
+        )
+        return name, proc
+
+    with ThreadPoolExecutor(2) as pool:
+        results = dict(pool.map(run, CASES))
+    return {"results": results, "new_files": _files(w) - before, "marker": Path(paths["marker"])}
+
+
+@pytest.mark.parametrize(("name", "argv", "env", "pattern"), CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_one_line(outcomes, name, argv, env, pattern) -> None:
+    proc = outcomes["results"][name]
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2, proc.stderr
+    assert len(lines) == 1, proc.stderr
+    assert re.search(pattern, lines[0]), lines[0]
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert lines[0].startswith("rlstage")
+    assert "starting a local Prefect server" not in proc.stderr + proc.stdout
+
+
+def test_nothing_written_and_no_stored_code_ran(outcomes) -> None:
+    assert len(CASES) >= 40
+    assert outcomes["new_files"] == set()
+    assert not outcomes["marker"].exists()
+
+
+def test_verbose_prints_the_traceback(tmp_path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "RLSTAGE_DEBUG": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "replay", "nope", "1", "reward", "--store", str(tmp_path)],
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert "Traceback" in proc.stderr and proc.stderr.strip().splitlines()[-1].startswith("rlstage: config error: run 'nope'")
