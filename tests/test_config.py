@@ -92,15 +92,18 @@ def test_the_config_package_imports_no_engine_task_or_flow_module():
         (["agent.tools=[{name: c, callable: 'no_such_module:fn'}]"], "config error: agent.tools.0.callable: cannot import 'no_such_module:fn'"),
         (["agent.tools=[{name: c, callable: 'engines.tools:calculator', parameters: {type: objekt}}]"], "config error: agent.tools.0.parameters: not a valid JSON schema"),
         (["agent.enable=true", "agent.chat_template=/no/such/template.jinja"], "config error: agent.chat_template: "),
-        (["model.path=/no/such/model"], "model.path /no/such/model is not a Hugging Face model directory"),
+        (["model.path=/no/such/model"], "model.path /no/such/model: not a directory"),
     ],
 )
 def test_preflight_checks_give_one_line(overrides, needle):
-    """Checks that need a user's module, a template file or a model directory: in preflight, before any stage."""
+    """Checks that need a user's module, a template file or a model directory: before any stage (the CLI and
+    every flow run flows/checks.py's input checks, then engines/preflight.py's)."""
     from engines.preflight import preflight
+    from flows.checks import InputError, check_inputs
 
     cfg = load_config(None, overrides)  # the config itself is valid
-    with pytest.raises((ConfigError, FileNotFoundError)) as err:
+    with pytest.raises((ConfigError, InputError)) as err:
+        check_inputs(cfg)
         preflight(cfg)
     assert needle in str(err.value) and "\n" not in str(err.value)
 

@@ -36,7 +36,7 @@ REPO = Path(__file__).resolve().parent.parent
 CALC = {"name": "calculator", "callable": "engines.tools:calculator", "description": "changed"}
 # Bases whose views differ: conditional reads (kit, agent, critic, decaying schedules, eval_n) on and off.
 BASES = {
-    "default": ["data.train_path=train.jsonl"],
+    "default": ["data.train_path=train.jsonl", "data.test_path=test.jsonl"],
     "gae": [
         "algorithm.adv_estimator=gae", "critic.enable=true", "actor.optim.lr_schedule=cosine",
         "critic.optim.lr_schedule=linear", "trainer.eval_n=2", "algorithm.use_kl_in_reward=true",
@@ -44,7 +44,7 @@ BASES = {
     "agent": None,  # configs/agent_calc.yaml
     # settings valid only beside others: DAPO's overlong buffer, data-parallel ranks, pipelined rollouts
     "scaled": [
-        "data.train_path=train.jsonl", "reward.overlong_buffer.len=4", "actor.engine=deepspeed",
+        "data.train_path=train.jsonl", "data.test_path=test.jsonl", "reward.overlong_buffer.len=4", "actor.engine=deepspeed",
         "ray.rollout_placement=separate",
     ],  # fmt: skip
 }

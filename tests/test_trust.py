@@ -87,7 +87,10 @@ def test_stored_reward_function_is_refused_by_replay_eval_and_nightly(evil_rewar
 def test_code_named_by_the_command_or_allow_listed_is_loaded(evil_reward, clean_env: Path, monkeypatch) -> None:
     store, marker, ref = evil_reward
     # Named by this invocation's own overrides: the user asked for it.
+    from engines.preflight import preflight
+
     cfg = stored_config(store, "victim", [f"reward.function={ref}"])
+    preflight(cfg)  # every command checks that the reward function resolves before any stage
     assert cfg.reward.function == ref and marker.read_text() == "imported"  # the attack was real
     # Allow-listed in the user's config folder (outside the store).
     allow = clean_env / "xdg" / "rlstage" / "allowed_callables"
@@ -121,7 +124,10 @@ def test_nightly_trusts_the_code_its_deployment_config_names(evil_reward) -> Non
 
     store, marker, ref = evil_reward
     # The deployment names the same function: it may run, and the stored copy must agree with it.
+    from engines.preflight import preflight
+
     cfg = continuation_config("victim", store.root, overrides=[f"reward.function={ref}"])
+    preflight(cfg)
     assert cfg.reward.function == ref and marker.exists()
 
 
@@ -229,15 +235,28 @@ def test_failure_share_threshold() -> None:
     [
         (["data.source=gsm8k", "data.train_path=t.jsonl"], "data.test_path (the held-out set) is required for data.source=gsm8k"),
         (["actor.ppo_mini_batch_size=48", "actor.micro_batch_size=16"], "actor.ppo_mini_batch_size=48 does not divide the samples per iteration, data.prompts_per_iteration x rollout.n = 512"),
-        (["reward.function=exact_mtch"], "reward.function: unknown reward function 'exact_mtch'"),
-        (["reward.function=/no/such/file.py:f"], "reward.function: reward function file /no/such/file.py does not exist"),
-        (["reward.function=no_such_module_xyz:f"], "cannot load reward function 'no_such_module_xyz:f': ModuleNotFoundError"),
         (["reward.stop_failure_share=0"], "reward.stop_failure_share:"),
     ],
 )  # fmt: skip
 def test_inputs_refused_at_config_load(overrides, needle) -> None:
     with pytest.raises(ConfigError) as err:
         load_config(None, overrides)
+    assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("function", "needle"),
+    [
+        ("exact_mtch", "reward.function: unknown reward function 'exact_mtch'"),
+        ("/no/such/file.py:f", "reward.function: reward function file /no/such/file.py does not exist"),
+        ("no_such_module_xyz:f", "cannot load reward function 'no_such_module_xyz:f': ModuleNotFoundError"),
+    ],
+)
+def test_reward_functions_that_do_not_resolve_are_refused_before_any_stage(function, needle) -> None:
+    from engines.preflight import preflight
+
+    with pytest.raises(ConfigError) as err:  # the config model is a leaf: it imports nothing it names
+        preflight(load_config(None, [f"reward.function={function}"]))
     assert needle in str(err.value) and "\n" not in str(err.value)
 
 
