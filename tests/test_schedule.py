@@ -18,7 +18,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
-from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
+from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId, LogFilter, LogFilterFlowRunId
 from test_deployments import (  # the deployment test's process helpers, not copied
     POOL,
     PREFECT,
@@ -143,6 +143,10 @@ def test_nightly_schedule_fires_and_continues_the_run(tmp_path, monkeypatch):
             # The first scheduled run completes.
             run_id = started[0].id
             _wait_final(client, run_id, stack)
+            # Named after the run and its iteration, with its progress in the flow run's logs.
+            assert client.read_flow_run(run_id).name == f"{RUN} iteration 2"
+            logs = [g.message for g in client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id])))]
+            assert any(m.startswith("iteration   2: train reward") for m in logs), logs
             others = [r for r in _nightly_runs(client, deployment.id) if r.id != run_id]
             assert all(r.state.type.value in ("SCHEDULED", "CANCELLED") and r.run_count == 0 for r in others), [
                 (r.name, r.state.name, r.run_count) for r in others
