@@ -1,4 +1,4 @@
-"""The ``rlstage`` command: demo, train, nightly, replay, eval, data-prep, compare."""
+"""The ``rlstage`` command: demo, train, nightly, replay, eval, data-prep, compare, inspect."""
 
 from __future__ import annotations
 
@@ -158,6 +158,19 @@ def cmd_compare(args) -> int:
     return compare_main(args.rest)
 
 
+def cmd_inspect(args) -> int:
+    import polars as pl
+
+    from infra.explore import Experience, run_query
+    from infra.store import ArtifactStore
+
+    exp = Experience.open(ArtifactStore(args.store), args.run, None if args.iteration is None else [args.iteration])
+    frame = run_query(exp, args.query, args.limit).collect()
+    with pl.Config(tbl_rows=-1, tbl_cols=-1, fmt_str_lengths=40, tbl_width_chars=200, tbl_hide_dataframe_shape=True):
+        print(frame)
+    return 0
+
+
 def _summary(result: dict) -> None:
     hist = [h for h in result["history"] if "val/accuracy" in h]
     print("\nheld-out accuracy (greedy, exact match):")
@@ -267,6 +280,17 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("compare", help="compare runs from MLflow: table + PNG of curves")
     p.add_argument("rest", nargs=argparse.REMAINDER, help="RUN [RUN ...] [--tracking-uri URI] [--png out.png]")
     p.set_defaults(fn=cmd_compare)
+
+    from infra.explore import QUERIES
+
+    p = sub.add_parser("inspect", help="query a run's rollouts, rewards and experience (polars)")
+    p.add_argument("run")
+    p.add_argument("-q", "--query", choices=list(QUERIES), default="rewards", help="default: %(default)s")
+    p.add_argument("-i", "--iteration", type=int, default=None, help="one iteration (default: all)")
+    p.add_argument("-n", "--limit", type=int, default=10, help="rows of best/worst/logprob-gap (default: 10)")
+    p.add_argument("--store", default="./rlstage-runs", help="store root of the run (default: %(default)s)")
+    p.set_defaults(fn=cmd_inspect)
+
     for p in sub.choices.values():  # "rlstage train --verbose" works as well as "rlstage --verbose train"
         p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

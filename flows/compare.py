@@ -1,6 +1,7 @@
 """Compare training runs side by side from MLflow: final/best key metrics, s/iteration, optional plots.
 
 ``python -m flows.compare RUN [RUN ...] --tracking-uri URI [--experiment E] [--png out.png]``
+``python -m flows.compare RUN [RUN ...] --store ROOT``: the same table from the store's manifests.
 """
 
 from __future__ import annotations
@@ -121,6 +122,44 @@ def _seconds_per_iteration(
     return None, None
 
 
+def _key_metrics(logged: set[str]) -> list[str]:
+    """The key metrics a run logged, in table order: train, held-out (overall, per source), diagnostics."""
+    val_core = sorted(k for k in logged if VAL_CORE.match(k))
+    names = [k for k in KEY_METRICS if k in logged and KEY_METRICS[k] == "max"] + val_core
+    return names + [k for k in KEY_METRICS if k in logged and KEY_METRICS[k] != "max"]
+
+
+def _row(
+    name: str,
+    run_id: str | None,
+    status: str,
+    histories: dict[str, list[tuple[int, float, int]]],
+    timing: list[tuple[int, float, int]],
+    timing_source: str,
+) -> dict:
+    metrics: dict[str, dict[str, Any]] = {}
+    history: dict[str, list[tuple[int, float]]] = {}
+    step_times: dict[int, int] = {}
+    for key, hist in [*histories.items(), (TIMING, timing)]:
+        for s, _, t in hist:
+            step_times[s] = max(step_times.get(s, t), t)
+        if hist and key != TIMING:
+            metrics[key] = _summarize(hist, "max" if VAL_CORE.match(key) else KEY_METRICS[key])
+            history[key] = [(s, v) for s, v, _ in hist]
+    s_per_iter, source = _seconds_per_iteration(timing, step_times)
+    return {
+        "run": name,
+        "run_id": run_id,
+        "status": status,
+        "iterations": sum(1 for s in step_times if s > 0),
+        "last_step": max(step_times) if step_times else None,
+        "s_per_iter": s_per_iter,
+        "s_per_iter_source": timing_source if source == TIMING else source,
+        "metrics": metrics,
+        "history": history,
+    }
+
+
 def compare_runs(
     run_names: list[str], tracking_uri: str, experiment: str = "rlstage", out_png: str | None = None
 ) -> list[dict]:
@@ -140,39 +179,38 @@ def compare_runs(
         run = found[name]
         run_id = run.info.run_id
         logged = set(run.data.metrics)
-        val_core = sorted(k for k in logged if VAL_CORE.match(k))
-        # Per-source held-out metrics sit right after val/accuracy so the table reads train, held-out, diagnostics.
-        names = [k for k in KEY_METRICS if k in logged and KEY_METRICS[k] == "max"] + val_core
-        names += [k for k in KEY_METRICS if k in logged and KEY_METRICS[k] != "max"]
-        metrics: dict[str, dict[str, Any]] = {}
-        history: dict[str, list[tuple[int, float]]] = {}
-        step_times: dict[int, int] = {}
-        timing: list[tuple[int, float, int]] = []
-        for key in names + ([TIMING] if TIMING in logged else []):
-            hist = _history(client, run_id, key)
-            if not hist:
-                continue
-            for s, _, t in hist:
-                step_times[s] = max(step_times.get(s, t), t)
-            if key == TIMING:
-                timing = hist
-                continue
-            metrics[key] = _summarize(hist, "max" if VAL_CORE.match(key) else KEY_METRICS[key])
-            history[key] = [(s, v) for s, v, _ in hist]
-        s_per_iter, source = _seconds_per_iteration(timing, step_times)
-        rows.append(
-            {
-                "run": name,
-                "run_id": run_id,
-                "status": run.info.status,
-                "iterations": sum(1 for s in step_times if s > 0),
-                "last_step": max(step_times) if step_times else None,
-                "s_per_iter": s_per_iter,
-                "s_per_iter_source": source,
-                "metrics": metrics,
-                "history": history,
-            }
-        )
+        histories = {key: _history(client, run_id, key) for key in _key_metrics(logged)}
+        timing = _history(client, run_id, TIMING) if TIMING in logged else []
+        rows.append(_row(name, run_id, run.info.status, histories, timing, TIMING))
+    if out_png:
+        plot_runs(rows, out_png)
+    return rows
+
+
+def compare_stored_runs(
+    run_names: list[str], store_root: str, storage_options: dict | None = None, out_png: str | None = None
+) -> list[dict]:
+    """The same rows as ``compare_runs``, from the store alone (no MLflow): the metrics each stage
+    committed in its manifest (infra.explore). s/iteration is the stages' compute time (source
+    ``compute_s``), without the orchestration time MLflow's ``timing_s/iteration`` includes."""
+    from infra.explore import Experience
+    from infra.store import ArtifactStore
+
+    if not run_names:
+        raise ValueError("no run names given")
+    store = ArtifactStore(store_root, storage_options)
+    rows: list[dict] = []
+    for name in run_names:
+        values: dict[str, dict[int, float]] = {}
+        compute: dict[int, float] = {}
+        for it, _stage, key, value in Experience.open(store, name).metrics().collect().iter_rows():
+            if key == "compute_s":
+                compute[it] = compute.get(it, 0.0) + value
+            else:
+                values.setdefault(metric_name(key), {})[it] = value
+        histories = {k: [(s, values[k][s], 0) for s in sorted(values[k])] for k in _key_metrics(set(values))}
+        timing = [(s, v, 0) for s, v in sorted(compute.items())]
+        rows.append(_row(name, None, "stored", histories, timing, "compute_s"))
     if out_png:
         plot_runs(rows, out_png)
     return rows
@@ -311,7 +349,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--experiment", default="rlstage", help="MLflow experiment (default: rlstage)")
     parser.add_argument("--png", default=None, help="also write plots of the runs to this PNG")
+    parser.add_argument(
+        "--store", default=None, help="read the runs' committed metrics from this store root instead of MLflow"
+    )
     args = parser.parse_args(argv)
+    if args.store:
+        from infra.store import StoreError
+
+        try:
+            rows = compare_stored_runs(args.runs, args.store, out_png=args.png)
+        except (ValueError, StoreError) as err:
+            print(f"rlstage compare: {err}", file=sys.stderr)
+            return 2
+        print(format_table(rows))
+        return 0
     if not args.tracking_uri:
         print(
             "rlstage compare: no tracking URI (pass --tracking-uri or set MLFLOW_TRACKING_URI)",

@@ -6,14 +6,16 @@ and config is skipped, so rerunning the flow (or the nightly deployment) never r
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import sys
 import time
 from dataclasses import dataclass, field
 
-from prefect import flow, get_run_logger
-from prefect.context import get_run_context
+from prefect import flow, get_client, get_run_logger
+from prefect.context import FlowRunContext, get_run_context
+from prefect.logging.handlers import APILogHandler
 from prefect_ray import RayTaskRunner
 
 from engines.preflight import preflight
@@ -60,8 +62,25 @@ class IterationOutcome:
         return out
 
 
+# Progress lines also go to the flow run's logs in the Prefect UI: only there, the terminal has them.
+_progress = logging.getLogger("rlstage.progress")
+_progress.propagate = False
+_progress.setLevel(logging.INFO)
+_progress.addHandler(APILogHandler())
+
+
 def _emit(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
+    if FlowRunContext.get() is not None:
+        _progress.info(line.strip())
+
+
+def _name_flow_run(name: str) -> None:
+    """Prefect names flow runs at random; a training flow run is named after its run and iterations."""
+    ctx = FlowRunContext.get()
+    if ctx is not None:
+        with get_client(sync_client=True) as client:
+            client.update_flow_run(ctx.flow_run.id, name=name)
 
 
 def _run_stage(outcome: IterationOutcome, label: str, cfg: RunConfig, stage: str, *args) -> stages.StageResult:
@@ -188,6 +207,7 @@ def run_training(cfg: RunConfig, first: int = 1, last: int | None = None) -> dic
     check_reachable(tracking_uri_for(cfg))
     ensure_ray(cfg)
     check_placement(cfg)
+    _name_flow_run(f"{cfg.run_name} iterations {first}-{last}" if last > first else f"{cfg.run_name} iteration {last}")
     _emit(f"rlstage: run {cfg.run_name!r}, iterations {first}..{last}, artifacts under {store.root}/{cfg.run_name}")
     with run_lease(store, cfg.run_name, label=f"flow run {_flow_run_id() or os.getpid()}") as renew:
         return _run_iterations(cfg, store, first, last, renew)

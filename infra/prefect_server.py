@@ -15,17 +15,38 @@ from pathlib import Path
 from infra.env import apply_defaults
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(prefer: int = 0, strict: bool = False) -> int:
+    """``prefer`` when it is free on 127.0.0.1, else (unless ``strict``) a port the kernel picks.
+
+    SO_REUSEADDR as the servers bind: a port whose last connections are in TIME_WAIT counts as free.
+    """
+    for port in (prefer,) if strict else dict.fromkeys((prefer, 0)):
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise OSError(f"port {prefer} on 127.0.0.1 is in use")
 
 
-def wait_http(url: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def wait_http(url: str, timeout_s: float, proc: subprocess.Popen | int | None = None) -> None:
+    """Until ``url`` answers below 500; fails early when ``proc`` (a Popen or a pid) has exited."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
+        if isinstance(proc, subprocess.Popen) and proc.poll() is not None:
             raise RuntimeError(f"server for {url} exited with code {proc.returncode}")
+        if isinstance(proc, int) and not _alive(proc):
+            raise RuntimeError(f"server for {url} exited before it answered")
         try:
             with urllib.request.urlopen(url, timeout=2) as r:
                 if r.status < 500:
@@ -94,3 +115,14 @@ def start_prefect_server(home: str | Path, port: int | None = None, timeout_s: f
         stop_process_group(proc)
         raise
     return PrefectServer(url=url, proc=proc, home=home)
+
+
+if __name__ == "__main__":
+    # For infra/stack.sh:  port PREFERRED [strict]  |  wait URL TIMEOUT_S PID
+    try:
+        if sys.argv[1] == "port":
+            print(free_port(int(sys.argv[2]), sys.argv[3:] == ["strict"]))
+        else:
+            wait_http(sys.argv[2], float(sys.argv[3]), int(sys.argv[4]))
+    except (OSError, RuntimeError, TimeoutError) as err:
+        sys.exit(f"stack: {err}")

@@ -44,27 +44,9 @@ running() {
   [[ -n $pid ]] && kill -0 "$pid" 2>/dev/null && [[ $(ps -o sid= -p "$pid" | tr -d ' ') == "$pid" ]]
 }
 
-# The preferred port when it is free on 127.0.0.1, else one the kernel picks. SO_REUSEADDR as the
-# servers use it: a port whose last connections are in TIME_WAIT (a restart) counts as free.
-# With a second argument "strict", only the given port will do.
-pick_port() {
-  "$PY" - "$@" <<'EOF'
-import socket, sys
-want = int(sys.argv[1])
-strict = sys.argv[2:] == ["strict"]
-for port in (want,) if strict else (want, 0):
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        print(s.getsockname()[1])
-        break
-else:
-    sys.exit(f"stack: port {want} on 127.0.0.1 is in use")
-EOF
-}
+# The preferred port when it is free on 127.0.0.1, else one the kernel picks; with a second
+# argument "strict", only the given port will do (infra/prefect_server.py: free_port).
+pick_port() { PYTHONPATH=$REPO "$PY" -m infra.prefect_server port "$@"; }
 
 # RLSTAGE_<NAME>_PORT when set (must be free), else the port of the last start, else the default.
 choose_port() { # name env_value default
@@ -76,23 +58,7 @@ choose_port() { # name env_value default
 }
 
 wait_http() { # url timeout_s pid name
-  if ! "$PY" - "$@" <<'EOF'; then
-import os, sys, time, urllib.request
-url, timeout, pid, name = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-deadline = time.monotonic() + timeout
-while time.monotonic() < deadline:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        sys.exit(f"stack: {name} exited before {url} answered")
-    try:
-        with urllib.request.urlopen(url, timeout=2) as r:
-            if r.status < 500:
-                sys.exit(0)
-    except OSError:
-        time.sleep(0.3)
-sys.exit(f"stack: {url} did not answer within {timeout:.0f}s")
-EOF
+  if ! PYTHONPATH=$REPO "$PY" -m infra.prefect_server wait "$1" "$2" "$3"; then
     echo "--- last lines of $STATE/$4.log:" >&2
     tail -n 25 "$STATE/$4.log" >&2
     stop_service "$4" >&2

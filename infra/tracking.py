@@ -12,6 +12,11 @@ from schemas.config import RunConfig
 
 MAX_PARAM_CHARS = 500  # MLflow rejects longer parameter values
 RUN_NAME_TAG = "rlstage.run_name"
+# MLflow 3's UI opens an experiment by its kind; without the tag it infers GenAI (traces) for ours.
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+EXPERIMENT_KIND = "custom_model_development"  # shown as "Machine learning": the runs table
+CONFIG_ARTIFACT = "config/resolved.yaml"
+REPO_ROOT = Path(__file__).resolve().parent.parent
 _BAD_METRIC_CHARS = re.compile(r"[^\w.\- :/]")
 
 
@@ -57,6 +62,28 @@ def flatten(tree: Any, prefix: str = "") -> dict[str, str]:
     return out
 
 
+def source_tags(root: Path = REPO_ROOT) -> dict[str, str]:
+    """MLflow's standard source tags for the code a run executes: the git commit, branch and remote."""
+    from mlflow.utils import git_utils
+    from mlflow.utils.mlflow_tags import (
+        MLFLOW_GIT_BRANCH,
+        MLFLOW_GIT_COMMIT,
+        MLFLOW_GIT_REPO_URL,
+        MLFLOW_SOURCE_NAME,
+        MLFLOW_SOURCE_TYPE,
+    )
+
+    tags = {MLFLOW_SOURCE_TYPE: "PROJECT", MLFLOW_SOURCE_NAME: "rlstage"}
+    for tag, value in (
+        (MLFLOW_GIT_COMMIT, git_utils.get_git_commit(str(root))),
+        (MLFLOW_GIT_BRANCH, git_utils.get_git_branch(str(root))),
+        (MLFLOW_GIT_REPO_URL, git_utils.get_git_repo_url(str(root))),
+    ):
+        if value:
+            tags[tag] = value
+    return tags
+
+
 def metric_name(name: str) -> str:
     """verl's metric names, made legal for MLflow ('@' is not allowed: mean@4 -> mean_at_4)."""
     return _BAD_METRIC_CHARS.sub("_", name.replace("@", "_at_"))
@@ -76,9 +103,13 @@ class Tracker:
             location = None
             if "://" not in cfg.store.root:
                 location = (Path(cfg.store.root).expanduser().resolve() / "mlflow-artifacts").as_uri()
-            exp_id = self.client.create_experiment(cfg.tracking.experiment, artifact_location=location)
+            exp_id = self.client.create_experiment(
+                cfg.tracking.experiment, artifact_location=location, tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND}
+            )
         else:
             exp_id = exp.experiment_id
+            if EXPERIMENT_KIND_TAG not in exp.tags:  # a kind chosen in the UI stays
+                self.client.set_experiment_tag(exp_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
         self.experiment_id = exp_id
         found = self.client.search_runs([exp_id], filter_string=f"tags.`{RUN_NAME_TAG}` = '{cfg.run_name}'", max_results=1)
         if found:
@@ -92,8 +123,10 @@ class Tracker:
             params = [Param(k, v) for k, v in sorted(flatten(cfg.model_dump(mode="json")).items())]
             for i in range(0, len(params), 100):
                 self.client.log_batch(self.run_id, params=params[i : i + 100])
-        for k, v in (tags or {}).items():
+        # Each invocation (first or continuation) records the code it runs and its resolved config.
+        for k, v in {**source_tags(), **(tags or {})}.items():
             self.client.set_tag(self.run_id, k, v)
+        self.client.log_dict(self.run_id, cfg.model_dump(mode="json"), CONFIG_ARTIFACT)
 
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
         import time

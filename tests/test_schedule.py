@@ -1,0 +1,169 @@
+"""The nightly deployment's schedules fire: a real Prefect server with its scheduler on.
+
+`tests/test_deployments.py` runs its server with the scheduler off, so it cannot see a scheduler
+that fails (Prefect 3.8.8 on SQLAlchemy 2.1 raised on every loop and created no run). Here the
+nightly deployment of prefect.yaml is deployed as written (its 02:00 UTC cron) plus an interval
+schedule of a few seconds; a process worker runs the first scheduled run, which must continue the
+stored run by one iteration: no gap, no repeat, the same MLflow run.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import tempfile
+import time
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId, LogFilter, LogFilterFlowRunId
+from test_deployments import (  # the deployment test's process helpers, not copied
+    POOL,
+    PREFECT,
+    RUN,
+    Stack,
+    _cli,
+    _mlflow_run,
+    _ok,
+    _stack_env,
+    _tail,
+    _train_params,
+    kill_leftovers,
+    stop_worker,
+)
+
+pytestmark = pytest.mark.slow
+
+INTERVAL_S = 10
+RUN_TIMEOUT_S = 600  # for one flow run: generous, a loaded 2-core machine is several times slower
+# The server's scheduler settings: look for new deployments every second, for all every 2 s.
+SCHEDULER_ENV = {
+    "PREFECT_SERVER_SERVICES_SCHEDULER_ENABLED": "true",
+    "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "2",
+    "PREFECT_SERVER_SERVICES_SCHEDULER_RECENT_DEPLOYMENTS_LOOP_SECONDS": "1",
+}
+
+
+def _nightly_runs(client, deployment_id) -> list:
+
+    return client.read_flow_runs(
+        deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment_id])), limit=200
+    )
+
+
+def _wait_final(client, run_id, stack: Stack):
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while True:
+        state = client.read_flow_run(run_id).state
+        if state.is_final() or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert state.type.value == "COMPLETED", f"{state}\nworker log:\n{_tail(stack.worker_log)}"
+
+
+def test_nightly_schedule_fires_and_continues_the_run(tmp_path, monkeypatch):
+    from prefect.client.orchestration import SyncPrefectClient
+
+    from infra.prefect_server import start_prefect_server
+    from infra.store import ArtifactStore
+
+    ray_tmp = Path(tempfile.mkdtemp(prefix="rlss-", dir="/tmp"))  # short: Ray's socket paths
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    for k, v in SCHEDULER_ENV.items():
+        monkeypatch.setenv(k, v)
+    server = start_prefect_server(tmp_path / "prefect-home")
+    worker = None
+    try:
+        env = {**_stack_env(server.url, server.home, ray_tmp), "PREFECT_WORKER_PREFETCH_SECONDS": "2"}
+        stack = Stack(server.url, env, tmp_path / "store", f"sqlite:///{tmp_path / 'mlflow.db'}", ray_tmp, tmp_path / "worker.log")
+        _ok(_cli(env, "work-pool", "create", POOL, "--type", "process"), "prefect work-pool create")
+        with open(stack.worker_log, "ab") as log:
+            worker = subprocess.Popen(
+                [PREFECT, "worker", "start", "--pool", POOL, "--type", "process", "--install-policy", "never"],
+                cwd=tmp_path,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+        # -- a stored run to continue: the train deployment, one iteration ----------------------
+        _ok(_cli(env, "deploy", "-n", "train", "--no-prompt"), "prefect deploy -n train")
+        params = _train_params(stack)
+        params["overrides"].append("trainer.iterations=1")
+        with SyncPrefectClient(api=server.url) as client:
+            train = client.read_deployment_by_name("rlstage-train/train")
+            _wait_final(client, client.create_flow_run_from_deployment(train.id, parameters=params).id, stack)
+        store = ArtifactStore(str(stack.store))
+        assert store.manifest(RUN, 1, "update") is not None and store.manifest(RUN, 2, "update") is None
+
+        # -- the nightly deployment as prefect.yaml declares it, plus an interval schedule ----------
+        # Anchored now: the first interval run is due at most INTERVAL_S after the scheduler sees it.
+        anchor = datetime.now(UTC).replace(microsecond=0)
+        nightly_params = {"run_name": RUN, "iterations": 1, "store_root": str(stack.store)}
+        _ok(
+            _cli(
+                env, "deploy", "-n", "nightly", "--no-prompt", "--interval", str(INTERVAL_S),
+                "--anchor-date", anchor.isoformat(), "--params", json.dumps(nightly_params),
+                "--concurrency-limit", "1", "--collision-strategy", "CANCEL_NEW",
+            ),
+            "prefect deploy -n nightly",
+        )  # fmt: skip
+        with SyncPrefectClient(api=server.url) as client:
+            deployment = client.read_deployment_by_name("rlstage-nightly/nightly")
+            assert sorted(type(s.schedule).__name__ for s in deployment.schedules) == ["CronSchedule", "IntervalSchedule"]
+
+            # Scheduled runs appear; the first interval run leaves Scheduled when the worker takes it.
+            deadline = time.monotonic() + RUN_TIMEOUT_S
+            while True:
+                runs = _nightly_runs(client, deployment.id)
+                started = [r for r in runs if r.state and r.state.type.value in ("PENDING", "RUNNING", "COMPLETED")]
+                if started or time.monotonic() > deadline:
+                    break
+                time.sleep(0.5)
+            # No more runs from here on: pausing deletes the scheduled runs not yet due, and runs
+            # due while the first one runs are cancelled (the deployment's concurrency limit).
+            client.pause_deployment(deployment.id)
+            assert started, f"no scheduled run started; server log:\n{_tail(server.home / 'server.log')}"
+            assert len(started) == 1, [(r.name, r.state.name) for r in started]
+            scheduled = [r for r in runs if r.auto_scheduled]
+            assert all(r.auto_scheduled for r in started)
+            times = sorted(r.expected_start_time for r in scheduled)
+            # Interval runs every INTERVAL_S from the anchor, and the cron's next 02:00 UTC.
+            steps = {(b - a).total_seconds() for a, b in zip(times, times[1:], strict=False) if b - a < timedelta(hours=1)}
+            assert steps == {float(INTERVAL_S)}, times
+            now = datetime.now(UTC)
+            next_2am = now.replace(hour=2, minute=0, second=0, microsecond=0)
+            next_2am += timedelta(days=1) if next_2am <= now else timedelta(0)
+            assert next_2am in times, (next_2am, times)
+            assert all((t - anchor).total_seconds() % INTERVAL_S == 0 for t in times if t < next_2am)
+
+            # The first scheduled run completes.
+            run_id = started[0].id
+            _wait_final(client, run_id, stack)
+            # Named after the run and its iteration, with its progress in the flow run's logs.
+            assert client.read_flow_run(run_id).name == f"{RUN} iteration 2"
+            logs = [g.message for g in client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id])))]
+            assert any(m.startswith("iteration   2: train reward") for m in logs), logs
+            others = [r for r in _nightly_runs(client, deployment.id) if r.id != run_id]
+            assert all(r.state.type.value in ("SCHEDULED", "CANCELLED") and r.run_count == 0 for r in others), [
+                (r.name, r.state.name, r.run_count) for r in others
+            ]
+
+        # It continued the run: iteration 2 sampled from iteration 1's update, nothing repeated.
+        assert store.manifest(RUN, 2, "update") is not None
+        assert store.manifest(RUN, 3, "update") is None
+        assert store.manifest(RUN, 2, "rollout").inputs["policy"] == store.manifest(RUN, 1, "update").artifact_id
+        mlflow, run = _mlflow_run(stack)
+        assert run.data.tags["prefect.flow_run_id"] == str(run_id)
+        assert sorted(m.step for m in mlflow.get_metric_history(run.info.run_id, "actor/pg_loss")) == [1, 2]
+        assert "Unexpected error" not in (server.home / "server.log").read_text(errors="replace")
+    finally:
+        if worker is not None:
+            stop_worker(worker)
+        server.stop()
+        leftovers = kill_leftovers(str(ray_tmp))
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+        assert not leftovers, f"processes outlived the worker: {leftovers}"
