@@ -308,6 +308,7 @@ def commit_experience(store, batch: dict, iteration: int):
             "values": [None] * n,
             "token_level_rewards": batch["advantages"],
             "returns": batch["advantages"],
+            "rollout_log_probs": batch["old_log_probs"],
         }
     )
     return store.commit(
