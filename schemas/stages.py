@@ -64,6 +64,10 @@ _CRITIC_TRAIN = (
 )  # fmt: skip
 
 
+# RunConfig.max_response_tokens: agent.max_response_tokens in agent mode, else rollout.max_new_tokens.
+_RESPONSE_MAX = ("agent.enable", "agent.max_response_tokens", "rollout.max_new_tokens")
+
+
 def _decays(optim: Any) -> bool:
     return optim.lr_schedule != "constant" and optim.total_steps is None
 
@@ -108,7 +112,16 @@ SPECS: tuple[StageSpec, ...] = (
         output="rollouts",
         replayable=True,
     ),
-    StageSpec("reward", files=("rewards.parquet",), reads=("reward",), inputs=("rollouts",), output="rewards", replayable=True),
+    StageSpec(
+        "reward",
+        files=("rewards.parquet",),
+        reads=("reward",),
+        # DAPO's overlong shaping measures responses against the longest one a rollout can produce.
+        reads_if=lambda v: _RESPONSE_MAX if v.reward.overlong_buffer.enable else (),
+        inputs=("rollouts",),
+        output="rewards",
+        replayable=True,
+    ),
     StageSpec(
         "advantage",
         files=("experience.parquet",),

@@ -264,7 +264,7 @@ def reward(
         ob = cfg.reward.overlong_buffer
         if ob.enable:  # DAPO: soft punishment of responses that run into the length limit
             lengths = [len(r) for r in table.column("response_ids").to_pylist()]
-            penalty = np.array(algos.overlong_penalty(lengths, cfg.max_response_tokens, ob.len, ob.penalty_factor))
+            penalty = np.array(algos.overlong_penalty(lengths, cfg.agent.max_response_tokens if cfg.agent.enable else cfg.rollout.max_new_tokens, ob.len, ob.penalty_factor))
             all_scores = all_scores + penalty
             shaping = {"reward/overlong_penalty/mean": float(penalty.mean()), "reward/overlong_ratio": float((penalty < 0).mean())}
         scores = all_scores[np.array(table.column("sample_index").to_pylist()) >= 0]  # not ReMax baselines
