@@ -19,6 +19,7 @@ prompts of the data source:
 
 from __future__ import annotations
 
+import json
 import math
 from collections import defaultdict
 from collections.abc import Callable, Hashable, Sequence
@@ -216,4 +217,9 @@ def extract_answers(rows: Sequence[dict], reward_fns: Sequence[str]) -> list[Has
     (then maj@n is not reported, as verl reports it only with a ``pred`` for every sample)."""
     if any(fn not in ANSWER_EXTRACTORS for fn in reward_fns):
         return None
-    return [ANSWER_EXTRACTORS[fn](r["response_text"], r["extra_info"]) for r, fn in zip(rows, reward_fns, strict=True)]
+    return [ANSWER_EXTRACTORS[fn](r["response_text"], _extra(r["extra_info"])) for r, fn in zip(rows, reward_fns, strict=True)]
+
+
+def _extra(value: str | dict | None) -> dict:
+    # The prompts table stores extra_info as JSON text (the scorer parses it the same way).
+    return json.loads(value) if isinstance(value, str) and value else (value or {})

@@ -558,7 +558,7 @@ def evaluate(
         if cfg.trainer.eval_n > 0:  # the sampled answers, as verl reports them (engines/metrics.py)
             uids = [c["prompt_index"] for c in comps[greedy_n:]]
             infos: dict[str, list] = {"reward": scores[greedy_n:]}
-            fns = [cfg.reward.function or rewards.default_reward_fn(src, cfg.reward.gsm8k_method) for src in sources[greedy_n:]]
+            fns = [cfg.reward.function or rewards.default_reward_fn(src) for src in sources[greedy_n:]]
             preds = eval_metrics.extract_answers(rows[greedy_n:], fns)
             if preds is not None:
                 infos["pred"] = preds
