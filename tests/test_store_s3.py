@@ -303,7 +303,8 @@ def test_unreachable_endpoints_are_one_clear_error(prefect_api, tmp_path: Path) 
     cfg = load_config(None, [f"store.root={tmp_path / 'store'}", f"tracking.tracking_uri={closed}", *base])
     with pytest.raises(TrackingUnavailable, match="is unreachable"):
         train(config=cfg)
-    assert not (tmp_path / "store").exists()
+    assert not (tmp_path / "store" / "unreach").exists()  # nothing of the run (the root's write probe is gone)
+    assert not any((tmp_path / "store").glob("*")) if (tmp_path / "store").exists() else True
     cfg = load_config(
         None,
         [
