@@ -118,7 +118,7 @@ def test_vllm_engine_stops_at_end_of_turn_like_hf(smollm2_path, smol_tok, smol_m
     ids = render_batch(smol_tok, rows)
     params = SamplingParams(n=1, temperature=0, max_new_tokens=32)
     hf = HFRolloutEngine(smol_model, smol_tok, batch_size=8).generate_ids(ids, params)
-    engine = VLLMRolloutEngine(smollm2_path, smol_tok, seed=0, kv_cache_bytes=256 << 20, max_num_seqs=8)
+    engine = VLLMRolloutEngine(smollm2_path, smol_tok, seed=0, kv_cache_bytes=512 << 20, max_num_seqs=8)
     try:
         assert engine.stop_ids == [smol_tok.convert_tokens_to_ids("<|im_end|>")]
         out = engine.generate_ids(ids, params)
