@@ -11,7 +11,6 @@ from pathlib import Path
 
 import polars as pl
 import pytest
-from test_pipeline import first_run  # noqa: F401 - the tiny two-iteration run (a fixture)
 from test_store_s3 import BUCKET, CREDS, endpoint  # noqa: F401 - moto's S3 server on loopback (a fixture)
 
 from infra.explore import QUERIES, Experience, NotCommitted, run_query
@@ -19,11 +18,23 @@ from infra.store import ArtifactStore
 
 pytestmark = pytest.mark.slow
 
-RUN = "it"  # the run name of test_pipeline's first_run
+RUN = "explore"
 
 
 @pytest.fixture(scope="module")
-def local(first_run) -> ArtifactStore:  # noqa: F811
+def first_run(prefect_api, tmp_path_factory):
+    """A tiny two-iteration run of its own (a run name no other module trains: see the closing note)."""
+    from flows.training import train
+    from schemas.config import load_config
+    from tests_support import tiny_overrides
+
+    tmp = tmp_path_factory.mktemp("explore")
+    cfg = load_config(None, [f"store.root={tmp / 'store'}", f"run_name={RUN}", *tiny_overrides()])
+    return cfg, train(config=cfg)
+
+
+@pytest.fixture(scope="module")
+def local(first_run) -> ArtifactStore:
     cfg, _ = first_run
     return ArtifactStore(cfg.store.root)
 
@@ -170,7 +181,7 @@ def test_queries_on_s3(local: ArtifactStore, endpoint: str, monkeypatch, capsys)
     assert "reward_mean" in capsys.readouterr().out
 
 
-def test_compare_from_the_store_matches_mlflow(first_run, local: ArtifactStore):  # noqa: F811
+def test_compare_from_the_store_matches_mlflow(first_run, local: ArtifactStore):
     from flows.compare import compare_runs, compare_stored_runs, format_table, main
     from infra.tracking import tracking_uri_for
 
