@@ -511,7 +511,7 @@ def update(
             meta={
                 "policy_ref": policy.model_dump(mode="json"),
                 "between_checkpoints": not checkpoint,
-                "trained_on": [group.call_rank(r, "info") for r in range(len(group.ranks))],
+                "trained_on": group.query_all("info"),
             },
             commit_in_worker=lambda commit, tables: group.commit("policy", commit, tables),
         )

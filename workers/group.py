@@ -63,9 +63,6 @@ class PolicyGroup:
         """One call on rank 0 (generation, log-probs, reference, critic)."""
         return _wait_restart(lambda: ray.get(getattr(self.ranks[0], method).remote(*args, **kwargs)))
 
-    def call_rank(self, rank: int, method: str, *args: Any) -> Any:
-        return _wait_restart(lambda: ray.get(getattr(self.ranks[rank], method).remote(*args)))
-
     def query_all(self, method: str, *args: Any) -> list:
         """A query on every rank (no collective inside): restarting ranks are waited for."""
         return _wait_restart(lambda: ray.get([getattr(r, method).remote(*args) for r in self.ranks]))
