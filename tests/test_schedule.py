@@ -53,6 +53,19 @@ def _nightly_runs(client, deployment_id) -> list:
     )
 
 
+def _progress_logs(client, run_id, wait_s: float = 60.0) -> list[str]:
+    """The flow run's log messages, all pages; logs are shipped in batches, so they may trail the final state."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        messages, offset = [], 0
+        while page := client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id])), limit=200, offset=offset):
+            messages += [g.message for g in page]
+            offset += len(page)
+        if any(m.startswith("iteration ") for m in messages) or time.monotonic() > deadline:
+            return messages
+        time.sleep(1.0)
+
+
 def _wait_final(client, run_id, stack: Stack):
     deadline = time.monotonic() + RUN_TIMEOUT_S
     while True:
@@ -145,7 +158,7 @@ def test_nightly_schedule_fires_and_continues_the_run(tmp_path, monkeypatch):
             _wait_final(client, run_id, stack)
             # Named after the run and its iteration, with its progress in the flow run's logs.
             assert client.read_flow_run(run_id).name == f"{RUN} iteration 2"
-            logs = [g.message for g in client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id])))]
+            logs = _progress_logs(client, run_id)
             assert any(m.startswith("iteration   2: train reward") for m in logs), logs
             others = [r for r in _nightly_runs(client, deployment.id) if r.id != run_id]
             assert all(r.state.type.value in ("SCHEDULED", "CANCELLED") and r.run_count == 0 for r in others), [

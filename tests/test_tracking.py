@@ -11,7 +11,15 @@ import subprocess
 import yaml
 from mlflow.tracking import MlflowClient
 
-from infra.tracking import CONFIG_ARTIFACT, EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, REPO_ROOT, Tracker
+from infra.tracking import (
+    CONFIG_ARTIFACT,
+    EXPERIMENT_KIND,
+    EXPERIMENT_KIND_TAG,
+    REPO_ROOT,
+    RUN_NAME_TAG,
+    STORE_TAG,
+    Tracker,
+)
 from schemas.config import load_config
 
 
@@ -59,3 +67,28 @@ def test_existing_experiment_gets_a_kind_unless_it_has_one(tmp_path):
     exp_id = client.create_experiment("chosen", tags={EXPERIMENT_KIND_TAG: "finetuning"})  # set in the UI
     Tracker(chosen).finish()
     assert client.get_experiment(exp_id).tags[EXPERIMENT_KIND_TAG] == "finetuning"
+
+
+def test_a_run_is_its_store_and_its_name(tmp_path):
+    """One MLflow server, two stores with a run of the same name: two MLflow runs, each continued."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+
+    def tracker(store: str) -> Tracker:
+        t = Tracker(load_config(None, [f"store.root={store}", f"tracking.tracking_uri={uri}", "run_name=same"]))
+        t.log_metrics(1, {"x": 1.0})
+        t.finish()
+        return t
+
+    a, b = tracker(str(tmp_path / "a")), tracker(str(tmp_path / "b"))
+    assert a.run_id != b.run_id
+    assert tracker(str(tmp_path / "a")).run_id == a.run_id
+    assert tracker(f"file://{tmp_path / 'b'}").run_id == b.run_id
+    client = MlflowClient(uri)
+    assert [m.step for m in client.get_metric_history(b.run_id, "x")] == [1, 1]
+
+    # A run recorded before runs carried their store is continued, and gets the tag.
+    exp_id = a.experiment_id
+    old = client.create_run(exp_id, run_name="legacy", tags={RUN_NAME_TAG: "legacy"}).info.run_id
+    cfg = load_config(None, [f"store.root={tmp_path / 'c'}", f"tracking.tracking_uri={uri}", "run_name=legacy"])
+    assert Tracker(cfg).run_id == old
+    assert client.get_run(old).data.tags[STORE_TAG] == str((tmp_path / "c").resolve())
