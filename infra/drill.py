@@ -23,3 +23,20 @@ def fault_point(cfg: RunConfig, stage: str, iteration: int | None, where: str = 
         return
     os.close(fd)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+class WorkerDrill:
+    """A role worker's drill points: the stage task arms it with the stage and iteration its next calls
+    serve, and each compute call names its role, so ``drill.kill_worker_at: ["rollout@rollout:2"]`` kills
+    whichever process generates in iteration 2's rollout (rank 0 colocated, the rollout actor apart)."""
+
+    def __init__(self, cfg: RunConfig) -> None:
+        self.cfg = cfg
+        self.at: tuple[str, int] | None = None
+
+    def arm(self, stage: str, iteration: int) -> None:
+        self.at = (stage, iteration)
+
+    def point(self, role: str) -> None:
+        if self.at is not None:
+            fault_point(self.cfg, f"{self.at[0]}@{role}", self.at[1], where="kill_worker_at")

@@ -33,6 +33,7 @@ import time
 import uuid
 from collections.abc import Callable
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any, TypeVar
 
 import fsspec
@@ -93,6 +94,13 @@ def _transient_types() -> tuple[type[BaseException], ...]:
 
 
 _TRANSIENT = _transient_types()
+
+
+def store_identity(root: str) -> str:
+    """The store a run lives in, as one string: a local folder's absolute path, else the URL."""
+    if "://" in root and not root.startswith("file://"):
+        return root.rstrip("/")
+    return str(Path(root.removeprefix("file://")).expanduser().resolve())
 
 
 class StoreError(RuntimeError):

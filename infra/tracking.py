@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from infra.env import apply_defaults
+from infra.store import store_identity
 from schemas.config import RunConfig
 
 MAX_PARAM_CHARS = 500  # MLflow rejects longer parameter values
@@ -33,13 +34,6 @@ def tracking_uri_for(cfg: RunConfig) -> str:
     local = Path(store_identity(root))
     local.mkdir(parents=True, exist_ok=True)
     return f"sqlite:///{local / 'mlflow.db'}"
-
-
-def store_identity(root: str) -> str:
-    """The store a run lives in, as one string: a local folder's absolute path, else the URL."""
-    if "://" in root and not root.startswith("file://"):
-        return root.rstrip("/")
-    return str(Path(root.removeprefix("file://")).expanduser().resolve())
 
 
 class TrackingUnavailable(RuntimeError):

@@ -172,6 +172,7 @@ def rollout(
         rows = prompt_batch(train.num_rows, iteration, cfg.data.prompts_per_iteration, cfg.data.shuffle_seed)
         batch = train.take(rows).to_pylist()
         group = open_group(cfg, version)
+        group.arm("rollout", iteration)
         group.acquire_rollout(policy, update_hash(cfg))
         comps, stats = _complete(cfg, group, policy.version, batch, _sampling(cfg, iteration))
         if cfg.algorithm.adv_estimator == "remax":
@@ -347,6 +348,7 @@ def advantage(
         width = max(lens)
         mask = _padded(masks, width)
         group = open_group(cfg, version)
+        group.arm("advantage", iteration)
         hold_policy(group, cfg, policy)
         temp = cfg.rollout.temperature
         rollout_lp = ro.column("rollout_log_probs").to_pylist()
@@ -531,6 +533,7 @@ def evaluate(
             test = test.slice(0, cfg.data.eval_size)
         batch = test.to_pylist()
         group = open_group(cfg, version)
+        group.arm("eval", iteration)
         group.acquire_rollout(policy, update_hash(cfg))
         comps, stats = _complete(cfg, group, policy.version, batch, _sampling(cfg, iteration, n=1, greedy=True))
         # Tool use of the greedy answers (agent mode): held-out tool-call success rate and friends.

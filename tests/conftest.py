@@ -16,6 +16,21 @@ REPO = Path(__file__).resolve().parent.parent
 GSM8K = REPO.parent / "shared" / "data" / "gsm8k"
 
 
+# Memory-heavy modules (vLLM engines, the 135M real model): one at a time under `pytest -n`.
+HEAVY_MODULES = {"test_real_model", "test_rollout_vllm", "test_pipeline_vllm"}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Work units for `pytest -n N --dist loadgroup`: a module's tests stay on one worker (module fixtures
+    start once), the heavy modules share one; the longest units come first (`--no-loadscope-reorder`)."""
+    slow_modules = {i.module.__name__ for i in items if i.get_closest_marker("slow")}
+    for item in items:
+        name = item.module.__name__
+        item.add_marker(pytest.mark.xdist_group("heavy" if name in HEAVY_MODULES else name))
+    items.sort(key=lambda i: (i.module.__name__ not in HEAVY_MODULES, i.module.__name__ not in slow_modules))
+
+
 @pytest.fixture(scope="session")
 def prefect_api(tmp_path_factory):
     """A real Prefect API server; PREFECT_API_URL is exported before Ray starts (workers inherit it)."""

@@ -20,3 +20,20 @@ def tiny_overrides() -> list[str]:
         "trainer.iterations=2",
         "tracking.rollout_sample_rows=4",
     ]
+
+
+def moving_overrides() -> list[str]:
+    """On the tiny settings every reward is 0 (so is every advantage); an entropy bonus and a larger step
+    make every update change the weights, so that kill, resume and replay tests compare moving runs."""
+    return ["actor.entropy_coeff=0.01", "actor.optim.lr=1e-3"]
+
+
+def update_weights(store, run: str, iteration: int) -> dict:
+    """The policy weights committed by ``iteration``'s update."""
+    from safetensors.torch import load
+
+    return load(store.read_bytes(store.manifest(run, iteration, "update"), "model/model.safetensors"))
+
+
+def weights_moved(a: dict, b: dict) -> bool:
+    return any((a[k] - b[k]).abs().max() > 0 for k in a)

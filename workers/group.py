@@ -11,6 +11,7 @@ their names), so it never relabels the weights of a run that is training.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +20,7 @@ import ray
 from ray.exceptions import ActorUnavailableError
 
 from infra.ray_runtime import RAY_NAMESPACE
+from infra.store import store_identity
 from schemas.config import ConfigError, RunConfig
 from schemas.manifest import Manifest, PolicyRef
 from schemas.stages import ConfigView, whole_config
@@ -34,8 +36,10 @@ def total_update_steps(cfg: RunConfig) -> int:
     return max(1, per_iter * max(1, cfg.trainer.iterations))
 
 
-def actor_name(run: str, version: str = "main", rank: int = 0) -> str:
-    base = f"policy-{run}" if version == "main" else f"policy-{run}@{version}"
+def actor_name(run: str, store_root: str, version: str = "main", rank: int = 0) -> str:
+    # A run is its store and its name: runs of one name in two stores on one cluster get their own workers.
+    store = hashlib.sha256(store_identity(store_root).encode()).hexdigest()[:8]
+    base = f"policy-{run}-{store}" if version == "main" else f"policy-{run}-{store}@{version}"
     return base if rank == 0 else f"{base}-rank{rank}"
 
 
@@ -58,6 +62,13 @@ class PolicyGroup:
     ranks: list[Any]
     name: str
     rollout: Any = None  # the rollout role's actor when placed apart (ray.rollout_placement: separate)
+    drills: bool = False  # drill.kill_worker_at names points: stages arm the actors
+
+    def arm(self, stage: str, iteration: int) -> None:
+        """Failure drills only: tell every actor which stage and iteration its next calls serve."""
+        if self.drills:
+            actors = self.ranks + ([self.rollout] if self.rollout is not None else [])
+            _wait_restart(lambda: ray.get([a.arm.remote(stage, iteration) for a in actors]))
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """One call on rank 0 (generation, log-probs, reference, critic)."""
@@ -172,7 +183,7 @@ def open_group(cfg: RunConfig | ConfigView, version: str = "main") -> PolicyGrou
     ranks = [
         ray.remote(PolicyWorker)
         .options(
-            name=actor_name(cfg.run_name, version, rank),
+            name=actor_name(cfg.run_name, cfg.store.root, version, rank),
             num_cpus=r.worker_num_cpus,
             num_gpus=r.worker_num_gpus,
             resources=dict(r.trainer_resources),
@@ -186,7 +197,7 @@ def open_group(cfg: RunConfig | ConfigView, version: str = "main") -> PolicyGrou
         rollout = (
             ray.remote(RolloutWorker)
             .options(
-                name=actor_name(cfg.run_name, version) + "-rollout",
+                name=actor_name(cfg.run_name, cfg.store.root, version) + "-rollout",
                 num_cpus=r.rollout_num_cpus,
                 num_gpus=r.rollout_num_gpus,
                 resources=dict(r.rollout_resources),
@@ -194,7 +205,7 @@ def open_group(cfg: RunConfig | ConfigView, version: str = "main") -> PolicyGrou
             )
             .remote(cfg_json)
         )
-    return PolicyGroup(ranks, actor_name(cfg.run_name, version), rollout)
+    return PolicyGroup(ranks, actor_name(cfg.run_name, cfg.store.root, version), rollout, bool(cfg.drill.kill_worker_at))
 
 
 def critic_init_ref(policy: PolicyRef) -> PolicyRef:

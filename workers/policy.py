@@ -26,7 +26,7 @@ from engines.actor import TorchActor
 from engines.checkpoint import load_trainer_state, save_trainer_state
 from engines.critic import TorchCritic
 from engines.rollout import HFRolloutEngine, SamplingParams
-from infra.drill import fault_point
+from infra.drill import WorkerDrill, fault_point
 from infra.store import ArtifactStore
 from schemas.config import ConfigError, RunConfig
 from schemas.manifest import Manifest, PolicyRef
@@ -118,6 +118,7 @@ class PolicyWorker:
         self.scratch = Path(tempfile.mkdtemp(prefix=f"rlstage-worker-{self.cfg.run_name}-"))
         self.staged: dict[str, Path] = {}
         self.busy: list[tuple[float, float]] = []  # (start, end) of each update, for overlap checks
+        self.drill = WorkerDrill(self.cfg)
 
     def pid(self) -> int:
         return os.getpid()
@@ -131,6 +132,9 @@ class PolicyWorker:
 
     def version(self, role: str = "policy") -> str | None:
         return self.versions[role]
+
+    def arm(self, stage: str, iteration: int) -> None:
+        self.drill.arm(stage, iteration)
 
     # ------------------------------------------------------------------ the version protocol
     def rendezvous(self) -> tuple[str, int]:
@@ -302,21 +306,25 @@ class PolicyWorker:
     def generate_ids(self, version: str, prompt_ids: list[list[int]], params: dict) -> list[dict]:
         """Completions of rendered prompts (the stage renders chat messages with the policy's template)."""
         self._require(version)
+        self.drill.point("rollout")
         return [asdict(c) for c in self.rollout.generate_ids(prompt_ids, SamplingParams(**params))]
 
     def agent_generate(self, version: str, rows: list[dict], params: dict) -> tuple[list[dict], dict]:
         """Multi-turn tool-calling rollouts of prompts-table rows (``agent`` config); completions and timings."""
         self._require(version)
+        self.drill.point("rollout")
         from engines.agent_loop import run_agent_config
 
         return run_agent_config(self.rollout, self.cfg.agent, rows, SamplingParams(**params))
 
     def log_probs(self, version: str, prompt_ids: list, response_ids: list, temperature: float) -> list:
         self._require(version)
+        self.drill.point("actor")
         return self.actor.compute_log_probs(prompt_ids, response_ids, temperature)
 
     def ref_log_probs(self, version: str, prompt_ids: list, response_ids: list, temperature: float) -> list:
         self._require(version, "ref")
+        self.drill.point("ref")
         # The same batching and temperature as the actor's recompute, on the frozen weights.
         frozen = TorchActor.__new__(TorchActor)
         frozen.model, frozen.cfg, frozen.pad_id = self.ref_model, self.cfg.actor, self.tokenizer.pad_token_id
@@ -324,6 +332,7 @@ class PolicyWorker:
 
     def values(self, version: str, prompt_ids: list, response_ids: list) -> list:
         self._require(version, "critic")
+        self.drill.point("critic")
         return self.critic.compute_values(prompt_ids, response_ids)
 
     def update(self, version: str, experience_json: dict, iteration: int, checkpoint: bool = True) -> dict:

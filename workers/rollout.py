@@ -19,6 +19,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engines.rollout import SamplingParams
+from infra.drill import WorkerDrill
 from infra.store import ArtifactStore
 from schemas.config import RunConfig
 from schemas.manifest import PolicyRef
@@ -37,12 +38,16 @@ class RolloutWorker:
         self.rollout = None
         self.scratch = Path(tempfile.mkdtemp(prefix=f"rlstage-rollout-{self.cfg.run_name}-"))
         self.busy: list[tuple[float, float]] = []  # (start, end) of each generate call, for overlap checks
+        self.drill = WorkerDrill(self.cfg)
 
     def pid(self) -> int:
         return os.getpid()
 
     def version(self, role: str = "policy") -> str | None:
         return self.held
+
+    def arm(self, stage: str, iteration: int) -> None:
+        self.drill.arm(stage, iteration)
 
     def acquire(self, ref_json: dict, handoff: tuple[str, str] | None = None) -> str:
         """Hold ``ref``'s weights: the trainer's same-node handoff folder, else the store, else a local path."""
@@ -81,6 +86,7 @@ class RolloutWorker:
     def generate_ids(self, version: str, prompt_ids: list[list[int]], params: dict) -> list[dict]:
         """Completions of rendered prompts (the stage renders chat messages with the policy's template)."""
         self._require(version)
+        self.drill.point("rollout")
         t0 = time.time()
         out = [asdict(c) for c in self.rollout.generate_ids(prompt_ids, SamplingParams(**params))]
         self.busy.append((t0, time.time()))
@@ -88,6 +94,7 @@ class RolloutWorker:
 
     def agent_generate(self, version: str, rows: list[dict], params: dict) -> tuple[list[dict], dict]:
         self._require(version)
+        self.drill.point("rollout")
         from engines.agent_loop import run_agent_config
 
         return run_agent_config(self.rollout, self.cfg.agent, rows, SamplingParams(**params))
