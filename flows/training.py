@@ -62,6 +62,22 @@ class IterationOutcome:
         return out
 
 
+PROGRESS = "progress/iteration"  # on every iteration's MLflow step: how catch_up finds the steps MLflow lacks
+
+
+def _stored_metrics(store: ArtifactStore, run: str):
+    """An iteration's metrics as its committed stages recorded them (timings are not stored)."""
+
+    def metrics(iteration: int) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for spec in SPECS:
+            m = store.manifest(run, iteration, spec.name) if spec.per_iteration else None
+            out.update(m.meta.get("metrics", {}) if m is not None else {})
+        return out
+
+    return metrics
+
+
 # Progress lines also go to the flow run's logs in the Prefect UI: only there, the terminal has them.
 _progress = logging.getLogger("rlstage.progress")
 _progress.propagate = False
@@ -215,6 +231,12 @@ def run_training(cfg: RunConfig, first: int = 1, last: int | None = None) -> dic
 
 def _run_iterations(cfg: RunConfig, store: ArtifactStore, first: int, last: int, renew) -> dict:
     tracker = Tracker(cfg, tags={"rlstage.artifact_root": store.root, "prefect.flow_run_id": _flow_run_id()})
+    if first > 1:  # iterations an earlier invocation finished while the tracking server was away
+        caught = tracker.catch_up(list(range(first)), _stored_metrics(store, cfg.run_name), PROGRESS, ("timing_s/iteration",))
+        if caught:
+            _emit(f"  MLflow caught up with iteration(s) {', '.join(map(str, caught))} from the store")
+    # Points the MLflow run already holds: an iteration walked again with nothing executed is not logged twice.
+    logged = tracker.logged_steps(PROGRESS) | tracker.logged_steps("timing_s/iteration")
     runner = RayTaskRunner(address=cfg.ray.address, init_kwargs={"namespace": RAY_NAMESPACE})
     one_iteration = iteration_flow.with_options(task_runner=runner, flow_run_name=f"{cfg.run_name}-iter-{{iteration}}")
     # The driver owns the policy worker: a non-detached actor dies with its last handle, so this
@@ -223,7 +245,8 @@ def _run_iterations(cfg: RunConfig, store: ArtifactStore, first: int, last: int,
     status = "FAILED"
     try:
         prep = stages.submit_stage(cfg, "data_prep").result()
-        tracker.log_metrics(0, prep.metrics)  # prompt counts, and those dropped as over data.max_prompt_length
+        if prep.executed or 0 not in logged:  # prompt counts, and those dropped as over data.max_prompt_length
+            tracker.log_metrics(0, prep.metrics)
         dropped = prep.metrics.get("data/train_dropped_overlong", 0) + prep.metrics.get("data/test_dropped_overlong", 0)
         if dropped:
             _emit(f"  data prep: {dropped:.0f} prompt(s) over data.max_prompt_length={cfg.data.max_prompt_length} tokens dropped")
@@ -249,8 +272,9 @@ def _run_iterations(cfg: RunConfig, store: ArtifactStore, first: int, last: int,
                     r["advantage"].manifest,
                     models.policy if cfg.trainer.async_staleness else None,
                 )
-            metrics = outcome.metrics()
-            tracker.log_metrics(it, metrics)
+            metrics = {**outcome.metrics(), PROGRESS: float(it)}
+            if outcome.executed or it not in logged:
+                tracker.log_metrics(it, metrics)
             if "rollout" in outcome.results and outcome.results["rollout"].executed:
                 _log_rollout_sample(cfg, tracker, it, outcome)
             _publish_iteration(cfg, store, tracker, outcome, metrics)

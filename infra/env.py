@@ -10,6 +10,10 @@ LOOPBACK_DEFAULTS = {
     "PREFECT_CLI_PROMPT": "false",
     "MLFLOW_DISABLE_TELEMETRY": "true",
     "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
+    # A tracking server that went away costs seconds, not MLflow's default minutes of retries per call:
+    # the run goes on and its metrics are logged once the server answers (infra/tracking.py).
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "20",
     "RAY_USAGE_STATS_ENABLED": "0",
     # Keeps every Ray listener on 127.0.0.1 (single node) instead of probing a public address.
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",

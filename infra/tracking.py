@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import re
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +100,8 @@ class Tracker:
         from mlflow.tracking import MlflowClient
 
         self.uri = tracking_uri_for(cfg)
+        self.offline = False  # the server stopped answering mid-run
+        self.unsent: dict[int, dict[str, float]] = {}  # step -> metrics not yet sent
         mlflow.set_tracking_uri(self.uri)
         self.client = MlflowClient(self.uri)
         exp = self.client.get_experiment_by_name(cfg.tracking.experiment)
@@ -135,9 +139,28 @@ class Tracker:
             self.client.set_tag(self.run_id, k, v)
         self.client.log_dict(self.run_id, cfg.model_dump(mode="json"), CONFIG_ARTIFACT)
 
-    def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
-        import time
+    # ------------------------------------------------------------ a server that goes away mid-run
+    # The run goes on: metrics that could not be sent are kept and sent, in step order, by the first call
+    # that reaches the server again; those of a process that ended first are logged from the store by the
+    # next invocation (``catch_up``). Tables and texts of the meantime are skipped.
+    def _send(self, fn) -> bool:
+        try:
+            fn()
+        except Exception as err:
+            try:
+                check_reachable(self.uri, timeout_s=2.0)
+            except TrackingUnavailable as down:
+                if not self.offline:
+                    print(f"rlstage: warning: {down}; the run goes on, metrics are logged when it answers", file=sys.stderr)
+                self.offline = True
+                return False
+            raise err
+        if self.offline:
+            print(f"rlstage: MLflow tracking server {self.uri} answers again", file=sys.stderr)
+            self.offline = False
+        return True
 
+    def _log_batch(self, step: int, metrics: dict[str, float]) -> None:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
@@ -145,14 +168,35 @@ class Tracker:
         for i in range(0, len(batch), 500):
             self.client.log_batch(self.run_id, metrics=batch[i : i + 500])
 
+    def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        self.unsent[step] = {**self.unsent.get(step, {}), **metrics}
+        for s in sorted(self.unsent):
+            if not self._send(lambda s=s: self._log_batch(s, self.unsent[s])):
+                return
+            del self.unsent[s]
+
+    def logged_steps(self, metric: str) -> set[int]:
+        return {m.step for m in self.client.get_metric_history(self.run_id, metric_name(metric))}
+
+    def catch_up(self, steps: list[int], stored_metrics, marker: str, seen_by: tuple[str, ...] = ()) -> list[int]:
+        """Log, from the store, the metrics of finished steps that never reached MLflow (a server that was
+        away when an earlier invocation ended); ``marker`` (or one of ``seen_by``) is on every logged step."""
+        logged = set().union(*(self.logged_steps(m) for m in (marker, *seen_by)))
+        missing = [s for s in steps if s not in logged]
+        for s in missing:
+            self.log_metrics(s, {**stored_metrics(s), marker: float(s)})
+        return missing
+
     def log_table(self, rows: dict[str, list], artifact_file: str) -> None:
-        self.client.log_table(self.run_id, data=rows, artifact_file=artifact_file)
+        self._send(lambda: self.client.log_table(self.run_id, data=rows, artifact_file=artifact_file))
 
     def log_text(self, text: str, artifact_file: str) -> None:
-        self.client.log_text(self.run_id, text, artifact_file)
+        self._send(lambda: self.client.log_text(self.run_id, text, artifact_file))
 
     def finish(self, status: str = "FINISHED") -> None:
-        self.client.set_terminated(self.run_id, status=status)
+        if self.unsent:
+            self.log_metrics(min(self.unsent), {})
+        self._send(lambda: self.client.set_terminated(self.run_id, status=status))
 
     @property
     def run_url(self) -> str:

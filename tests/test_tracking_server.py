@@ -1,0 +1,105 @@
+"""A real `mlflow server` that goes away mid-run: the run goes on, and its MLflow run catches up from the
+store once the server answers again, each iteration's point logged once."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from schemas.config import load_config
+from tests_support import moving_overrides, tiny_overrides
+
+pytestmark = pytest.mark.slow
+
+
+class MlflowServer:
+    def __init__(self, home: Path, port: int) -> None:
+        self.home, self.port, self.proc = home, port, None
+        self.url = f"http://127.0.0.1:{port}"
+
+    def start(self) -> None:
+        mlflow = Path(sys.executable).with_name("mlflow")
+        cmd = [
+            str(mlflow), "server", "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1",
+            "--backend-store-uri", f"sqlite:///{self.home / 'mlflow.db'}",
+            "--artifacts-destination", str(self.home / "artifacts"),
+        ]  # fmt: skip
+        log = open(self.home / "server.log", "ab")  # the server's output, for its lifetime
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=log, start_new_session=True)
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2):
+                    return
+            except OSError:
+                assert self.proc.poll() is None, (self.home / "server.log").read_text()[-2000:]
+                time.sleep(0.5)
+        raise AssertionError("mlflow server did not answer")
+
+    def kill(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+
+def test_a_tracking_server_lost_mid_run_is_caught_up_from_the_store(prefect_api, tmp_path, capfd):
+    from mlflow.tracking import MlflowClient
+
+    from flows.nightly import nightly
+    from flows.training import PROGRESS, train
+    from infra.prefect_server import free_port
+    from tasks.runtime import store_for
+
+    server = MlflowServer(tmp_path, free_port())
+    server.start()
+    try:
+        def cfg(iterations: int):
+            return load_config(
+                None,
+                [
+                    f"store.root={tmp_path / 'store'}", "run_name=away", *tiny_overrides(), *moving_overrides(),
+                    f"tracking.tracking_uri={server.url}", f"trainer.iterations={iterations}",
+                ],
+            )  # fmt: skip
+
+        first = train(config=cfg(1))
+        store = store_for(cfg(1))
+
+        def kill_when_iteration_2_rolls_out() -> None:
+            while store.manifest("away", 2, "rollout") is None:
+                time.sleep(0.1)
+            server.kill()
+
+        killer = threading.Thread(target=kill_when_iteration_2_rolls_out, daemon=True)
+        killer.start()
+        # The server goes away in iteration 2: iterations 2 and 3 train and commit, with a warning line.
+        away = train(config=cfg(3))
+        killer.join()
+        assert [h["iteration"] for h in away["history"] if h["executed"]] == [2, 3]
+        assert "the run goes on" in capfd.readouterr().err
+        server.start()
+        # The nightly path starts at iteration 4: what MLflow lacks is logged from the store first.
+        back = nightly(run_name="away", iterations=1, store_root=str(tmp_path / "store"))
+        assert [h["iteration"] for h in back["history"]] == [4]
+        assert "MLflow caught up with iteration(s) 2, 3 from the store" in capfd.readouterr().err
+        # The CLI's path walks every iteration again: nothing executes, nothing is logged twice.
+        again = train(config=cfg(4))
+        assert not any(h["executed"] for h in again["history"])
+        client = MlflowClient(server.url)
+        run_id = first["mlflow_run_id"]
+        assert back["mlflow_run_id"] == again["mlflow_run_id"] == run_id
+        progress = sorted(m.step for m in client.get_metric_history(run_id, PROGRESS))
+        pg = sorted((m.step, m.value) for m in client.get_metric_history(run_id, "actor/pg_loss"))
+    finally:
+        if server.proc.poll() is None:
+            server.kill()
+    assert progress == [0, 1, 2, 3, 4], progress
+    assert [s for s, _ in pg] == [1, 2, 3, 4]  # each iteration's point once
+    assert dict(pg)[2] == pytest.approx(store.manifest("away", 2, "update").meta["metrics"]["actor/pg_loss"])
