@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from infra.env import apply_defaults
+from schemas.stages import REPLAYABLE
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
 
@@ -191,6 +192,29 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows an argument's default where it has one."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default in (None, False):
+            return action.help
+        return super()._get_help_string(action)
+
+
+class _SubParser(_Parser):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, formatter_class=_Help, **kwargs)
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("rlstage")
+    except PackageNotFoundError:  # run from a source tree that was not installed
+        return "(not installed)"
+
+
 class Stopped(KeyboardInterrupt):
     """SIGTERM (or SIGINT), raised in the main thread so every ``finally`` stops what this command started."""
 
@@ -246,7 +270,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "-v", "--verbose", action="store_true", help="print tracebacks (also RLSTAGE_DEBUG=1)"
     )
-    sub = parser.add_subparsers(dest="cmd", required=True)
+    parser.add_argument("--version", action="version", version=f"rlstage {_version()}")
+    # Every subcommand's help shows its defaults.
+    sub = parser.add_subparsers(dest="cmd", required=True, parser_class=_SubParser)
     for name, fn, helptext in (
         ("demo", cmd_demo, "tiny kit + GRPO on CPU through Prefect, Ray, the store and MLflow"),
         ("train", cmd_train, "a training run from a config (continues where it stopped)"),
@@ -256,20 +282,20 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.optim.lr=1e-5")
         p.set_defaults(fn=fn)
     p = sub.add_parser("nightly", help="continue a run by K iterations with its stored config")
-    p.add_argument("run")
-    p.add_argument("-k", "--iterations", type=int, default=1)
+    p.add_argument("run", help="run name")
+    p.add_argument("-k", "--iterations", type=int, default=1, help="iterations to add")
     p.add_argument("--store", default="./rlstage-runs", help="store root of the run")
     p.set_defaults(fn=cmd_nightly)
     p = sub.add_parser("replay", help="re-execute one stage of one iteration from its stored inputs")
-    p.add_argument("run")
-    p.add_argument("iteration", type=int)
-    p.add_argument("stage")
+    p.add_argument("run", help="run name")
+    p.add_argument("iteration", type=int, help="iteration whose stage is replayed")
+    p.add_argument("stage", help=f"one of: {', '.join(REPLAYABLE)}")
     p.add_argument("overrides", nargs="*", help="changed settings, e.g. reward.function=gsm8k_flexible")
     p.add_argument("--store", default="./rlstage-runs", help="store root of the run")
     p.set_defaults(fn=cmd_replay)
     p = sub.add_parser("eval", help="evaluate a stored policy of a run (default: its last iteration)")
-    p.add_argument("run")
-    p.add_argument("-i", "--iteration", type=int, default=None)
+    p.add_argument("run", help="run name")
+    p.add_argument("-i", "--iteration", type=int, default=None, help="policy after this update (0: the start; default: the last)")
     p.add_argument("overrides", nargs="*", help="changed eval settings, e.g. trainer.eval_n=16")
     p.add_argument("--store", default="./rlstage-runs", help="store root of the run")
     p.set_defaults(fn=cmd_eval)
@@ -284,11 +310,11 @@ def main(argv: list[str] | None = None) -> int:
     from infra.explore import QUERIES
 
     p = sub.add_parser("inspect", help="query a run's rollouts, rewards and experience (polars)")
-    p.add_argument("run")
-    p.add_argument("-q", "--query", choices=list(QUERIES), default="rewards", help="default: %(default)s")
-    p.add_argument("-i", "--iteration", type=int, default=None, help="one iteration (default: all)")
-    p.add_argument("-n", "--limit", type=int, default=10, help="rows of best/worst/logprob-gap (default: 10)")
-    p.add_argument("--store", default="./rlstage-runs", help="store root of the run (default: %(default)s)")
+    p.add_argument("run", help="run name")
+    p.add_argument("-q", "--query", choices=list(QUERIES), default="rewards", help="the query")
+    p.add_argument("-i", "--iteration", type=int, default=None, help="one iteration (None: all)")
+    p.add_argument("-n", "--limit", type=int, default=10, help="rows of best/worst/logprob-gap")
+    p.add_argument("--store", default="./rlstage-runs", help="store root of the run")
     p.set_defaults(fn=cmd_inspect)
 
     for p in sub.choices.values():  # "rlstage train --verbose" works as well as "rlstage --verbose train"

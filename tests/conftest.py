@@ -16,19 +16,16 @@ REPO = Path(__file__).resolve().parent.parent
 GSM8K = REPO.parent / "shared" / "data" / "gsm8k"
 
 
-# Memory-heavy modules (vLLM engines, the 135M real model): one at a time under `pytest -n`.
-HEAVY_MODULES = {"test_real_model", "test_rollout_vllm", "test_pipeline_vllm"}
+# The longest modules (vLLM engines, the 135M real model) first, then every module with slow tests.
+LONG_MODULES = {"test_real_model", "test_rollout_vllm", "test_pipeline_vllm", "test_deployments", "test_schedule"}
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Work units for `pytest -n N --dist loadgroup`: a module's tests stay on one worker (module fixtures
-    start once), the heavy modules share one; the longest units come first (`--no-loadscope-reorder`)."""
+    """Under `pytest -n N --dist loadfile --no-loadscope-reorder` (scripts/test.sh) a module runs on one
+    worker (its module fixtures start once) and modules are handed out in this order: longest first."""
     slow_modules = {i.module.__name__ for i in items if i.get_closest_marker("slow")}
-    for item in items:
-        name = item.module.__name__
-        item.add_marker(pytest.mark.xdist_group("heavy" if name in HEAVY_MODULES else name))
-    items.sort(key=lambda i: (i.module.__name__ not in HEAVY_MODULES, i.module.__name__ not in slow_modules))
+    items.sort(key=lambda i: (i.module.__name__ not in LONG_MODULES, i.module.__name__ not in slow_modules))
 
 
 @pytest.fixture(scope="session")

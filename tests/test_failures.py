@@ -11,7 +11,7 @@ import pytest
 
 from schemas.config import load_config
 from schemas.stages import SPECS
-from tests_support import tiny_overrides
+from tests_support import moving_overrides, tiny_overrides, update_weights, weights_moved
 
 pytestmark = pytest.mark.slow
 # Every registry stage of an iteration without a critic (the critic stage needs a critic input). They run
@@ -31,7 +31,7 @@ def _checksums(store, run: str, iterations: int) -> dict[str, str]:
 
 
 def _cfg(root, run, *extra):
-    return load_config(None, [f"store.root={root}", f"run_name={run}", *tiny_overrides(), *extra])
+    return load_config(None, [f"store.root={root}", f"run_name={run}", *tiny_overrides(), *moving_overrides(), *extra])
 
 
 def test_sigkill_of_each_stage_process_is_retried_to_identical_artifacts(prefect_api, tmp_path):
@@ -50,11 +50,14 @@ def test_sigkill_of_each_stage_process_is_retried_to_identical_artifacts(prefect
     assert fired == sorted(f"kill_at-{s}-1" for s in STAGES)
     assert [h["iteration"] for h in result["history"]] == [0, 1, 2]
     assert _checksums(store_for(killed), "r", 2) == _checksums(store_for(reference), "r", 2)
+    store = store_for(killed)
+    assert weights_moved(update_weights(store, "r", 1), update_weights(store, "r", 2))
     assert STAGES == ("rollout", "reward", "advantage", "update", "eval")
 
 
 def test_killed_flow_reruns_no_committed_stage(prefect_api, tmp_path):
     from flows.training import train
+    from tasks.runtime import store_for
 
     root = tmp_path / "store"
     markers = tmp_path / "markers"
@@ -66,7 +69,7 @@ def test_killed_flow_reruns_no_committed_stage(prefect_api, tmp_path):
         "if __name__ == '__main__':\n"
         "    train(config=load_config(None, sys.argv[1:]))\n"
     )
-    overrides = [f"store.root={root}", "run_name=f", *tiny_overrides()]
+    overrides = [f"store.root={root}", "run_name=f", *tiny_overrides(), *moving_overrides()]
     drill = ["drill.kill_flow_after=['advantage:1']", f"drill.markers={markers}"]
     proc = subprocess.run(
         [sys.executable, "-c", script, *overrides, *drill], env=dict(os.environ), capture_output=True, text=True, timeout=300
@@ -76,3 +79,5 @@ def test_killed_flow_reruns_no_committed_stage(prefect_api, tmp_path):
     assert rerun["executed"][:2] == ["iter-1/update", "iter-1/eval"]
     assert not any(s in rerun["executed"] for s in ("data_prep", "sft", "iter-0/eval", "iter-1/rollout"))
     assert not any(s in rerun["executed"] for s in ("iter-1/reward", "iter-1/advantage"))
+    store = store_for(_cfg(root, "f"))
+    assert weights_moved(update_weights(store, "f", 1), update_weights(store, "f", 2))

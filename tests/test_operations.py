@@ -8,9 +8,9 @@ import sys
 import pytest
 
 from schemas.config import ConfigError, load_config
-from tests_support import tiny_overrides
+from tests_support import moving_overrides, tiny_overrides, update_weights, weights_moved
 
-TINY = tiny_overrides()
+TINY = tiny_overrides() + moving_overrides()  # replays of runs whose weights move
 
 pytestmark = pytest.mark.slow
 
@@ -23,6 +23,14 @@ def ops_run(prefect_api, tmp_path_factory):
     overrides = [f"store.root={root}", "run_name=ops", *TINY, "trainer.iterations=1"]
     cfg = load_config(None, overrides)
     first = train(config=cfg)
+    from safetensors.torch import load
+
+    from tasks.runtime import store_for
+
+    store = store_for(cfg)
+    start = store.manifest("ops", 1, "update").meta["policy_ref"]
+    init = store.manifest(start["run"], start["iteration"], start["stage"])
+    assert weights_moved(load(store.read_bytes(init, "model/model.safetensors")), update_weights(store, "ops", 1))
     return cfg, root, first
 
 
@@ -68,14 +76,13 @@ def test_replay_with_changed_settings_writes_a_sibling_version(ops_run):
     cfg, root, _ = ops_run
     store = store_for(cfg)
     original = store.manifest("ops", 1, "update")
-    # the tiny run has all-zero advantages, so an entropy bonus is what moves its weights
-    summary = replay(run_name="ops", iteration=1, stage="update", store_root=root, overrides=["actor.entropy_coeff=0.01"])
+    summary = replay(run_name="ops", iteration=1, stage="update", store_root=root, overrides=["actor.entropy_coeff=0.05"])
     assert not summary["identical"]
     assert summary["files_identical"]["model/config.json"]  # same architecture, other weights
     assert not summary["files_identical"]["model/model.safetensors"]
     sibling = store.manifest("ops", 1, "update", version=summary["version"])
     assert sibling.meta["replay_of"] == original.artifact_id
-    assert sibling.meta["overrides"] == ["actor.entropy_coeff=0.01"]
+    assert sibling.meta["overrides"] == ["actor.entropy_coeff=0.05"]
     assert store.manifest("ops", 1, "update").artifact_id == original.artifact_id  # untouched
     versions = store.versions("ops", 1, "update")
     assert versions[0] == "main" and summary["version"] in versions
