@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -91,6 +92,29 @@ def rollout_engine(cfg: RunConfig, model, tokenizer, path: str, current=None):
     )
 
 
+SCRATCH = re.compile(r"^rlstage-(?:worker|rollout)-p(\d+)-")
+
+
+def scratch_dir(kind: str, run: str) -> Path:
+    """A worker's temporary folder, named with its pid. A SIGKILLed worker never removes its own, so each
+    new worker removes those of workers no longer alive on this node."""
+    for old in Path(tempfile.gettempdir()).glob("rlstage-*-p*-*"):
+        found = SCRATCH.match(old.name)
+        if found and old.is_dir() and not _alive(int(found.group(1))):
+            shutil.rmtree(old, ignore_errors=True)
+    return Path(tempfile.mkdtemp(prefix=f"rlstage-{kind}-p{os.getpid()}-{run}-"))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
 def node_id() -> str:
     import ray
 
@@ -115,7 +139,7 @@ class PolicyWorker:
         self.ref_model = None
         self.critic: TorchCritic | None = None
         # Checkpoints fetched from the store and checkpoints waiting to be committed: removed on close.
-        self.scratch = Path(tempfile.mkdtemp(prefix=f"rlstage-worker-{self.cfg.run_name}-"))
+        self.scratch = scratch_dir("worker", self.cfg.run_name)
         self.staged: dict[str, Path] = {}
         self.busy: list[tuple[float, float]] = []  # (start, end) of each update, for overlap checks
         self.drill = WorkerDrill(self.cfg)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -23,7 +22,7 @@ from infra.drill import WorkerDrill
 from infra.store import ArtifactStore
 from schemas.config import RunConfig
 from schemas.manifest import PolicyRef
-from workers.policy import MODEL_DIR, check_loadable, node_id, rollout_engine
+from workers.policy import MODEL_DIR, check_loadable, node_id, rollout_engine, scratch_dir
 
 
 class RolloutWorker:
@@ -36,7 +35,7 @@ class RolloutWorker:
         self.tokenizer = None
         self.model = None
         self.rollout = None
-        self.scratch = Path(tempfile.mkdtemp(prefix=f"rlstage-rollout-{self.cfg.run_name}-"))
+        self.scratch = scratch_dir("rollout", self.cfg.run_name)
         self.busy: list[tuple[float, float]] = []  # (start, end) of each generate call, for overlap checks
         self.drill = WorkerDrill(self.cfg)
 
