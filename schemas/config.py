@@ -198,7 +198,9 @@ class RewardModelConfig(_Section):
     micro_batch_size_per_gpu: int = Field(8, ge=1)
     use_dynamic_bsz: bool = False
     forward_max_token_len_per_gpu: int = Field(4096, ge=1)  # the token budget when use_dynamic_bsz
-    num_cpus: float = Field(1.0, gt=0)
+    # 0: the worker computes only while the reward stage's task (which holds a CPU) waits on it;
+    # a reserved CPU would starve stage tasks on a small cluster (ray.worker_num_cpus holds the rest).
+    num_cpus: float = Field(0.0, ge=0)
     num_gpus: float = Field(0.0, ge=0)
 
 

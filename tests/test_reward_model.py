@@ -155,3 +155,31 @@ def test_tiny_reward_model_fits_labelled_pairs():
     after = classification_accuracy(score_texts(model, tok, p, r, micro_batch_size=64), y)
     assert sum(losses[-20:]) < sum(losses[:20])
     assert after >= 0.65 > before - 0.1
+
+
+@pytest.mark.slow
+def test_pipeline_scores_with_the_reward_model_worker(prefect_api, tmp_path):
+    """One tiny iteration with an RM-only reward: the worker scores on Ray, both sources are recorded."""
+    from flows.training import train
+    from schemas.config import load_config
+    from tasks.runtime import store_for
+    from tests_support import tiny_overrides
+
+    model, tok = tiny_rm()
+    save_model_dir(model, tok, tmp_path / "rm")
+    cfg = load_config(None, [
+        f"store.root={tmp_path / 'store'}", "run_name=rm", *tiny_overrides(), "trainer.iterations=1",
+        "reward_model.enable=true", f"reward_model.model.path={tmp_path / 'rm'}", "reward_model.combine=add",
+        "reward_model.use_dynamic_bsz=true", "reward_model.forward_max_token_len_per_gpu=512",
+    ])  # fmt: skip
+    train(config=cfg)
+    store = store_for(cfg)
+    table = store.read_table(store.manifest("rm", 1, "reward"), "rewards.parquet").to_pylist()
+    expected = score_texts(
+        model, tok, store.read_table(store.manifest("rm", 1, "rollout"), "rollouts.parquet").column("prompt").to_pylist(),
+        store.read_table(store.manifest("rm", 1, "rollout"), "rollouts.parquet").column("response_text").to_pylist(),
+        micro_batch_size=1,
+    )
+    for row, rm in zip(table, expected, strict=True):
+        assert row["score_rm"] == pytest.approx(rm, abs=1e-4) and row["score_rule"] in (0.0, 1.0)
+        assert row["score"] == pytest.approx(row["score_rule"] + row["score_rm"], abs=1e-4)
