@@ -11,6 +11,7 @@ import importlib.util
 import json
 from pathlib import Path
 
+from engines.reward_model import check_reward_model_path, check_server
 from engines.rewards import check_reward_fn
 from engines.tools import ToolConfigError, check_agent_template, check_parameters_schema, resolve_callable
 from schemas.config import ConfigError, RunConfig
@@ -67,7 +68,23 @@ def check_engines(cfg: RunConfig) -> None:
             raise ConfigError(f"config error: agent.chat_template: {err}") from None
 
 
+def check_reward_model(cfg: RunConfig) -> None:
+    """The reward model is a one-label sequence classifier, or its server answers a connection."""
+    rm = cfg.reward_model
+    if not rm.enable:
+        return
+    if rm.model.path is not None:
+        problem = check_reward_model_path(rm.model.path)
+        if problem is not None:
+            raise ConfigError(f"config error: reward_model.model.path: {problem}")
+    if rm.server.url is not None:
+        problem = check_server(rm.server.url, rm.server.timeout_s)
+        if problem is not None:
+            raise ConfigError(f"config error: reward_model.server.url: {problem}")
+
+
 def preflight(cfg: RunConfig) -> None:
     """Everything a run needs from this machine, checked before any stage runs."""
     check_model(cfg)
     check_engines(cfg)
+    check_reward_model(cfg)

@@ -513,3 +513,25 @@ def shutdown_scorer() -> None:
 
 
 atexit.register(shutdown_scorer)
+
+
+# ---------------------------------------------------------------- rule + reward model
+# How a sample's rule reward (None: its source has no rule) meets its reward-model score.
+COMBINE_MODES: dict[str, Callable[[float | None, float], float]] = {
+    "replace": lambda rule, rm: rm,
+    "add": lambda rule, rm: (rule or 0.0) + rm,
+    "rule_first": lambda rule, rm: rm if rule is None else rule,
+}
+
+
+def has_rule(data_source: str, function: str | None) -> bool:
+    """Whether a sample has a rule reward: a forced reward.function, or one registered for its source."""
+    return function is not None or data_source in DATA_SOURCE_FNS
+
+
+def combine_scores(mode: str, rule: list[float | None], rm: list[float]) -> list[float]:
+    try:
+        fn = COMBINE_MODES[mode]
+    except KeyError:
+        raise ValueError(f"unknown reward_model.combine {mode!r}; valid: {', '.join(COMBINE_MODES)}") from None
+    return [fn(r, m) for r, m in zip(rule, rm, strict=True)]

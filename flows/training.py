@@ -33,6 +33,7 @@ from tasks import stages
 from tasks.kit import initial_policy  # also registers the sft stage's task
 from tasks.runtime import policy_ref_from, store_for
 from workers.group import check_placement, critic_init_ref, open_group
+from workers.reward_model import open_reward_model
 
 
 @dataclass
@@ -242,6 +243,7 @@ def _run_iterations(cfg: RunConfig, store: ArtifactStore, first: int, last: int,
     # The driver owns the policy worker: a non-detached actor dies with its last handle, so this
     # one keeps it alive for the run while stage tasks look it up by name.
     group = open_group(cfg)
+    rm_worker = open_reward_model(cfg) if cfg.reward_model.enable and cfg.reward_model.model.path else None  # noqa: F841 (held: the actor lives as long)
     status = "FAILED"
     try:
         prep = stages.submit_stage(cfg, "data_prep").result()

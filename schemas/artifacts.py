@@ -63,6 +63,8 @@ REWARDS = pa.schema(
         ("score", pa.float32()),
         ("reward_fn", pa.string()),
         ("error", pa.string()),  # null unless the reward function raised or timed out
+        ("score_rule", pa.float32()),  # null where the sample's source has no rule (or no reward model is on)
+        ("score_rm", pa.float32()),  # null unless reward_model.enable
     ]
 )
 

@@ -175,6 +175,35 @@ class RewardConfig(_Section):
     overlong_buffer: OverlongBufferConfig = Field(default_factory=OverlongBufferConfig)
 
 
+class RewardModelPathConfig(_Section):
+    path: str | None = None  # a Hugging Face sequence-classification folder (num_labels=1), loaded by its worker
+
+
+class RewardServerConfig(_Section):
+    # A loopback HTTP scorer: POST {"prompts": [...], "responses": [...]} -> {"scores": [...]}.
+    url: str | None = None
+    timeout_s: float = Field(10.0, gt=0)  # per request; a timed-out or failed request errors its samples only
+    batch_size: int = Field(32, ge=1)  # samples per request
+
+
+class RewardModelConfig(_Section):
+    """verl's ``reward_model`` section: a learned scorer beside the rule rewards."""
+
+    enable: bool = False
+    model: RewardModelPathConfig = Field(default_factory=RewardModelPathConfig)
+    server: RewardServerConfig = Field(default_factory=RewardServerConfig)
+    # How the RM score meets the rule reward: replace (RM only), add (rule + RM),
+    # rule_first (the rule where the sample's data_source has one, the RM otherwise).
+    combine: Literal["replace", "add", "rule_first"] = "replace"
+    micro_batch_size_per_gpu: int = Field(8, ge=1)
+    use_dynamic_bsz: bool = False
+    forward_max_token_len_per_gpu: int = Field(4096, ge=1)  # the token budget when use_dynamic_bsz
+    # 0: the worker computes only while the reward stage's task (which holds a CPU) waits on it;
+    # a reserved CPU would starve stage tasks on a small cluster (ray.worker_num_cpus holds the rest).
+    num_cpus: float = Field(0.0, ge=0)
+    num_gpus: float = Field(0.0, ge=0)
+
+
 class ToolConfig(_Section):
     """One tool the model may call in agent mode (see engines/tools.py for the call format)."""
 
@@ -399,6 +428,7 @@ class RunConfig(_Section):
     data: DataConfig = Field(default_factory=DataConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
+    reward_model: RewardModelConfig = Field(default_factory=RewardModelConfig)
     actor: ActorConfig = Field(default_factory=ActorConfig)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     critic: CriticConfig = Field(default_factory=CriticConfig)
@@ -489,6 +519,9 @@ class RunConfig(_Section):
             raise ValueError(
                 f"reward.overlong_buffer.len={buffer.len} must be > 0 and at most {response_key}={response_max}"
             )
+        rm = self.reward_model
+        if rm.enable and (rm.model.path is None) == (rm.server.url is None):
+            raise ValueError("reward_model.enable needs exactly one of reward_model.model.path and reward_model.server.url")
         longest = self.data.max_prompt_length + response_max
         for name, section in (("actor", self.actor), ("critic", self.critic)):
             budget = section.micro_batch_tokens

@@ -115,9 +115,10 @@ SPECS: tuple[StageSpec, ...] = (
     StageSpec(
         "reward",
         files=("rewards.parquet",),
-        reads=("reward",),
+        reads=("reward", "reward_model.enable"),
         # DAPO's overlong shaping measures responses against the longest one a rollout can produce.
-        reads_if=lambda v: _RESPONSE_MAX if v.reward.overlong_buffer.enable else (),
+        reads_if=lambda v: (_RESPONSE_MAX if v.reward.overlong_buffer.enable else ())
+        + (("reward_model",) if v.reward_model.enable else ()),
         inputs=("rollouts",),
         output="rewards",
         replayable=True,

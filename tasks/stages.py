@@ -16,12 +16,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
+import ray
 import torch
 from prefect import Task, task
 from prefect.cache_policies import NO_CACHE
 
 from engines import algorithms as algos
-from engines import chat, datasets, rewards
+from engines import chat, datasets, reward_model, rewards
 from engines import metrics as eval_metrics
 from engines.agent_loop import agent_metrics
 from engines.cursor import prompt_batch
@@ -252,6 +253,21 @@ def score_rows(cfg: ConfigView, rows: list[dict]) -> list:
     return results
 
 
+def rm_scores(cfg: ConfigView, prompts: list[str], responses: list[str]) -> list[rewards.RewardResult]:
+    """The reward model's score of each sample: the model's worker, or the configured HTTP server."""
+    rm = cfg.reward_model
+    if rm.server.url is not None:
+        got = reward_model.score_server(rm.server.url, prompts, responses, timeout_s=rm.server.timeout_s, batch_size=rm.server.batch_size)
+        results = [rewards.RewardResult(g.score, "reward_model.server", g.error) for g in got]
+        rewards.check_failures(results, cfg.reward.stop_failure_share)
+        return results
+    from workers.reward_model import open_reward_model
+
+    # A failed batch raises here: the stage fails (retriable) and commits nothing.
+    scores = ray.get(open_reward_model(cfg).score.remote(prompts, responses))
+    return [rewards.RewardResult(s, "reward_model") for s in scores]
+
+
 @stage_task("reward")
 def reward(
     cfg: ConfigView, iteration: int, rollouts: Manifest, version: str = "main", meta: dict | None = None
@@ -259,8 +275,25 @@ def reward(
     def produce() -> StageOutput:
         table = _read(cfg, rollouts, "rollouts.parquet")
         rows = table.select(["response_text", "ground_truth", "data_source", "extra_info"]).to_pylist()
-        results = score_rows(cfg, rows)
-        all_scores = np.array([r.score for r in results], dtype=np.float64)
+        rule: list[float | None] = [None] * len(rows)
+        rm_on = cfg.reward_model.enable
+        ruled = [i for i, r in enumerate(rows) if not rm_on or rewards.has_rule(r["data_source"], cfg.reward.function)]
+        results = score_rows(cfg, [rows[i] for i in ruled]) if ruled else []
+        fn_names: list[str | None] = [None] * len(rows)
+        errors: list[str | None] = [None] * len(rows)
+        for i, r in zip(ruled, results, strict=True):
+            rule[i], fn_names[i], errors[i] = r.score, r.reward_fn, r.error
+        rm: list[float | None] = [None] * len(rows)
+        if rm_on:
+            got = rm_scores(cfg, table.column("prompt").to_pylist(), [r["response_text"] for r in rows])
+            rm = [g.score for g in got]
+            for i, g in enumerate(got):
+                errors[i] = errors[i] or g.error
+                fn_names[i] = g.reward_fn if fn_names[i] is None or cfg.reward_model.combine == "replace" else f"{fn_names[i]}+{g.reward_fn}"
+            combined = rewards.combine_scores(cfg.reward_model.combine, rule, rm)
+        else:
+            combined = rule
+        all_scores = np.array(combined, dtype=np.float64)
         shaping: dict[str, float] = {}
         ob = cfg.reward.overlong_buffer
         if ob.enable:  # DAPO: soft punishment of responses that run into the length limit
@@ -268,14 +301,21 @@ def reward(
             penalty = np.array(algos.overlong_penalty(lengths, cfg.agent.max_response_tokens if cfg.agent.enable else cfg.rollout.max_new_tokens, ob.len, ob.penalty_factor))
             all_scores = all_scores + penalty
             shaping = {"reward/overlong_penalty/mean": float(penalty.mean()), "reward/overlong_ratio": float((penalty < 0).mean())}
-        scores = all_scores[np.array(table.column("sample_index").to_pylist()) >= 0]  # not ReMax baselines
-        errors = [r.error for r in results]
+        real = np.array(table.column("sample_index").to_pylist()) >= 0  # not ReMax baselines
+        scores = all_scores[real]
+        sources: dict[str, float] = {}
+        for key, vals in (("reward/rule/mean", rule), ("reward/rm/mean", rm)):
+            got_vals = [v for v, keep in zip(vals, real, strict=True) if keep and v is not None]
+            if got_vals and rm_on:
+                sources[key] = float(np.mean(got_vals))
         out = pa.table(
             {
                 "sample_id": table.column("sample_id"),
                 "score": pa.array(all_scores, pa.float32()),
-                "reward_fn": [r.reward_fn for r in results],
+                "reward_fn": fn_names,
                 "error": errors,
+                "score_rule": pa.array(rule if rm_on else [None] * len(rows), pa.float32()),
+                "score_rm": pa.array(rm, pa.float32()),
             },
             schema=A.REWARDS,
         )
@@ -287,6 +327,7 @@ def reward(
                 "critic/score/min": float(scores.min()),
                 "reward/errors": float(sum(e is not None for e in errors)),
                 "reward/timeouts": float(sum(e is not None and e.startswith("timeout") for e in errors)),
+                **sources,
                 **shaping,
             },
         )

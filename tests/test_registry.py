@@ -45,7 +45,7 @@ BASES = {
     # settings valid only beside others: DAPO's overlong buffer, data-parallel ranks, pipelined rollouts
     "scaled": [
         "data.train_path=train.jsonl", "data.test_path=test.jsonl", "reward.overlong_buffer.len=4", "actor.engine=deepspeed",
-        "ray.rollout_placement=separate",
+        "ray.rollout_placement=separate", "reward_model.enable=true", "reward_model.model.path=rm",
     ],  # fmt: skip
 }
 
@@ -189,7 +189,9 @@ def test_settings_no_stage_reads_by_default_are_the_documented_ones():
     }
     agent = {p for p in unread if p.startswith("agent.")}
     assert agent == {p for p, _ in LEAVES if p.startswith("agent.") and p != "agent.enable"}
-    assert unread - agent == {
+    rm = {p for p in unread if p.startswith("reward_model.")}  # read once reward_model.enable is set
+    assert rm == {p for p, _ in LEAVES if p.startswith("reward_model.") and p != "reward_model.enable"}
+    assert unread - agent - rm == {
         "trainer.iterations",  # read by decaying schedules only (workers.group.total_update_steps)
         "trainer.eval_every",  # the flow's eval schedule
         "trainer.async_staleness",  # the flow's schedule: which policy a rollout gets (recorded as its input)
