@@ -96,13 +96,13 @@ def metric_name(name: str) -> str:
 class Tracker:
     def __init__(self, cfg: RunConfig, tags: dict[str, str] | None = None) -> None:
         apply_defaults()
-        import mlflow
         from mlflow.tracking import MlflowClient
 
         self.uri = tracking_uri_for(cfg)
         self.offline = False  # the server stopped answering mid-run
         self.unsent: dict[int, dict[str, float]] = {}  # step -> metrics not yet sent
-        mlflow.set_tracking_uri(self.uri)
+        # No mlflow.set_tracking_uri: it exports MLFLOW_TRACKING_URI, which later runs of this process (and
+        # the processes it starts) would take for their own tracking URI.
         self.client = MlflowClient(self.uri)
         exp = self.client.get_experiment_by_name(cfg.tracking.experiment)
         if exp is None:
@@ -126,8 +126,8 @@ class Tracker:
             self.client.update_run(self.run_id, status="RUNNING")
             self.client.set_tag(self.run_id, STORE_TAG, store)
         else:
-            tags = {RUN_NAME_TAG: cfg.run_name, STORE_TAG: store}
-            run = self.client.create_run(exp_id, run_name=cfg.run_name, tags=tags)
+            identity = {RUN_NAME_TAG: cfg.run_name, STORE_TAG: store}
+            run = self.client.create_run(exp_id, run_name=cfg.run_name, tags=identity)
             self.run_id = run.info.run_id
             from mlflow.entities import Param
 

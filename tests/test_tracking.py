@@ -46,6 +46,7 @@ def test_kind_source_and_resolved_config(tmp_path):
     tags = client.get_run(first.run_id).data.tags
     assert tags["mlflow.source.git.commit"] == head and len(head) == 40
     assert tags["mlflow.source.type"] == "PROJECT" and tags["mlflow.source.name"] == "rlstage"
+    assert tags["prefect.flow_run_id"] == "a"  # the invocation's own tags, on a new run as on a continued one
     assert _config_artifact(client, first.run_id, tmp_path / "a") == cfg.model_dump(mode="json")
 
     # A continuation with more iterations: the same run, its config artifact now the new one.
