@@ -149,8 +149,11 @@ def test_nightly_schedule_fires_and_continues_the_run(tmp_path, monkeypatch):
             next_2am = now.replace(hour=2, minute=0, second=0, microsecond=0)
             next_2am += timedelta(days=1) if next_2am <= now else timedelta(0)
             assert next_2am in times, (next_2am, times)
+            cron = sorted({t for t in times if (t.hour, t.minute, t.second) == (2, 0, 0)})
+            assert {(b - a).total_seconds() for a, b in zip(cron, cron[1:], strict=False)} <= {86400.0}, cron
             interval = list(times)
-            interval.remove(next_2am)  # the cron's run (an interval run may fall on 02:00 as well)
+            for t in cron:  # one run each (an interval run may fall on 02:00:00 as well)
+                interval.remove(t)
             steps = {(b - a).total_seconds() for a, b in zip(interval, interval[1:], strict=False)}
             assert steps == {float(INTERVAL_S)}, times
             assert all((t - anchor).total_seconds() % INTERVAL_S == 0 for t in times if t < next_2am)
