@@ -301,11 +301,15 @@ class MicroBatch:
 
 # ====================================================================== the shared loop
 def lr_lambda(optim: OptimConfig, total_steps: int) -> Callable[[int], float]:
-    """Linear warm-up, then constant, cosine or linear decay down to ``min_lr_ratio``."""
+    """Linear warm-up from 0, then constant, cosine or linear decay down to ``min_lr_ratio`` at ``total_steps``.
+
+    The multiplier of optimizer step ``step`` (0-based), as HF's/verl's ``get_cosine_schedule_with_warmup``:
+    ``step / warmup_steps`` during warm-up, then ``min + (1 - min) * decay(progress)``.
+    """
 
     def fn(step: int) -> float:
         if step < optim.warmup_steps:
-            return (step + 1) / optim.warmup_steps
+            return step / optim.warmup_steps
         if optim.lr_schedule == "constant":
             return 1.0
         span = max(1, total_steps - optim.warmup_steps)

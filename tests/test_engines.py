@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from engines import datasets
-from engines.actor import TorchActor, lr_lambda
+from engines.actor import TorchActor
 from engines.cursor import prompt_batch
 from engines.rollout import HFRolloutEngine, SamplingParams
 from engines.sft import sft_train
@@ -83,14 +83,6 @@ def test_ppo_update_raises_probability_of_positive_advantage(kit):
     for key in ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/grad_norm", "actor/lr"):
         assert key in metrics
     assert metrics["actor/pg_clipfrac"] > 0  # 4 epochs at lr 1e-2 leave the trust region
-
-
-def test_lr_schedule_warmup_then_cosine():
-    fn = lr_lambda(OptimConfig(warmup_steps=4, lr_schedule="cosine", min_lr_ratio=0.1), total_steps=14)
-    assert [round(fn(s), 3) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
-    assert fn(4) == pytest.approx(1.0)
-    assert fn(14) == pytest.approx(0.1)
-    assert fn(9) == pytest.approx(0.55)
 
 
 def test_sft_lowers_loss_and_stops_early(kit):
