@@ -82,7 +82,9 @@ def stored_config(
     """The run's recorded config plus ``overrides``; code it names must be named by this invocation or allow-listed."""
     stored = store.get_json(run_name, "run.json")
     if stored is None:
-        raise ConfigError(f"config error: run {run_name!r} does not exist under {store.root}")
+        runs = store.runs()
+        known = f"; runs there: {', '.join(runs)}" if runs else "; no runs there"
+        raise ConfigError(f"config error: run {run_name!r} does not exist under {store.root}{known}")
     return stored_config_from(stored, f"{store.root}/{run_name}/run.json", overrides, trusted)
 
 

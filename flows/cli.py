@@ -202,8 +202,21 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter):
 
 
 class _SubParser(_Parser):
+    _mixing = False
+
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, formatter_class=_Help, **kwargs)
+
+    def parse_known_args(self, args=None, namespace=None):
+        """Overrides anywhere on the line (``eval exp1 -i 7 trainer.eval_n=16``): options and positionals
+        intermixed, except where a REMAINDER takes the rest as it stands (compare)."""
+        if self._mixing or any(a.nargs == argparse.REMAINDER for a in self._actions):
+            return super().parse_known_args(args, namespace)
+        self._mixing = True  # parse_known_intermixed_args calls parse_known_args itself
+        try:
+            return self.parse_known_intermixed_args(args, namespace)
+        finally:
+            self._mixing = False
 
 
 def _version() -> str:

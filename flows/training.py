@@ -63,20 +63,16 @@ class IterationOutcome:
         return out
 
 
-PROGRESS = "progress/iteration"  # on every iteration's MLflow step: how catch_up finds the steps MLflow lacks
+PROGRESS = "progress/iteration"  # on every iteration's MLflow step: how a later invocation finds the steps MLflow lacks
 
 
-def _stored_metrics(store: ArtifactStore, run: str):
+def _stored_metrics(store: ArtifactStore, run: str, iteration: int) -> dict[str, float]:
     """An iteration's metrics as its committed stages recorded them (timings are not stored)."""
-
-    def metrics(iteration: int) -> dict[str, float]:
-        out: dict[str, float] = {}
-        for spec in SPECS:
-            m = store.manifest(run, iteration, spec.name) if spec.per_iteration else None
-            out.update(m.meta.get("metrics", {}) if m is not None else {})
-        return out
-
-    return metrics
+    out: dict[str, float] = {}
+    for spec in SPECS:
+        m = store.manifest(run, iteration, spec.name) if spec.per_iteration else None
+        out.update(m.meta.get("metrics", {}) if m is not None else {})
+    return out
 
 
 # Progress lines also go to the flow run's logs in the Prefect UI: only there, the terminal has them.
@@ -232,12 +228,16 @@ def run_training(cfg: RunConfig, first: int = 1, last: int | None = None) -> dic
 
 def _run_iterations(cfg: RunConfig, store: ArtifactStore, first: int, last: int, renew) -> dict:
     tracker = Tracker(cfg, tags={"rlstage.artifact_root": store.root, "prefect.flow_run_id": _flow_run_id()})
-    if first > 1:  # iterations an earlier invocation finished while the tracking server was away
-        caught = tracker.catch_up(list(range(first)), _stored_metrics(store, cfg.run_name), PROGRESS, ("timing_s/iteration",))
-        if caught:
-            _emit(f"  MLflow caught up with iteration(s) {', '.join(map(str, caught))} from the store")
-    # Points the MLflow run already holds: an iteration walked again with nothing executed is not logged twice.
-    logged = tracker.logged_steps(PROGRESS) | tracker.logged_steps("timing_s/iteration")
+    # Points the MLflow run already holds (runs logged before PROGRESS existed have timing_s/iteration):
+    # an iteration walked again with nothing executed is not logged twice.
+    logged = tracker.logged_steps(PROGRESS, "timing_s/iteration")
+    # Iterations an earlier invocation finished while the tracking server was away: from the store.
+    caught = [it for it in range(first) if first > 1 and it not in logged]
+    for it in caught:
+        tracker.log_metrics(it, {**_stored_metrics(store, cfg.run_name, it), PROGRESS: float(it)})
+    if caught:
+        _emit(f"  MLflow caught up with iteration(s) {', '.join(map(str, caught))} from the store")
+    logged |= set(caught)
     runner = RayTaskRunner(address=cfg.ray.address, init_kwargs={"namespace": RAY_NAMESPACE})
     one_iteration = iteration_flow.with_options(task_runner=runner, flow_run_name=f"{cfg.run_name}-iter-{{iteration}}")
     # The driver owns the policy worker: a non-detached actor dies with its last handle, so this

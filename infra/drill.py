@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 from schemas.config import RunConfig
 
@@ -23,6 +24,18 @@ def fault_point(cfg: RunConfig, stage: str, iteration: int | None, where: str = 
         return
     os.close(fd)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def hold_point(cfg: RunConfig, point: str, timeout_s: float = 300.0) -> None:
+    """Drill: at ``point`` (one of ``cfg.drill.hold_worker_at``) announce ``held-<point>`` and wait for
+    ``release-<point>`` in ``drill.markers``; a release that never comes ends the wait (the test fails)."""
+    if not cfg.drill.markers or point not in cfg.drill.hold_worker_at:
+        return
+    name = point.replace(":", "-")
+    open(os.path.join(cfg.drill.markers, f"held-{name}"), "w").close()
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(os.path.join(cfg.drill.markers, f"release-{name}")) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 class WorkerDrill:

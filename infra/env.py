@@ -24,6 +24,17 @@ LOOPBACK_DEFAULTS = {
 }
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether a process of this machine lives (another user's process counts as alive)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def apply_defaults() -> None:
     for k, v in LOOPBACK_DEFAULTS.items():
         os.environ.setdefault(k, v)

@@ -8,6 +8,7 @@ import time
 import uuid
 from contextlib import contextmanager
 
+from infra.env import pid_alive
 from infra.store import ArtifactStore, CommitConflict
 
 LEASE = "lease"
@@ -20,13 +21,11 @@ class RunLocked(RuntimeError):
 def _holder_alive(doc: dict) -> bool:
     if doc.get("expires_at", 0) < time.time():
         return False
-    if doc.get("host") == socket.gethostname():
-        try:  # same machine: a dead holder process frees the lease at once
-            os.kill(int(doc["pid"]), 0)
-        except (ProcessLookupError, ValueError, KeyError):
+    if doc.get("host") == socket.gethostname():  # same machine: a dead holder process frees the lease at once
+        try:
+            return pid_alive(int(doc["pid"]))
+        except (ValueError, KeyError):
             return False
-        except PermissionError:
-            return True
     return True
 
 

@@ -12,7 +12,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from infra.env import apply_defaults
+from infra.env import apply_defaults, pid_alive
 
 
 def free_port(prefer: int = 0, strict: bool = False) -> int:
@@ -31,21 +31,13 @@ def free_port(prefer: int = 0, strict: bool = False) -> int:
     raise OSError(f"port {prefer} on 127.0.0.1 is in use")
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 def wait_http(url: str, timeout_s: float, proc: subprocess.Popen | int | None = None) -> None:
     """Until ``url`` answers below 500; fails early when ``proc`` (a Popen or a pid) has exited."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if isinstance(proc, subprocess.Popen) and proc.poll() is not None:
             raise RuntimeError(f"server for {url} exited with code {proc.returncode}")
-        if isinstance(proc, int) and not _alive(proc):
+        if isinstance(proc, int) and not pid_alive(proc):
             raise RuntimeError(f"server for {url} exited before it answered")
         try:
             with urllib.request.urlopen(url, timeout=2) as r:

@@ -27,6 +27,8 @@ def ensure_ray(cfg: RunConfig) -> None:
         ray.init(address=cfg.ray.address, namespace=RAY_NAMESPACE, log_to_driver=False)
     else:
         ray.init(
+            # "local": a new cluster even where /tmp/ray names another (a `ray start` or a dead one)
+            address="local",
             num_cpus=cfg.ray.num_cpus,
             include_dashboard=False,
             object_store_memory=cfg.ray.object_store_memory_mb << 20,

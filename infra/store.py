@@ -670,6 +670,11 @@ class ArtifactStore:
                 found.add(int(m.group(1)))
         return sorted(found)
 
+    def runs(self) -> list[str]:
+        """Names of the runs under this root (those with a recorded config), sorted."""
+        found = self._glob(self._join(self._base, "*", "run.json"))
+        return sorted(p.replace(os.sep, "/").split("/")[-2] for p in found)
+
     def versions(self, run: str, iteration: int | None, stage: str) -> list[str]:
         """Committed versions of one stage's artifact: "main" first, then the others sorted."""
         parent = self._join(self._base, *self._rel_dir(run, iteration, stage, MAIN)[:-1])

@@ -30,10 +30,10 @@ def tracking_uri_for(cfg: RunConfig) -> str:
         return cfg.tracking.tracking_uri
     if os.environ.get("MLFLOW_TRACKING_URI"):
         return os.environ["MLFLOW_TRACKING_URI"]
-    root = cfg.store.root
-    if "://" in root and not root.startswith("file://"):
+    identity = store_identity(cfg.store.root)
+    if "://" in identity:  # an object store: the database stays on this machine
         return f"sqlite:///{Path('mlflow.db').resolve()}"
-    local = Path(store_identity(root))
+    local = Path(identity)
     local.mkdir(parents=True, exist_ok=True)
     return f"sqlite:///{local / 'mlflow.db'}"
 
@@ -142,7 +142,7 @@ class Tracker:
     # ------------------------------------------------------------ a server that goes away mid-run
     # The run goes on: metrics that could not be sent are kept and sent, in step order, by the first call
     # that reaches the server again; those of a process that ended first are logged from the store by the
-    # next invocation (``catch_up``). Tables and texts of the meantime are skipped.
+    # next invocation (flows/training.py). Tables and texts of the meantime are skipped.
     def _send(self, fn) -> bool:
         try:
             fn()
@@ -170,22 +170,18 @@ class Tracker:
 
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
         self.unsent[step] = {**self.unsent.get(step, {}), **metrics}
+        self._flush()
+
+    def _flush(self) -> None:
+        """Send the kept metrics in step order, up to the first that does not reach the server."""
         for s in sorted(self.unsent):
             if not self._send(lambda s=s: self._log_batch(s, self.unsent[s])):
                 return
             del self.unsent[s]
 
-    def logged_steps(self, metric: str) -> set[int]:
-        return {m.step for m in self.client.get_metric_history(self.run_id, metric_name(metric))}
-
-    def catch_up(self, steps: list[int], stored_metrics, marker: str, seen_by: tuple[str, ...] = ()) -> list[int]:
-        """Log, from the store, the metrics of finished steps that never reached MLflow (a server that was
-        away when an earlier invocation ended); ``marker`` (or one of ``seen_by``) is on every logged step."""
-        logged = set().union(*(self.logged_steps(m) for m in (marker, *seen_by)))
-        missing = [s for s in steps if s not in logged]
-        for s in missing:
-            self.log_metrics(s, {**stored_metrics(s), marker: float(s)})
-        return missing
+    def logged_steps(self, *metrics: str) -> set[int]:
+        """The steps at which the MLflow run holds any of ``metrics``."""
+        return {m.step for name in metrics for m in self.client.get_metric_history(self.run_id, metric_name(name))}
 
     def log_table(self, rows: dict[str, list], artifact_file: str) -> None:
         self._send(lambda: self.client.log_table(self.run_id, data=rows, artifact_file=artifact_file))
@@ -194,8 +190,7 @@ class Tracker:
         self._send(lambda: self.client.log_text(self.run_id, text, artifact_file))
 
     def finish(self, status: str = "FINISHED") -> None:
-        if self.unsent:
-            self.log_metrics(min(self.unsent), {})
+        self._flush()
         self._send(lambda: self.client.set_terminated(self.run_id, status=status))
 
     @property

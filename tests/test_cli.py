@@ -26,3 +26,18 @@ def test_help_lists_choices_and_defaults(capsys):
     nightly = " ".join(_out(capsys, ["nightly", "--help"]).split())
     assert "iterations to add (default: 1)" in nightly
     assert "(default: None)" not in nightly
+
+
+def test_overrides_anywhere_and_a_mistyped_run_lists_the_runs(capsys, tmp_path):
+    """`eval exp1 -i 7 trainer.eval_n=16` parses (overrides after options); a run that does not exist is one
+    line naming the runs the store holds."""
+    from infra.store import ArtifactStore
+
+    ArtifactStore(str(tmp_path)).put_json("exp1", "run.json", {"config": {}})
+    for argv in (
+        ["eval", "exp2", "-i", "7", "trainer.eval_n=16", "--store", str(tmp_path)],
+        ["replay", "exp2", "3", "reward", "--store", str(tmp_path), "reward.function=exact_match"],
+    ):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [f"rlstage: config error: run 'exp2' does not exist under {tmp_path}; runs there: exp1"]

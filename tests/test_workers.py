@@ -6,6 +6,7 @@ from __future__ import annotations
 import glob
 import os
 import tempfile
+import time
 
 import pytest
 from safetensors.torch import load as load_safetensors
@@ -193,12 +194,13 @@ def test_rollout_placed_apart_takes_weights_by_handoff_and_overlaps_the_trainer(
     assert ro2.meta["generated_by"]["weights"] == "handoff"  # same node: the trainer's folder, not the store
     assert ro2.meta["generated_by"]["pid"] != store.manifest("p", 2, "update").meta["trained_on"][0]["pid"]
 
-    long = apart.model_copy(
-        update={
-            "actor": apart.actor.model_copy(update={"ppo_epochs": 30}),
-            "trainer": apart.trainer.model_copy(update={"eval_n": 16}),
-        }
-    )
+    # Overlap without a race: the trainer's update of iteration 1 holds inside its call (a drill point)
+    # until the eval stage, served by the rollout actor, has generated; with one actor for both roles the
+    # eval could never run during the held update.
+    markers = tmp_path / "hold"
+    markers.mkdir()
+    drill = apart.drill.model_copy(update={"hold_worker_at": ["update:1"], "markers": str(markers)})
+    held = apart.model_copy(update={"trainer": apart.trainer.model_copy(update={"eval_n": 4}), "drill": drill})
     prompts = store.manifest("p", None, "data_prep")
     experience = store.manifest("p", 1, "advantage")
     start = PolicyRef.model_validate(store.manifest("p", 1, "update").meta["policy_ref"])  # update 1's input policy
@@ -206,20 +208,28 @@ def test_rollout_placed_apart_takes_weights_by_handoff_and_overlaps_the_trainer(
 
     @flow(task_runner=ThreadPoolTaskRunner(max_workers=2))
     def both():
-        u = stages.update.submit(long, 1, experience, start, version="overlap")
-        e = stages.evaluate.submit(long, 1, prompts, after, version="overlap")
-        return u.result(), e.result()
+        u = stages.update.submit(held, 1, experience, start, version="overlap")
+        deadline = time.monotonic() + 300
+        while not (markers / "held-update-1").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        e = stages.evaluate.submit(held, 1, prompts, after, version="overlap")
+        try:
+            e.result()
+        finally:
+            (markers / "release-update-1").touch()
+        return u.result()
 
-    group = open_group(long, "overlap")  # held by the test so both stage tasks find the same actors
+    group = open_group(held, "overlap")  # held by the test so both stage tasks find the same actors
     try:
+        group.acquire_rollout(after)  # the eval then needs nothing of the trainer, which will be held
         both()
         trained = group.call("busy_intervals")
         generated = ray_get(group.rollout.busy_intervals.remote())
     finally:
         group.release()
-    assert trained and generated
-    overlap = max(min(te, ge) - max(ts, gs) for ts, te in trained for gs, ge in generated)
-    assert overlap > 0, (trained, generated)
+    assert len(trained) == 1 and generated
+    (ts, te), (gs, ge) = trained[0], (min(g[0] for g in generated), max(g[1] for g in generated))
+    assert ts < gs and ge < te, (trained, generated)  # every generate call inside the held update
 
 
 def ray_get(ref):
@@ -236,6 +246,13 @@ from schemas.config import load_config
 from flows.training import train
 from tasks.runtime import store_for
 
+def _connections(p):
+    try:
+        return p.net_connections()
+    except psutil.NoSuchProcess:  # a short-lived helper process ended between the listing and this call
+        return []
+
+
 if __name__ == "__main__":
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"node_a": 1}, "node_ip_address": "127.0.0.1", "include_dashboard": False, "object_store_memory": 80 << 20})
     cluster.add_node(num_cpus=1, resources={"node_b": 1}, node_ip_address="127.0.0.1", object_store_memory=80 << 20)
@@ -247,7 +264,7 @@ if __name__ == "__main__":
         "rollout": [store.manifest(cfg.run_name, k, "rollout").meta["generated_by"] for k in (1, 2)],
         "update": [store.manifest(cfg.run_name, k, "update").meta["trained_on"] for k in (1, 2)],
         "nodes": {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()},
-        "listening": sorted({c.laddr.ip for p in psutil.Process().children(recursive=True) for c in p.net_connections() if c.status == "LISTEN"}),
+        "listening": sorted({c.laddr.ip for p in psutil.Process().children(recursive=True) for c in _connections(p) if c.status == "LISTEN"}),
     }
     print("RESULT " + json.dumps(out))
     ray.shutdown()

@@ -64,11 +64,14 @@ class PolicyGroup:
     rollout: Any = None  # the rollout role's actor when placed apart (ray.rollout_placement: separate)
     drills: bool = False  # drill.kill_worker_at names points: stages arm the actors
 
+    @property
+    def actors(self) -> list[Any]:
+        return self.ranks + ([self.rollout] if self.rollout is not None else [])
+
     def arm(self, stage: str, iteration: int) -> None:
         """Failure drills only: tell every actor which stage and iteration its next calls serve."""
         if self.drills:
-            actors = self.ranks + ([self.rollout] if self.rollout is not None else [])
-            _wait_restart(lambda: ray.get([a.arm.remote(stage, iteration) for a in actors]))
+            _wait_restart(lambda: ray.get([a.arm.remote(stage, iteration) for a in self.actors]))
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """One call on rank 0 (generation, log-probs, reference, critic)."""
@@ -143,7 +146,7 @@ class PolicyGroup:
 
     def release(self) -> None:
         """Stop the workers: close engines and scratch folders first (vLLM leaves /dev/shm files when killed)."""
-        for r in self.ranks + ([self.rollout] if self.rollout is not None else []):
+        for r in self.actors:
             try:
                 ray.get(r.close.remote(), timeout=60)
             except Exception:  # a dead or hung worker still gets killed

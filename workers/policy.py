@@ -27,7 +27,8 @@ from engines.actor import TorchActor
 from engines.checkpoint import load_trainer_state, save_trainer_state
 from engines.critic import TorchCritic
 from engines.rollout import HFRolloutEngine, SamplingParams
-from infra.drill import WorkerDrill, fault_point
+from infra.drill import WorkerDrill, fault_point, hold_point
+from infra.env import pid_alive
 from infra.store import ArtifactStore
 from schemas.config import ConfigError, RunConfig
 from schemas.manifest import Manifest, PolicyRef
@@ -100,19 +101,9 @@ def scratch_dir(kind: str, run: str) -> Path:
     new worker removes those of workers no longer alive on this node."""
     for old in Path(tempfile.gettempdir()).glob("rlstage-*-p*-*"):
         found = SCRATCH.match(old.name)
-        if found and old.is_dir() and not _alive(int(found.group(1))):
+        if found and old.is_dir() and not pid_alive(int(found.group(1))):
             shutil.rmtree(old, ignore_errors=True)
     return Path(tempfile.mkdtemp(prefix=f"rlstage-{kind}-p{os.getpid()}-{run}-"))
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 def node_id() -> str:
@@ -376,8 +367,10 @@ class PolicyWorker:
         seed = iteration_seed(cfg.trainer.seed, iteration)
         skip = cfg.critic.enable and iteration <= cfg.critic.warmup_iterations
         torch.manual_seed(seed)
-        fault_point(cfg, "update" if self.rank == 0 else f"update@rank{self.rank}", iteration, where="kill_worker_at")
+        point = "update" if self.rank == 0 else f"update@rank{self.rank}"
+        fault_point(cfg, point, iteration, where="kill_worker_at")
         t0 = time.time()
+        hold_point(cfg, f"{point}:{iteration}")
         metrics = {"actor/skipped": 1.0} if skip else self.actor.update(batch, cfg.rollout.temperature, seed)
         self.busy.append((t0, time.time()))
         self._sync_policy_weights()
