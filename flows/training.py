@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from prefect import flow, get_client, get_run_logger
 from prefect.context import FlowRunContext, get_run_context
 from prefect.logging.handlers import APILogHandler
+from prefect.settings import temporary_settings
 from prefect_ray import RayTaskRunner
 
 from engines.preflight import preflight
@@ -207,6 +208,29 @@ def _flow_run_id() -> str:
         return ""
 
 
+def _mark_crashed(lease: dict) -> None:
+    """The flow run of a dead lease holder (a killed process never reports its end) and its running
+    iteration subflows become Crashed in Prefect, instead of Running forever."""
+    if not lease.get("flow_run_id"):
+        return
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
+    from prefect.states import Crashed
+
+    message = f"its process ({lease.get('host')}, pid {lease.get('pid')}) died; the run was taken over"
+    try:
+        with get_client(sync_client=True) as client:
+            holder = client.read_flow_run(lease["flow_run_id"])
+            children = client.read_flow_runs(
+                flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[holder.id]))
+            )
+            for run in [holder, *children]:
+                if run.state is not None and not run.state.is_final():
+                    client.set_flow_run_state(run.id, Crashed(message=message), force=True)
+    except Exception as err:  # another Prefect server, or none: the run goes on, the old state stays
+        _emit(f"  could not mark the dead holder's flow run {lease['flow_run_id']} as crashed: {err}")
+
+
 def run_training(cfg: RunConfig, first: int = 1, last: int | None = None) -> dict:
     """Run iterations ``first..last`` (default: all) of ``cfg``'s run, skipping committed stages."""
     apply_defaults()
@@ -222,7 +246,8 @@ def run_training(cfg: RunConfig, first: int = 1, last: int | None = None) -> dic
     check_placement(cfg)
     _name_flow_run(f"{cfg.run_name} iterations {first}-{last}" if last > first else f"{cfg.run_name} iteration {last}")
     _emit(f"rlstage: run {cfg.run_name!r}, iterations {first}..{last}, artifacts under {store.root}/{cfg.run_name}")
-    with run_lease(store, cfg.run_name, label=f"flow run {_flow_run_id() or os.getpid()}") as renew:
+    label = f"flow run {_flow_run_id() or os.getpid()}"
+    with run_lease(store, cfg.run_name, label=label, flow_run_id=_flow_run_id(), on_takeover=_mark_crashed) as renew:
         return _run_iterations(cfg, store, first, last, renew)
 
 
@@ -264,7 +289,10 @@ def _run_iterations(cfg: RunConfig, store: ArtifactStore, first: int, last: int,
         for it in range(0 if first == 1 else first, last + 1):
             t0 = time.perf_counter()
             renew()
-            outcome = one_iteration(cfg, it, prep.manifest, models, last)
+            # No heartbeats for an iteration's subflow: Prefect's heartbeat thread sleeps in 1 s steps and a
+            # flow's end waits for it (the 1-second quantum of iteration walls); the run's own flow keeps its.
+            with temporary_settings(updates={"flows.heartbeat_frequency": None}):
+                outcome = one_iteration(cfg, it, prep.manifest, models, last)
             if "update" in outcome.results:
                 r = outcome.results
                 models = Models(
@@ -279,8 +307,8 @@ def _run_iterations(cfg: RunConfig, store: ArtifactStore, first: int, last: int,
                 tracker.log_metrics(it, metrics)
             if "rollout" in outcome.results and outcome.results["rollout"].executed:
                 _log_rollout_sample(cfg, tracker, it, outcome)
-            _publish_iteration(cfg, store, tracker, outcome, metrics)
             history.append({"iteration": it, "executed": outcome.executed, **metrics})
+            _publish_iteration(cfg, store, tracker, outcome, metrics, history)
             executed += [f"iter-{it}/{s}" for s in outcome.executed]
             acc = metrics.get("val/accuracy")
             score = metrics.get("critic/score/mean")
@@ -304,19 +332,39 @@ def _run_iterations(cfg: RunConfig, store: ArtifactStore, first: int, last: int,
         group.release()
 
 
+def _artifact_key(cfg: RunConfig, what: str) -> str:
+    return re.sub(r"[^a-z0-9-]", "-", f"{cfg.run_name}-{what}".lower())
+
+
 def _publish_iteration(
-    cfg: RunConfig, store: ArtifactStore, tracker: Tracker, outcome: IterationOutcome, metrics: dict
+    cfg: RunConfig, store: ArtifactStore, tracker: Tracker, outcome: IterationOutcome, metrics: dict, history: list[dict]
 ) -> None:
-    """A Prefect table artifact per iteration: its metrics, artifact URIs and the MLflow run."""
-    from prefect.artifacts import create_table_artifact
+    """Prefect artifacts: the iteration's table under one key per run (a version per iteration, in order)
+    and the run's progress so far (accuracy and reward per iteration, where the artifacts and metrics are)."""
+    from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
     rows = [{"name": k, "value": f"{v:.6g}"} for k, v in sorted(metrics.items())]
     for stage, result in outcome.results.items():
         m = result.manifest
         rows.append({"name": f"artifact/{stage}", "value": store.artifact_dir(m.run, m.iteration, m.stage, m.version)})
     rows.append({"name": "mlflow/run", "value": tracker.run_url})
-    key = re.sub(r"[^a-z0-9-]", "-", f"{cfg.run_name}-iter-{outcome.iteration}".lower())
-    create_table_artifact(table=rows, key=key, description=f"rlstage run {cfg.run_name}, iteration {outcome.iteration}")
+    it = outcome.iteration
+    create_table_artifact(table=rows, key=_artifact_key(cfg, "iteration"), description=f"rlstage run {cfg.run_name}, iteration {it}")
+
+    def cell(h: dict, name: str) -> str:
+        return f"{h[name]:.3f}" if name in h else ""
+
+    lines = [
+        f"# rlstage run `{cfg.run_name}`",
+        f"Artifacts: `{store.root}/{cfg.run_name}` · MLflow: {tracker.run_url}",
+        "",
+        "| iteration | held-out accuracy | train reward | stages executed |",
+        "|---:|---:|---:|---|",
+        *(f"| {h['iteration']} | {cell(h, 'val/accuracy')} | {cell(h, 'critic/score/mean')} | {', '.join(h['executed'])} |" for h in history),
+    ]
+    create_markdown_artifact(
+        markdown="\n".join(lines), key=_artifact_key(cfg, "progress"), description=f"rlstage run {cfg.run_name}: iterations so far"
+    )
 
 
 def _log_rollout_sample(cfg: RunConfig, tracker: Tracker, it: int, outcome: IterationOutcome) -> None:

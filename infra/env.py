@@ -20,6 +20,7 @@ LOOPBACK_DEFAULTS = {
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
     "TOKENIZERS_PARALLELISM": "false",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",  # transformers' "Writing model shards" bar on every checkpoint
     "AWS_EC2_METADATA_DISABLED": "true",
 }
 

@@ -6,6 +6,7 @@ import os
 import socket
 import time
 import uuid
+from collections.abc import Callable
 from contextlib import contextmanager
 
 from infra.env import pid_alive
@@ -30,10 +31,20 @@ def _holder_alive(doc: dict) -> bool:
 
 
 @contextmanager
-def run_lease(store: ArtifactStore, run: str, ttl_s: float = 900.0, label: str = ""):
-    """Hold the run's lease for the duration; refuse with RunLocked if a live holder has it."""
+def run_lease(
+    store: ArtifactStore,
+    run: str,
+    ttl_s: float = 900.0,
+    label: str = "",
+    flow_run_id: str = "",
+    on_takeover: Callable[[dict], None] | None = None,
+):
+    """Hold the run's lease for the duration; refuse with RunLocked if a live holder has it.
+
+    ``on_takeover`` gets the lease document of a dead or expired holder that this call replaces (the
+    training flow marks that holder's Prefect flow run as crashed)."""
     token = uuid.uuid4().hex
-    doc = {"token": token, "host": socket.gethostname(), "pid": os.getpid(), "label": label}
+    doc = {"token": token, "host": socket.gethostname(), "pid": os.getpid(), "label": label, "flow_run_id": flow_run_id}
     for _ in range(2):
         try:
             store.put_json(run, LEASE, {**doc, "expires_at": time.time() + ttl_s}, exclusive=True)
@@ -46,6 +57,8 @@ def run_lease(store: ArtifactStore, run: str, ttl_s: float = 900.0, label: str =
                     f"on {held.get('host')}); wait for it or let its lease expire"
                 ) from None
             store.delete_json(run, LEASE)  # expired or dead holder: take over
+            if on_takeover is not None:
+                on_takeover(held)
     else:
         raise RunLocked(f"run {run!r}: could not take the lease")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import signal
 import threading
 
@@ -34,6 +35,7 @@ def ensure_ray(cfg: RunConfig) -> None:
             object_store_memory=cfg.ray.object_store_memory_mb << 20,
             namespace=RAY_NAMESPACE,
             log_to_driver=False,
+            logging_level=logging.ERROR,  # its start-up lines are noise in the command's output
         )
     # Ray's core worker replaces the process's SIGTERM handler with one that aborts; the command's
     # own handlers stop what it started (flows/cli.py), so they are put back.

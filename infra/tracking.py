@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import sys
@@ -12,6 +13,9 @@ from typing import Any
 from infra.env import apply_defaults
 from infra.store import store_identity
 from schemas.config import RunConfig
+
+# A new SQLite store announces its table creation at INFO on every first run: noise in the command's output.
+logging.getLogger("mlflow.store.db.utils").setLevel(logging.WARNING)
 
 MAX_PARAM_CHARS = 500  # MLflow rejects longer parameter values
 RUN_NAME_TAG = "rlstage.run_name"

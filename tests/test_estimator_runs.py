@@ -14,14 +14,20 @@ pytestmark = pytest.mark.slow
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
 
+@pytest.fixture(scope="module")
+def shared_root(tmp_path_factory):
+    """One store for every config's run (each named after its config): the tiny kit's SFT is trained once."""
+    return tmp_path_factory.mktemp("estimators")
+
+
 @pytest.mark.parametrize(
     "name", ["dr_grpo", "rloo", "reinforce_plus_plus", "remax", "ppo_gae", "gspo", "sapo", "gmpo", "dapo", "rollout_corr"]
 )
-def test_estimator_config_runs(prefect_api, tmp_path, name):
+def test_estimator_config_runs(prefect_api, shared_root, name):
     from flows.training import train
     from tasks.runtime import store_for
 
-    overrides = [f"store.root={tmp_path}", *tiny_overrides()]
+    overrides = [f"store.root={shared_root}", *tiny_overrides()]
     if name == "ppo_gae":
         overrides += ["critic.ppo_mini_batch_size=16", "critic.micro_batch_size=8"]
     cfg = load_config(CONFIGS / f"{name}.yaml", overrides)

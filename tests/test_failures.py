@@ -34,12 +34,21 @@ def _cfg(root, run, *extra):
     return load_config(None, [f"store.root={root}", f"run_name={run}", *tiny_overrides(), *moving_overrides(), *extra])
 
 
-def test_sigkill_of_each_stage_process_is_retried_to_identical_artifacts(prefect_api, tmp_path):
+@pytest.fixture(scope="module")
+def reference(prefect_api, tmp_path_factory):
+    """An uninterrupted run of the settings every drill below uses (weights moving every iteration)."""
     from flows.training import train
     from tasks.runtime import store_for
 
-    reference = _cfg(tmp_path / "ref", "r")
-    train(config=reference)
+    cfg = _cfg(tmp_path_factory.mktemp("reference"), "r")
+    train(config=cfg)
+    return store_for(cfg)
+
+
+def test_sigkill_of_each_stage_process_is_retried_to_identical_artifacts(reference, tmp_path):
+    from flows.training import train
+    from tasks.runtime import store_for
+
     markers = tmp_path / "markers"
     markers.mkdir()
     # every stage of iteration 1 is killed once, after computing and before committing
@@ -49,13 +58,18 @@ def test_sigkill_of_each_stage_process_is_retried_to_identical_artifacts(prefect
     fired = sorted(p.name for p in markers.iterdir())
     assert fired == sorted(f"kill_at-{s}-1" for s in STAGES)
     assert [h["iteration"] for h in result["history"]] == [0, 1, 2]
-    assert _checksums(store_for(killed), "r", 2) == _checksums(store_for(reference), "r", 2)
+    assert _checksums(store_for(killed), "r", 2) == _checksums(reference, "r", 2)
     store = store_for(killed)
     assert weights_moved(update_weights(store, "r", 1), update_weights(store, "r", 2))
     assert STAGES == ("rollout", "reward", "advantage", "update", "eval")
 
 
-def test_killed_flow_reruns_no_committed_stage(prefect_api, tmp_path):
+def test_killed_flow_reruns_no_committed_stage(reference, tmp_path):
+    """SIGKILL of the flow's own process mid-iteration: the rerun executes no committed stage again, ends
+    with an uninterrupted run's checksums, and the killed flow run shows as Crashed in Prefect."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+
     from flows.training import train
     from tasks.runtime import store_for
 
@@ -69,15 +83,23 @@ def test_killed_flow_reruns_no_committed_stage(prefect_api, tmp_path):
         "if __name__ == '__main__':\n"
         "    train(config=load_config(None, sys.argv[1:]))\n"
     )
-    overrides = [f"store.root={root}", "run_name=f", *tiny_overrides(), *moving_overrides()]
+    overrides = [f"store.root={root}", "run_name=r", *tiny_overrides(), *moving_overrides()]
     drill = ["drill.kill_flow_after=['advantage:1']", f"drill.markers={markers}"]
     proc = subprocess.run(
         [sys.executable, "-c", script, *overrides, *drill], env=dict(os.environ), capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == -9, proc.stderr[-2000:]  # the whole flow process was SIGKILLed
-    rerun = train(config=_cfg(root, "f"))
+    rerun = train(config=_cfg(root, "r"))
     assert rerun["executed"][:2] == ["iter-1/update", "iter-1/eval"]
     assert not any(s in rerun["executed"] for s in ("data_prep", "sft", "iter-0/eval", "iter-1/rollout"))
     assert not any(s in rerun["executed"] for s in ("iter-1/reward", "iter-1/advantage"))
-    store = store_for(_cfg(root, "f"))
-    assert weights_moved(update_weights(store, "f", 1), update_weights(store, "f", 2))
+    store = store_for(_cfg(root, "r"))
+    assert _checksums(store, "r", 2) == _checksums(reference, "r", 2)
+    assert weights_moved(update_weights(store, "r", 1), update_weights(store, "r", 2))
+    # Prefect: the killed flow run and its iteration subflow crashed; the rerun completed.
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=["r iterations 1-2", "r-iter-1"])))
+    mine = [r for r in runs if r.state is not None and (r.state.is_crashed() or r.state.is_completed())]
+    by_name = {n: sorted(r.state.type.value for r in mine if r.name == n) for n in ("r iterations 1-2", "r-iter-1")}
+    assert by_name["r iterations 1-2"].count("CRASHED") >= 1 and by_name["r-iter-1"].count("CRASHED") >= 1, by_name
+    assert not [r for r in runs if r.state is not None and r.state.is_running()], [(r.name, r.state.type) for r in runs]

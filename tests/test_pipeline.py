@@ -146,10 +146,17 @@ def test_unwritable_store_root_is_a_clear_error(prefect_api, tmp_path):
 
 
 def test_each_iteration_publishes_a_prefect_table_artifact(first_run):
+    """One key per run for the iteration tables (the latest is the last iteration) and a run-level
+    progress artifact with a row per iteration."""
     from prefect.artifacts import Artifact
 
     cfg, result = first_run
-    art = Artifact.get("it-iter-2")
+    art = Artifact.get("it-iteration")
     assert art is not None and art.type == "table"
     text = str(art.data)
     assert "actor/pg_loss" in text and "iter-000002/update" in text and result["mlflow_run_id"] in text
+    progress = Artifact.get("it-progress")
+    assert progress is not None and progress.type == "markdown"
+    rows = [line for line in str(progress.data).splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert [int(r.split("|")[1]) for r in rows] == [0, 1, 2]
+    assert result["mlflow_run_id"] in str(progress.data)

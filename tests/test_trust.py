@@ -322,6 +322,15 @@ def test_a_signal_stops_the_prefect_server_and_ray_that_train_started(tmp_path: 
     finally:
         if proc.poll() is None:
             proc.kill()
+    if signum == signal.SIGTERM:  # the same command continues the stopped run to its end
+        again = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        assert again.returncode == 0, again.stderr[-3000:]
+        from infra.store import ArtifactStore
+
+        done = ArtifactStore(str(store))
+        assert done.iterations("sig") == [0, 1, 2]
+        m = done.manifest("sig", 2, "eval")
+        assert m is not None and all(done.read_bytes(m, name) for name in m.files)  # whole, checksums verified
 
 
 def test_a_failed_batch_is_not_retried_but_a_lost_worker_is() -> None:
