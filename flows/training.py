@@ -213,7 +213,6 @@ def _mark_crashed(lease: dict) -> None:
     iteration subflows become Crashed in Prefect, instead of Running forever."""
     if not lease.get("flow_run_id"):
         return
-    from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
     from prefect.states import Crashed
 
@@ -246,8 +245,9 @@ def run_training(cfg: RunConfig, first: int = 1, last: int | None = None) -> dic
     check_placement(cfg)
     _name_flow_run(f"{cfg.run_name} iterations {first}-{last}" if last > first else f"{cfg.run_name} iteration {last}")
     _emit(f"rlstage: run {cfg.run_name!r}, iterations {first}..{last}, artifacts under {store.root}/{cfg.run_name}")
-    label = f"flow run {_flow_run_id() or os.getpid()}"
-    with run_lease(store, cfg.run_name, label=label, flow_run_id=_flow_run_id(), on_takeover=_mark_crashed) as renew:
+    flow_run_id = _flow_run_id()
+    label = f"flow run {flow_run_id or os.getpid()}"
+    with run_lease(store, cfg.run_name, label=label, flow_run_id=flow_run_id, on_takeover=_mark_crashed) as renew:
         return _run_iterations(cfg, store, first, last, renew)
 
 
@@ -257,7 +257,7 @@ def _run_iterations(cfg: RunConfig, store: ArtifactStore, first: int, last: int,
     # an iteration walked again with nothing executed is not logged twice.
     logged = tracker.logged_steps(PROGRESS, "timing_s/iteration")
     # Iterations an earlier invocation finished while the tracking server was away: from the store.
-    caught = [it for it in range(first) if first > 1 and it not in logged]
+    caught = [it for it in range(first) if it not in logged] if first > 1 else []
     for it in caught:
         tracker.log_metrics(it, {**_stored_metrics(store, cfg.run_name, it), PROGRESS: float(it)})
     if caught:
