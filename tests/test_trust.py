@@ -291,12 +291,12 @@ def _processes_with_env(entry: str) -> list[int]:
 @pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_stops_the_prefect_server_and_ray_that_train_started(prefect_api, tmp_path: Path, signum: int) -> None:
-    from tests_support import tiny_overrides
+    from tests_support import moving_overrides, tiny_overrides, update_weights, weights_moved
 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API", "PREFECT_HOME", "RLSTAGE_"))}
     env["PYTHONPATH"] = str(Path(__file__).resolve().parent.parent)
     store = tmp_path / "store"
-    cmd = [sys.executable, "-m", "flows.cli", "train", *tiny_overrides(), "run_name=sig", f"store.root={store}"]
+    cmd = [sys.executable, "-m", "flows.cli", "train", *tiny_overrides(), *moving_overrides(), "run_name=sig", f"store.root={store}"]
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     lines = []
     try:
@@ -332,6 +332,7 @@ def test_a_signal_stops_the_prefect_server_and_ray_that_train_started(prefect_ap
         assert done.iterations("sig") == [0, 1, 2]
         m = done.manifest("sig", 2, "eval")
         assert m is not None and all(done.read_bytes(m, name) for name in m.files)  # whole, checksums verified
+        assert weights_moved(update_weights(done, "sig", 1), update_weights(done, "sig", 2))  # a resume that trains
 
 
 def test_a_failed_batch_is_not_retried_but_a_lost_worker_is() -> None:
