@@ -35,7 +35,7 @@ from contextlib import nullcontext
 import torch
 
 from engines.actor import TorchActor
-from engines.batching import check_packing_supported, lr_lambda
+from engines.batching import check_packing_supported, lr_lambda, trainable_parameters
 from engines.checkpoint import register_type
 from schemas.config import ActorConfig
 
@@ -174,7 +174,7 @@ class DeepSpeedActor(TorchActor):
         self.dp_size = world_size
         self.dp_rank = int(os.environ["RANK"])
         o = cfg.optim
-        optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
+        optimizer = torch.optim.AdamW(trainable_parameters(model), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
         # The schedule stays ours (as in TorchActor it advances even when a step is skipped); ZeRO keeps the
         # base optimizer's param_group dicts, so the lr it writes there is the lr the step uses.

@@ -323,6 +323,11 @@ def lr_lambda(optim: OptimConfig, total_steps: int) -> Callable[[int], float]:
     return fn
 
 
+def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """What the optimizer steps: every weight, or a LoRA policy's adapters (its base is frozen)."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
 class MiniBatchTrainer:
     """What the actor and the critic share: AdamW + schedule, micro-batch planning and the epoch loop.
 
@@ -346,7 +351,7 @@ class MiniBatchTrainer:
         if cfg.packing:
             check_packing_supported(model)
         o = cfg.optim
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
+        self.optimizer = torch.optim.AdamW(trainable_parameters(model), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(o, o.total_steps or total_steps))
 
     # ---- inputs (these use only model, cfg and pad_id: a bare instance can run the no-grad passes)

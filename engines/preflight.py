@@ -42,6 +42,26 @@ def check_model(cfg: RunConfig) -> None:
             )
 
 
+def check_lora(cfg: RunConfig) -> None:
+    """Every ``model.target_modules`` entry names modules the policy has (peft would fail only at the first update)."""
+    m = cfg.model
+    if not m.lora or (m.path is not None and m.path.lower().endswith(".gguf")):
+        return  # a .gguf file is converted at run start (flows/training.py: with_model_folder), checked then
+    from transformers import AutoConfig
+
+    from engines.lora import missing_targets, model_skeleton
+    from engines.tinykit import build_char_tokenizer, tiny_llama_config
+
+    config = tiny_llama_config(cfg.kit, build_char_tokenizer()) if m.path is None else AutoConfig.from_pretrained(m.path)
+    missing = missing_targets(model_skeleton(config), m.target_modules)
+    if missing:
+        where = "the tiny kit's Llama" if m.path is None else f"model.path {m.path}"
+        raise ConfigError(
+            f"config error: model.target_modules: {', '.join(map(repr, missing))} matches no module of {where} "
+            f"({config.architectures[0] if config.architectures else config.model_type})"
+        )
+
+
 def check_engines(cfg: RunConfig) -> None:
     """The rollout engine is installed, the tools import and the chat template renders tool turns."""
     # find_spec does not import vllm: the check costs nothing on machines without it.
@@ -86,5 +106,6 @@ def check_reward_model(cfg: RunConfig) -> None:
 def preflight(cfg: RunConfig) -> None:
     """Everything a run needs from this machine, checked before any stage runs."""
     check_model(cfg)
+    check_lora(cfg)
     check_engines(cfg)
     check_reward_model(cfg)

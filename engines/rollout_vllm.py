@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from engines.chat import stop_token_ids as template_stop_ids
+from engines.lora import save_hf
 from engines.rollout import Completion, SamplingParams
 
 
@@ -177,8 +178,9 @@ class VLLMRolloutEngine:
         tmp = None
         if isinstance(source, torch.nn.Module):
             tmp = tempfile.mkdtemp(prefix="rlstage-vllm-weights-", dir=_shm_dir())
-            # save_pretrained names tied weights the way vLLM's loaders expect (no lm_head when tied).
-            source.save_pretrained(tmp)
+            # save_pretrained names tied weights the way vLLM's loaders expect (no lm_head when tied); a LoRA
+            # policy is written merged.
+            save_hf(source, None, tmp)
             source = tmp
         try:
             self.llm.collective_rpc("rlstage_reload_weights", kwargs={"weights_path": str(source)})

@@ -50,9 +50,8 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
     return hf
 
 
-def build_tiny_llama(cfg: KitConfig, tokenizer: PreTrainedTokenizerFast) -> LlamaForCausalLM:
-    torch.manual_seed(cfg.seed)
-    config = LlamaConfig(
+def tiny_llama_config(cfg: KitConfig, tokenizer: PreTrainedTokenizerFast) -> LlamaConfig:
+    return LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,
@@ -65,7 +64,11 @@ def build_tiny_llama(cfg: KitConfig, tokenizer: PreTrainedTokenizerFast) -> Llam
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
     )
-    return LlamaForCausalLM(config)
+
+
+def build_tiny_llama(cfg: KitConfig, tokenizer: PreTrainedTokenizerFast) -> LlamaForCausalLM:
+    torch.manual_seed(cfg.seed)
+    return LlamaForCausalLM(tiny_llama_config(cfg, tokenizer))
 
 
 def save_model_dir(model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast, out_dir: str | Path) -> Path:

@@ -109,6 +109,34 @@ class ModelConfig(_Section):
     path: str | None = None
     dtype: Literal["float32", "bfloat16"] = "float32"
     torch_threads: int = Field(1, ge=1)
+    # LoRA (verl's actor_rollout_ref.model keys, engines/lora.py): the actor trains only low-rank adapters on
+    # the frozen base; 0 trains every weight. Whether the model has the target modules is checked by preflight.
+    lora_rank: int = Field(0, ge=0)
+    lora_alpha: float = Field(16, gt=0)
+    # peft's target_modules: module names (or name suffixes), or "all-linear" (every linear layer but the head).
+    target_modules: list[str] | str = "all-linear"
+
+    @field_validator("target_modules")
+    @classmethod
+    def _targets(cls, v: list[str] | str) -> list[str] | str:
+        if not v or (isinstance(v, list) and not all(v)):
+            raise ValueError("name at least one module, or all-linear")
+        return v
+
+    @model_validator(mode="after")
+    def _lora_off(self) -> ModelConfig:
+        # Rank 0 switches LoRA off; LoRA settings given with it would be silently ignored.
+        given = [k for k in ("lora_alpha", "target_modules") if getattr(self, k) != type(self).model_fields[k].default]
+        if self.lora_rank == 0 and given:
+            raise ValueError(
+                f"model.lora_rank=0 turns LoRA off, but model.{given[0]} is set; give model.lora_rank > 0 (e.g. 8) "
+                "to train adapters, or drop the LoRA settings"
+            )
+        return self
+
+    @property
+    def lora(self) -> bool:
+        return self.lora_rank > 0
 
 
 class DataConfig(_Section):
@@ -502,6 +530,11 @@ class RunConfig(_Section):
                     f"ray.trainer_world_size={world} must divide actor.ppo_mini_batch_size={self.actor.ppo_mini_batch_size}, "
                     f"which must divide the {samples} samples of an iteration (data.prompts_per_iteration x rollout.n)"
                 )
+        if self.model.lora and self.actor.engine == "deepspeed" and self.actor.zero_stage == 3:
+            raise ValueError(
+                f"model.lora_rank={self.model.lora_rank} with actor.zero_stage=3: ZeRO-3 would shard the frozen base "
+                "that the reference and the rollout share; use zero_stage 0-2 (the adapters' optimizer state is small)"
+            )
         if self.critic.ppo_mini_batch_size % self.critic.micro_batch_size:
             raise ValueError("critic.ppo_mini_batch_size must be a multiple of critic.micro_batch_size")
         # A remainder would be a short last mini-batch each epoch, a step on fewer samples than configured.

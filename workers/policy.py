@@ -26,6 +26,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClas
 from engines.actor import TorchActor
 from engines.checkpoint import load_trainer_state, save_trainer_state
 from engines.critic import TorchCritic
+from engines.lora import base_ref, is_adapter_dir, load_adapters, save_adapters, save_hf, with_adapters
 from engines.rollout import HFRolloutEngine, SamplingParams
 from infra.drill import WorkerDrill, fault_point, hold_point
 from infra.env import pid_alive
@@ -65,6 +66,42 @@ def iteration_seed(seed: int, iteration: int) -> int:
 def update_batch(exp: pa.Table, columns: tuple[str, ...]) -> dict[str, list]:
     """The columns of an experience table the trainer reads, as lists."""
     return {c: exp.column(c).to_pylist() for c in columns}
+
+
+def fetch_model(store: ArtifactStore, ref: PolicyRef, folder: Path) -> Path:
+    """The Hugging Face folder of a policy on this machine: a local path as is, a checkpoint fetched into ``folder``
+    (reused when already there)."""
+    if ref.path is not None:
+        return Path(ref.path)
+    if folder.is_dir():
+        return folder
+    manifest = store.manifest(ref.run, ref.iteration, ref.stage)
+    if manifest is None or manifest.artifact_id != ref.version.removeprefix(CRITIC_INIT):
+        raise FileNotFoundError(f"checkpoint {ref.run}/iter-{ref.iteration}/{ref.stage} ({ref.version}) is not committed")
+    check_loadable(manifest, store.artifact_dir(ref.run, ref.iteration, ref.stage))
+    return Path(store.fetch_dir(manifest, MODEL_DIR, str(folder)))
+
+
+def torch_dtype(cfg: RunConfig) -> torch.dtype:
+    return torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
+
+
+def load_policy_model(cfg: RunConfig, store: ArtifactStore, ref: PolicyRef, path: Path, scratch: Path, trainable: bool):
+    """The policy in ``path`` and the base it trains on: a LoRA checkpoint's adapter on its base (fetched by
+    its reference into ``scratch``), a plain folder as is, given fresh adapters when ``model.lora_rank`` > 0 and
+    ``trainable``. Returns (model, the base's ref or None)."""
+    lora = cfg.model.lora
+    if is_adapter_dir(path):
+        base = base_ref(path)
+        if trainable and not lora:
+            raise ConfigError(f"config error: model.lora_rank: {ref.version} is a LoRA adapter; resume it with model.lora_rank > 0")
+        base_dir = fetch_model(store, base, scratch / f"base-{base.version}")
+        model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch_dtype(cfg))
+        return load_adapters(model, path, trainable, cfg.model if trainable else None).eval(), base
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(cfg)).eval()
+    if lora and trainable:
+        return with_adapters(model, cfg.model).eval(), ref
+    return model, None
 
 
 def rollout_engine(cfg: RunConfig, model, tokenizer, path: str, current=None):
@@ -128,6 +165,7 @@ class PolicyWorker:
         self.actor: TorchActor | None = None
         self.rollout = None  # HFRolloutEngine or VLLMRolloutEngine (rollout.engine)
         self.ref_model = None
+        self.base: PolicyRef | None = None  # a LoRA policy's base (its reference policy), else None
         self.critic: TorchCritic | None = None
         # Checkpoints fetched from the store and checkpoints waiting to be committed: removed on close.
         self.scratch = scratch_dir("worker", self.cfg.run_name)
@@ -193,7 +231,7 @@ class PolicyWorker:
         if self.versions[role] == ref.version:
             return ref.version
         if ref.path is not None:
-            self._load(ref.version, Path(ref.path), None, role)
+            self._load(ref, Path(ref.path), None, role)
             return ref.version
         manifest = self.store.manifest(ref.run, ref.iteration, ref.stage)
         wanted = ref.version.removeprefix(CRITIC_INIT)
@@ -202,14 +240,13 @@ class PolicyWorker:
         if role == "policy" and manifest.meta.get("between_checkpoints"):
             self._rebuild(manifest, update_hash)
             return ref.version
-        check_loadable(manifest, self.store.artifact_dir(ref.run, ref.iteration, ref.stage))
         folder = self.scratch / f"load-{role}"
         shutil.rmtree(folder, ignore_errors=True)
-        model_dir = Path(self.store.fetch_dir(manifest, MODEL_DIR, str(folder / MODEL_DIR)))
+        model_dir = fetch_model(self.store, ref, folder / MODEL_DIR)
         state = None
         if any(f.startswith(STATE_DIR + "/") for f in manifest.files) and not ref.version.startswith(CRITIC_INIT):
             state = load_trainer_state(self.store.fetch_dir(manifest, STATE_DIR, str(folder / STATE_DIR)))
-        self._load(ref.version, model_dir, state, role)
+        self._load(ref, model_dir, state, role)
         return ref.version
 
     def _rebuild(self, m: Manifest, update_hash: str | None) -> None:
@@ -244,22 +281,24 @@ class PolicyWorker:
         return manifest.model_dump(mode="json")
 
     # ------------------------------------------------------------------ loading
-    def _load(self, version: str, path: Path, state: dict | None, role: str) -> None:
+    def _load(self, ref: PolicyRef, path: Path, state: dict | None, role: str) -> None:
         if not path.is_dir():
             raise FileNotFoundError(f"model path {path} does not exist or is not a directory")
-        dtype = torch.bfloat16 if self.cfg.model.dtype == "bfloat16" else torch.float32
+        dtype = torch_dtype(self.cfg)
         if self.tokenizer is None or role == "policy":
             self.tokenizer = AutoTokenizer.from_pretrained(path)
             self.tokenizer.padding_side = "left"
         pad_id = self.tokenizer.pad_token_id
         if role == "policy":
-            self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+            self.model, self.base = load_policy_model(self.cfg, self.store, ref, path, self.scratch, trainable=True)
             self.actor = self._new_actor(pad_id)
             if state is not None:
                 self.actor.load_state_dict(state)
             # Rank 0 generates unless the rollout role is placed apart; the other ranks only train.
             colocated = self.rank == 0 and self.cfg.ray.rollout_placement == "colocated"
-            self.rollout = rollout_engine(self.cfg, self.model, self.tokenizer, str(path), self.rollout) if colocated else None
+            self.rollout = rollout_engine(self.cfg, self.model, self.tokenizer, self._engine_dir(path), self.rollout) if colocated else None
+        elif role == "ref" and self.cfg.model.lora:
+            self.ref_model = None  # the policy's base with its adapters disabled (ref_log_probs)
         elif role == "ref":
             self.ref_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval().requires_grad_(False)
         elif role == "critic":
@@ -273,7 +312,16 @@ class PolicyWorker:
                 self.critic.load_state_dict(state)
         else:
             raise ValueError(f"unknown role {role!r}; valid: {', '.join(ROLES)}")
-        self.versions[role] = version
+        self.versions[role] = ref.version
+
+    def _engine_dir(self, path: Path) -> str:
+        """The folder a vLLM engine starts from: a LoRA policy's merged weights (HF shares the model)."""
+        if self.base is None or self.cfg.rollout.engine == "hf":
+            return str(path)
+        folder = self.scratch / "merged"
+        shutil.rmtree(folder, ignore_errors=True)
+        save_hf(self.model, self.tokenizer, folder)
+        return str(folder)
 
     def _new_actor(self, pad_id: int) -> TorchActor:
         """The train engine ``actor.engine`` names, training ``self.model`` (ZeRO-3: a copy of it)."""
@@ -342,8 +390,15 @@ class PolicyWorker:
         self.drill.point("ref")
         # The same batching and temperature as the actor's recompute, on the frozen weights.
         frozen = TorchActor.__new__(TorchActor)
-        frozen.model, frozen.cfg, frozen.pad_id = self.ref_model, self.cfg.actor, self.tokenizer.pad_token_id
-        return frozen.compute_log_probs(prompt_ids, response_ids, temperature)
+        frozen.cfg, frozen.pad_id = self.cfg.actor, self.tokenizer.pad_token_id
+        if not self.cfg.model.lora:
+            frozen.model = self.ref_model
+            return frozen.compute_log_probs(prompt_ids, response_ids, temperature)
+        if self.base is None or self.base.version != version:
+            raise RuntimeError(f"the reference {version} is a LoRA policy's base, but the policy held trains on {self.base}")
+        frozen.model = self.model
+        with self.model.disable_adapter():
+            return frozen.compute_log_probs(prompt_ids, response_ids, temperature)
 
     def values(self, version: str, prompt_ids: list, response_ids: list) -> list:
         self._require(version, "critic")
@@ -391,8 +446,7 @@ class PolicyWorker:
         folder = self.scratch / "handoff" / version
         if not folder.is_dir():
             shutil.rmtree(folder.parent, ignore_errors=True)  # one version at a time
-            self.model.save_pretrained(folder)
-            self.tokenizer.save_pretrained(folder)
+            save_hf(self.model, self.tokenizer, folder)  # a LoRA policy's merged weights
         return node_id(), str(folder)
 
     def critic_update(self, version: str, experience_json: dict, iteration: int) -> dict:
@@ -410,8 +464,11 @@ class PolicyWorker:
         """Write a checkpoint (weights, and trainer state unless None) into a local folder ``commit`` stores."""
         folder = self.scratch / f"staged-{role}"
         shutil.rmtree(folder, ignore_errors=True)
-        model.save_pretrained(folder / MODEL_DIR)
-        self.tokenizer.save_pretrained(folder / MODEL_DIR)
+        if role == "policy" and self.base is not None:
+            save_adapters(model, self.tokenizer, folder / MODEL_DIR, self.base)  # the adapter + its base's reference
+        else:
+            model.save_pretrained(folder / MODEL_DIR)
+            self.tokenizer.save_pretrained(folder / MODEL_DIR)
         if state is not None:
             save_trainer_state(state, folder / STATE_DIR)
         self.staged[role] = folder

@@ -15,14 +15,15 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
+from engines.lora import save_hf
 from engines.rollout import SamplingParams
 from infra.drill import WorkerDrill
 from infra.store import ArtifactStore
 from schemas.config import RunConfig
 from schemas.manifest import PolicyRef
-from workers.policy import MODEL_DIR, check_loadable, node_id, rollout_engine, scratch_dir
+from workers.policy import MODEL_DIR, check_loadable, load_policy_model, node_id, rollout_engine, scratch_dir
 
 
 class RolloutWorker:
@@ -70,10 +71,16 @@ class RolloutWorker:
             folder = self.scratch / "load"
             shutil.rmtree(folder, ignore_errors=True)
             path, self.source = Path(self.store.fetch_dir(manifest, MODEL_DIR, str(folder))), "store"
-        dtype = torch.bfloat16 if self.cfg.model.dtype == "bfloat16" else torch.float32
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.tokenizer.padding_side = "left"
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval().requires_grad_(False)
+        model, base = load_policy_model(self.cfg, self.store, ref, path, self.scratch, trainable=False)
+        if base is not None:  # a LoRA checkpoint from the store: its adapter merged into its base
+            model = model.merge_and_unload()
+            if self.cfg.rollout.engine != "hf":  # vLLM starts from (or reloads) a folder of plain weights
+                path = self.scratch / "merged"
+                shutil.rmtree(path, ignore_errors=True)
+                save_hf(model, self.tokenizer, path)
+        self.model = model.requires_grad_(False)
         self.rollout = rollout_engine(self.cfg, self.model, self.tokenizer, str(path), self.rollout)
         self.held = ref.version
         return ref.version
