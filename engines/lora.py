@@ -57,7 +57,11 @@ def load_adapters(base: torch.nn.Module, folder: str | Path, trainable: bool, cf
     (the optimizer state stored beside it fits no other)."""
     stored = json.loads((Path(folder) / ADAPTER_CONFIG).read_text())
     if cfg is not None:
-        for key, peft_key in (("lora_rank", "r"), ("lora_alpha", "lora_alpha"), ("target_modules", "target_modules")):
+        # peft stores target_modules expanded (all-linear, a regex): only a configured list compares as is.
+        keys = (("lora_rank", "r"), ("lora_alpha", "lora_alpha")) + (
+            (("target_modules", "target_modules"),) if isinstance(cfg.target_modules, list) else ()
+        )
+        for key, peft_key in keys:
             want, got = getattr(cfg, key), stored.get(peft_key)
             if (sorted(want) if isinstance(want, list) else want) != (sorted(got) if isinstance(got, list) else got):
                 raise ConfigError(f"config error: model.{key}={want}, but the stored adapter in {folder} has {got}")

@@ -141,6 +141,15 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    from flows.export import export_policy
+
+    result = export_policy(args.store, args.run, args.iteration, args.out)
+    kind = "its LoRA adapter merged into its base" if result["merged"] else "full weights"
+    print(f"policy of iteration {result['iteration']} of run {result['run']} ({kind}) -> {result['out']}")
+    return 0
+
+
 def cmd_data_prep(args) -> int:
     cfg = _load(args)
     _check_new_run(cfg, tracking=False)
@@ -312,6 +321,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", help="changed eval settings, e.g. trainer.eval_n=16")
     p.add_argument("--store", default="./rlstage-runs", help="store root of the run")
     p.set_defaults(fn=cmd_eval)
+    p = sub.add_parser("export", help="write a stored policy as a Hugging Face folder (LoRA: merged into its base)")
+    p.add_argument("run", help="run name")
+    p.add_argument("-i", "--iteration", type=int, default=None, help="policy after this update (0: the start; default: the last)")
+    p.add_argument("-o", "--out", required=True, help="the folder to write (new or empty)")
+    p.add_argument("--store", default="./rlstage-runs", help="store root of the run")
+    p.set_defaults(fn=cmd_export)
     p = sub.add_parser("data-prep", help="commit a run's prompts artifact (train/test splits)")
     p.add_argument("-c", "--config", type=Path, default=None, help="YAML config (default: built-in defaults)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.source=gsm8k")
