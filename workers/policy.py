@@ -230,6 +230,9 @@ class PolicyWorker:
         ref = PolicyRef.model_validate(ref_json)
         if self.versions[role] == ref.version:
             return ref.version
+        if role == "ref" and self.cfg.model.lora:
+            self.versions[role] = ref.version  # the policy's base with its adapters disabled: nothing to load
+            return ref.version
         if ref.path is not None:
             self._load(ref, Path(ref.path), None, role)
             return ref.version
@@ -297,8 +300,6 @@ class PolicyWorker:
             # Rank 0 generates unless the rollout role is placed apart; the other ranks only train.
             colocated = self.rank == 0 and self.cfg.ray.rollout_placement == "colocated"
             self.rollout = rollout_engine(self.cfg, self.model, self.tokenizer, self._engine_dir(path), self.rollout) if colocated else None
-        elif role == "ref" and self.cfg.model.lora:
-            self.ref_model = None  # the policy's base with its adapters disabled (ref_log_probs)
         elif role == "ref":
             self.ref_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval().requires_grad_(False)
         elif role == "critic":
