@@ -55,6 +55,9 @@ def base_ref(folder: str | Path) -> PolicyRef:
 def load_adapters(base: torch.nn.Module, folder: str | Path, trainable: bool, cfg: ModelConfig | None = None) -> PeftModel:
     """A saved adapter on its (already loaded) base model; with ``cfg``, its shape must be the configured one
     (the optimizer state stored beside it fits no other)."""
+    if not (Path(folder) / "adapter_model.safetensors").is_file():
+        # peft would fall back to a pickled adapter_model.bin: stored bytes are never unpickled here.
+        raise ValueError(f"{folder}: a LoRA checkpoint without adapter_model.safetensors is refused")
     stored = json.loads((Path(folder) / ADAPTER_CONFIG).read_text())
     if cfg is not None:
         # peft stores target_modules expanded (all-linear, a regex): only a configured list compares as is.
