@@ -53,21 +53,21 @@ def stage_inputs(cfg: RunConfig, store: ArtifactStore, stage: str, iteration: in
     reference) is what the iteration started from. Iteration 0 runs no train stage.
     """
     s = spec(stage)
-    order = [p.name for p in SPECS]
-    producers = {p.output: p for p in SPECS if p.output is not None}
+    earlier = [p for p in SPECS[: [p.name for p in SPECS].index(stage)] if p.active(cfg)]
     before: Models | None = None
     values = []
     for name in s.inputs:
-        producer = producers.get(name)
+        # the last selected stage before this one that provides it (filter_groups stands in for rollout, reward)
+        producer = next((p for p in reversed(earlier) if name in p.provides), None)
         if producer is not None and producer.phase == "prepare":
             values.append(need(store, cfg.run_name, None, producer.name))
-        elif producer is not None and iteration > 0 and order.index(producer.name) < order.index(stage):
+        elif producer is not None and iteration > 0:
             m = need(store, cfg.run_name, iteration, producer.name)
             values.append(policy_ref_from(m) if producer.output_ref else m)
         else:
             before = before or models_before(cfg, store, iteration, policy_before(cfg, store, 1))
-            # A pipelined run's rollout samples with the policy the previous iteration started from.
-            values.append(before.behaviour if (stage, name) == ("rollout", "policy") else getattr(before, name))
+            # A pipelined run generates with the policy the previous iteration started from.
+            values.append(before.behaviour if s.samples and name == "policy" else getattr(before, name))
     return values
 
 

@@ -155,8 +155,8 @@ def _eval_due(cfg: RunConfig, iteration: int) -> bool:
 
 @flow(name="rlstage-iteration")
 def iteration_flow(cfg: RunConfig, iteration: int, prompts: Manifest, models: Models, last: int) -> IterationOutcome:
-    """The registry's train stages in order (rollout -> reward -> advantage -> [critic] -> update),
-    then eval when due; iteration 0 only evaluates.
+    """The registry's train stages in order (rollout -> reward -> [filter_groups] -> advantage -> [critic] ->
+    update), then eval when due; iteration 0 only evaluates.
 
     Each stage takes its declared inputs by name from what the iteration holds and adds its output.
     Pipelined (trainer.async_staleness=1): right after the rollout of iteration k, the rollout of k+1 is
@@ -176,13 +176,13 @@ def iteration_flow(cfg: RunConfig, iteration: int, prompts: Manifest, models: Mo
                 ahead = None
             if not _eval_due(cfg, iteration):
                 continue
-        if any(held.get(name) is None for name in spec.inputs if name not in spec.optional):
-            continue  # a role this run does not have (no critic without critic.enable)
-        # The rollout samples with the behaviour policy (the trained one unless pipelined).
-        given = {**held, "policy": models.behaviour} if spec.name == "rollout" else held
+        if not spec.active(cfg) or any(held.get(name) is None for name in spec.inputs if name not in spec.optional):
+            continue  # not selected (dynamic sampling off), or a role this run does not have (no critic)
+        # Generation samples with the behaviour policy (the trained one unless pipelined).
+        given = {**held, "policy": models.behaviour} if spec.samples else held
         result = _run_stage(out, label, cfg, spec.name, iteration, *(given.get(name) for name in spec.inputs))
-        if spec.output is not None:
-            held[spec.output] = _output(spec, result)
+        for name in spec.provides:
+            held[name] = _output(spec, result)
         if spec.name == "rollout" and cfg.trainer.async_staleness and iteration < last:
             ahead = stages.submit_stage(cfg, "rollout", iteration + 1, prompts, models.policy)
     return out

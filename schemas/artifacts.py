@@ -63,7 +63,8 @@ REWARDS = pa.schema(
         ("score", pa.float32()),
         ("reward_fn", pa.string()),
         ("error", pa.string()),  # null unless the reward function raised or timed out
-        ("score_rule", pa.float32()),  # null where the sample's source has no rule (or no reward model is on)
+        # null where the sample's source has no rule, or neither a reward model nor overlong shaping is on
+        ("score_rule", pa.float32()),
         ("score_rm", pa.float32()),  # null unless reward_model.enable
     ]
 )
@@ -83,6 +84,20 @@ EXPERIENCE = pa.schema(
         ("advantages", _floats),
         ("returns", _floats),
         ("rollout_log_probs", _floats),  # the sampler's (rollout correction, bypass mode); null in older runs
+    ]
+)
+
+# Dynamic sampling (engines/dynamic_sampling.py): every generated group and what the filter decided.
+GROUPS = pa.schema(
+    [
+        ("round", pa.int32()),
+        ("group_id", pa.int64()),
+        ("prompt_id", pa.string()),
+        ("samples", pa.int32()),
+        ("metric_mean", pa.float64()),
+        ("metric_std", pa.float64()),
+        ("has_signal", pa.bool_()),  # metric std > 0: kept by the filter
+        ("in_batch", pa.bool_()),  # among the first `target` kept groups: trained on
     ]
 )
 

@@ -12,6 +12,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from engines.dynamic_sampling import FILTER_METRICS
+
 AdvEstimator = Literal[
     "gae", "grpo", "grpo_vectorized", "rloo", "rloo_vectorized", "reinforce_plus_plus",
     "reinforce_plus_plus_baseline", "remax", "opo", "gpg", "grpo_passk", "gdpo",
@@ -366,6 +368,16 @@ class KLControlConfig(_Section):
     horizon: int = Field(10000, ge=1)
 
 
+class FilterGroupsConfig(_Section):
+    """DAPO's dynamic sampling (verl's ``algorithm.filter_groups``, engines/dynamic_sampling.py): groups whose
+    ``metric`` is equal for all samples are dropped and more prompts generated, up to ``max_num_gen_batches``
+    generation rounds in all (verl's default 0 means no cap there; here a cap is required)."""
+
+    enable: bool = False
+    metric: Literal[tuple(FILTER_METRICS)] = "acc"  # type: ignore[valid-type]
+    max_num_gen_batches: int = Field(0, ge=0)
+
+
 class AlgorithmConfig(_Section):
     adv_estimator: AdvEstimator = "grpo"
     norm_adv_by_std_in_grpo: bool = True
@@ -375,6 +387,7 @@ class AlgorithmConfig(_Section):
     kl_penalty: KLType = "kl"
     kl_ctrl: KLControlConfig = Field(default_factory=KLControlConfig)
     rollout_correction: RolloutCorrectionConfig = Field(default_factory=RolloutCorrectionConfig)
+    filter_groups: FilterGroupsConfig = Field(default_factory=FilterGroupsConfig)
 
 
 class TrainerConfig(_Section):
@@ -488,6 +501,22 @@ class RunConfig(_Section):
             raise ValueError(
                 f"algorithm.adv_estimator={est} needs the old policy's sum of pi^2 over the vocabulary per token, "
                 "which the pipeline's old-log-prob pass does not compute"
+            )
+        fg = self.algorithm.filter_groups
+        if fg.enable and fg.max_num_gen_batches == 0:
+            raise ValueError(
+                "algorithm.filter_groups.max_num_gen_batches=0: dynamic sampling needs a cap on generation rounds "
+                "(verl reads 0 as no cap); give one >= 1, e.g. 10"
+            )
+        if fg.enable and self.rollout.n < 2:
+            raise ValueError(
+                f"rollout.n={self.rollout.n}: algorithm.filter_groups.enable drops groups whose samples all score "
+                "alike, which a group of one always does; use rollout.n >= 2"
+            )
+        if fg.enable and fg.metric == "seq_final_reward" and self.algorithm.use_kl_in_reward:
+            raise ValueError(
+                "algorithm.filter_groups.metric=seq_final_reward with algorithm.use_kl_in_reward: the KL penalty is "
+                "applied after the filter (advantage stage); filter on seq_reward"
             )
         if self.actor.policy_loss == "dro" and self.actor.dro_beta is None:
             raise ValueError("actor.policy_loss=dro needs actor.dro_beta (> 0)")

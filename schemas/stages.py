@@ -35,12 +35,23 @@ class StageSpec:
     optional: tuple[str, ...] = ()  # inputs that may be None; a stage missing another one does not run
     output: str | None = None  # the name later stages receive its result under
     output_ref: bool = False  # the output is a model checkpoint, passed on as a PolicyRef
+    replaces: tuple[str, ...] = ()  # earlier outputs its artifact stands in for in the stages after it
+    when: Callable[[ConfigView], bool] | None = None  # runs only under these settings (read through its view)
+    samples: bool = False  # generates with the behaviour policy (an older one when pipelined)
     phase: str = "train"  # prepare: once per run; train: the iteration chain; eval: on trainer.eval_every
     replayable: bool = False
 
     @property
     def per_iteration(self) -> bool:
         return self.phase != "prepare"
+
+    @property
+    def provides(self) -> tuple[str, ...]:
+        return ((self.output,) if self.output is not None else ()) + self.replaces
+
+    def active(self, cfg: RunConfig | ConfigView) -> bool:
+        """Whether the run's settings select this stage at all."""
+        return self.when is None or self.when(stage_view(cfg, self.name))
 
 
 # What the policy worker reads for every stage it serves: the model's dtype, threads and source.
@@ -76,6 +87,18 @@ def _agent(v: ConfigView) -> tuple[str, ...]:
     return ("agent",) if v.agent.enable else ()
 
 
+def _reward_extra(v: ConfigView) -> tuple[str, ...]:
+    # DAPO's overlong shaping measures responses against the longest one a rollout can produce.
+    return (_RESPONSE_MAX if v.reward.overlong_buffer.enable else ()) + (("reward_model",) if v.reward_model.enable else ())
+
+
+_ROLLOUT = (
+    "data.prompts_per_iteration", "data.shuffle_seed", "rollout.n", "rollout.temperature", *_SAMPLING, *_ENGINE,
+    "algorithm.adv_estimator", "agent.enable", *_WORKER,
+)  # fmt: skip
+_REWARD = ("reward", "reward_model.enable")
+
+
 def _eval_extra(v: ConfigView) -> tuple[str, ...]:
     return _agent(v) + (("rollout.temperature",) if v.trainer.eval_n > 0 else ())
 
@@ -103,24 +126,31 @@ SPECS: tuple[StageSpec, ...] = (
     StageSpec(
         "rollout",
         files=("rollouts.parquet",),
-        reads=(
-            "data.prompts_per_iteration", "data.shuffle_seed", "rollout.n", "rollout.temperature", *_SAMPLING,
-            *_ENGINE, "algorithm.adv_estimator", "agent.enable", *_WORKER,
-        ),  # fmt: skip
+        reads=_ROLLOUT,
         reads_if=_agent,
         inputs=("prompts", "policy"),
         output="rollouts",
+        samples=True,
         replayable=True,
     ),
     StageSpec(
         "reward",
         files=("rewards.parquet",),
-        reads=("reward", "reward_model.enable"),
-        # DAPO's overlong shaping measures responses against the longest one a rollout can produce.
-        reads_if=lambda v: (_RESPONSE_MAX if v.reward.overlong_buffer.enable else ())
-        + (("reward_model",) if v.reward_model.enable else ()),
+        reads=_REWARD,
+        reads_if=_reward_extra,
         inputs=("rollouts",),
         output="rewards",
+        replayable=True,
+    ),
+    StageSpec(
+        "filter_groups",  # DAPO's dynamic sampling: generates and scores its extra rounds as the two stages above
+        files=("groups.parquet", "rollouts.parquet", "rewards.parquet", "extra_rollouts.parquet", "extra_rewards.parquet"),
+        reads=(*_ROLLOUT, *_REWARD, "algorithm.filter_groups"),
+        reads_if=lambda v: _agent(v) + _reward_extra(v),
+        when=lambda v: v.algorithm.filter_groups.enable,
+        inputs=("prompts", "rollouts", "rewards", "policy"),
+        replaces=("rollouts", "rewards"),
+        samples=True,
         replayable=True,
     ),
     StageSpec(

@@ -22,10 +22,10 @@ from prefect import Task, task
 from prefect.cache_policies import NO_CACHE
 
 from engines import algorithms as algos
-from engines import chat, datasets, reward_model, rewards
+from engines import chat, datasets, dynamic_sampling, reward_model, rewards
 from engines import metrics as eval_metrics
 from engines.agent_loop import agent_metrics
-from engines.cursor import prompt_batch
+from engines.cursor import extra_prompt_batch, prompt_batch
 from engines.tools import agent_tokenizer
 from infra.drill import fault_point
 from schemas import artifacts as A
@@ -151,7 +151,7 @@ def _read(cfg: ConfigView, manifest: Manifest, name: str) -> pa.Table:
     return store_for(cfg).read_table(manifest, name)
 
 
-def _sampling(cfg: ConfigView, iteration: int, n: int | None = None, greedy: bool = False) -> dict:
+def _sampling(cfg: ConfigView, iteration: int, n: int | None = None, greedy: bool = False, round_: int = 0) -> dict:
     r = cfg.rollout
     return {
         "n": r.n if n is None else n,
@@ -159,7 +159,8 @@ def _sampling(cfg: ConfigView, iteration: int, n: int | None = None, greedy: boo
         "top_p": r.top_p,
         "top_k": r.top_k,
         "max_new_tokens": r.max_new_tokens,
-        "seed": r.seed * 100_003 + iteration,
+        # dynamic sampling's extra rounds (round_ >= 1) draw apart from every iteration's first round
+        "seed": r.seed * 100_003 + iteration + round_ * 1_000_003,
     }
 
 
@@ -171,36 +172,42 @@ def rollout(
     def produce() -> StageOutput:
         train = _read(cfg, prompts, "train.parquet")
         rows = prompt_batch(train.num_rows, iteration, cfg.data.prompts_per_iteration, cfg.data.shuffle_seed)
-        batch = train.take(rows).to_pylist()
-        group = open_group(cfg, version)
-        group.arm("rollout", iteration)
-        group.acquire_rollout(policy, update_hash(cfg))
-        comps, stats = _complete(cfg, group, policy.version, batch, _sampling(cfg, iteration))
-        if cfg.algorithm.adv_estimator == "remax":
-            # ReMax's baseline: one greedy answer per prompt, scored like the samples (sample_index -1).
-            greedy, _ = _complete(cfg, group, policy.version, batch, _sampling(cfg, iteration, n=1, greedy=True))
-            comps += [{**c, "sample_index": -1} for c in greedy]
-        table = _rollouts_table(batch, comps, iteration)
-        lengths = np.array(table.column("response_length").to_pylist())
-        clipped = np.array([f == "length" for f in table.column("finish_reason").to_pylist()])
-        # Multi-turn: turns, tool calls and their failures, model vs tool time (the stage's own lengths win).
-        agent = agent_metrics([c for c in comps if c["sample_index"] >= 0], stats) if cfg.agent.enable else {}
-        return StageOutput(
-            tables={"rollouts.parquet": table},
-            meta={"generated_by": group.generator_info()},
-            metrics={
-                **agent,
-                "response_length/mean": float(lengths.mean()),
-                "response_length/max": float(lengths.max()),
-                "response_length/min": float(lengths.min()),
-                "response_length/clip_ratio": float(clipped.mean()),
-                "prompt_length/mean": float(np.mean(table.column("prompt_length").to_pylist())),
-                "rollout/tokens": float(lengths.sum() + np.sum(table.column("prompt_length").to_pylist())),
-            },
-        )
+        return generate_round(cfg, iteration, train.take(rows).to_pylist(), policy, version)
 
     inputs = {"prompts": prompts.artifact_id, "policy": policy.version}
     return run_stage(cfg, "rollout", iteration, inputs, produce, version=version, meta=meta)
+
+
+def generate_round(
+    cfg: ConfigView, iteration: int, batch: list[dict], policy: PolicyRef, version: str = "main", round_: int = 0
+) -> StageOutput:
+    """One generation round over prompts-table rows: the rollout stage's (round 0), or one of dynamic sampling's."""
+    group = open_group(cfg, version)
+    group.arm("rollout", iteration)
+    group.acquire_rollout(policy, update_hash(cfg))
+    comps, stats = _complete(cfg, group, policy.version, batch, _sampling(cfg, iteration, round_=round_))
+    if cfg.algorithm.adv_estimator == "remax":
+        # ReMax's baseline: one greedy answer per prompt, scored like the samples (sample_index -1).
+        greedy, _ = _complete(cfg, group, policy.version, batch, _sampling(cfg, iteration, n=1, greedy=True, round_=round_))
+        comps += [{**c, "sample_index": -1} for c in greedy]
+    table = _rollouts_table(batch, comps, iteration, round_, cfg.data.prompts_per_iteration)
+    lengths = np.array(table.column("response_length").to_pylist())
+    clipped = np.array([f == "length" for f in table.column("finish_reason").to_pylist()])
+    # Multi-turn: turns, tool calls and their failures, model vs tool time (the stage's own lengths win).
+    agent = agent_metrics([c for c in comps if c["sample_index"] >= 0], stats) if cfg.agent.enable else {}
+    return StageOutput(
+        tables={"rollouts.parquet": table},
+        meta={"generated_by": group.generator_info()},
+        metrics={
+            **agent,
+            "response_length/mean": float(lengths.mean()),
+            "response_length/max": float(lengths.max()),
+            "response_length/min": float(lengths.min()),
+            "response_length/clip_ratio": float(clipped.mean()),
+            "prompt_length/mean": float(np.mean(table.column("prompt_length").to_pylist())),
+            "rollout/tokens": float(lengths.sum() + np.sum(table.column("prompt_length").to_pylist())),
+        },
+    )
 
 
 def _complete(cfg: ConfigView, group: PolicyGroup, version: str, batch: list[dict], params: dict) -> tuple[list[dict], dict]:
@@ -215,14 +222,16 @@ def _complete(cfg: ConfigView, group: PolicyGroup, version: str, batch: list[dic
 _AGENT_COLUMNS = ("turn_bounds", "truncated", "num_turns", "tool_calls", "tool_errors", "tool_timeouts")
 
 
-def _rollouts_table(batch: list[dict], comps: list[dict], iteration: int) -> pa.Table:
+def _rollouts_table(batch: list[dict], comps: list[dict], iteration: int, round_: int, per_round: int) -> pa.Table:
+    # an extra round's samples and groups are told apart from the first round's (which may share a prompt)
+    tag = f"{iteration}" if round_ == 0 else f"{iteration}.{round_}"
     cols: dict[str, list] = {name: [] for name in A.ROLLOUTS.names}
     for c in comps:
         p = batch[c["prompt_index"]]
         k = c["sample_index"]
-        cols["sample_id"].append(f"{p['prompt_id']}/{iteration}/{'greedy' if k < 0 else k}")
+        cols["sample_id"].append(f"{p['prompt_id']}/{tag}/{'greedy' if k < 0 else k}")
         cols["prompt_id"].append(p["prompt_id"])
-        cols["group_id"].append(c["prompt_index"])
+        cols["group_id"].append(round_ * per_round + c["prompt_index"])
         cols["sample_index"].append(c["sample_index"])
         for k in ("prompt", "data_source", "ground_truth", "extra_info"):
             cols[k].append(p[k])
@@ -268,71 +277,123 @@ def rm_scores(cfg: ConfigView, prompts: list[str], responses: list[str]) -> list
     return [rewards.RewardResult(s, "reward_model") for s in scores]
 
 
+def score_round(cfg: ConfigView, table: pa.Table) -> StageOutput:
+    """The rewards of one generation round's rollouts: the reward stage's, or one of dynamic sampling's."""
+    rows = table.select(["response_text", "ground_truth", "data_source", "extra_info"]).to_pylist()
+    rule: list[float | None] = [None] * len(rows)
+    rm_on = cfg.reward_model.enable
+    ruled = [i for i, r in enumerate(rows) if not rm_on or rewards.has_rule(r["data_source"], cfg.reward.function)]
+    results = score_rows(cfg, [rows[i] for i in ruled]) if ruled else []
+    fn_names: list[str | None] = [None] * len(rows)
+    errors: list[str | None] = [None] * len(rows)
+    for i, r in zip(ruled, results, strict=True):
+        rule[i], fn_names[i], errors[i] = r.score, r.reward_fn, r.error
+    rm: list[float | None] = [None] * len(rows)
+    if rm_on:
+        got = rm_scores(cfg, table.column("prompt").to_pylist(), [r["response_text"] for r in rows])
+        rm = [g.score for g in got]
+        for i, g in enumerate(got):
+            errors[i] = errors[i] or g.error
+            fn_names[i] = g.reward_fn if fn_names[i] is None or cfg.reward_model.combine == "replace" else f"{fn_names[i]}+{g.reward_fn}"
+        combined = rewards.combine_scores(cfg.reward_model.combine, rule, rm)
+    else:
+        combined = rule
+    all_scores = np.array(combined, dtype=np.float64)
+    shaping: dict[str, float] = {}
+    ob = cfg.reward.overlong_buffer
+    if ob.enable:  # DAPO: soft punishment of responses that run into the length limit
+        lengths = [len(r) for r in table.column("response_ids").to_pylist()]
+        penalty = np.array(algos.overlong_penalty(lengths, cfg.agent.max_response_tokens if cfg.agent.enable else cfg.rollout.max_new_tokens, ob.len, ob.penalty_factor))
+        all_scores = all_scores + penalty
+        shaping = {"reward/overlong_penalty/mean": float(penalty.mean()), "reward/overlong_ratio": float((penalty < 0).mean())}
+    real = np.array(table.column("sample_index").to_pylist()) >= 0  # not ReMax baselines
+    scores = all_scores[real]
+    sources: dict[str, float] = {}
+    for key, vals in (("reward/rule/mean", rule), ("reward/rm/mean", rm)):
+        got_vals = [v for v, keep in zip(vals, real, strict=True) if keep and v is not None]
+        if got_vals and rm_on:
+            sources[key] = float(np.mean(got_vals))
+    out = pa.table(
+        {
+            "sample_id": table.column("sample_id"),
+            "score": pa.array(all_scores, pa.float32()),
+            "reward_fn": fn_names,
+            "error": errors,
+            # also under overlong shaping: the rule score before it (dynamic sampling's acc metric)
+            "score_rule": pa.array(rule if rm_on or ob.enable else [None] * len(rows), pa.float32()),
+            "score_rm": pa.array(rm, pa.float32()),
+        },
+        schema=A.REWARDS,
+    )
+    return StageOutput(
+        tables={"rewards.parquet": out},
+        metrics={
+            "critic/score/mean": float(scores.mean()),
+            "critic/score/max": float(scores.max()),
+            "critic/score/min": float(scores.min()),
+            "reward/errors": float(sum(e is not None for e in errors)),
+            "reward/timeouts": float(sum(e is not None and e.startswith("timeout") for e in errors)),
+            **sources,
+            **shaping,
+        },
+    )
+
+
 @stage_task("reward")
 def reward(
     cfg: ConfigView, iteration: int, rollouts: Manifest, version: str = "main", meta: dict | None = None
 ) -> StageResult:
     def produce() -> StageOutput:
-        table = _read(cfg, rollouts, "rollouts.parquet")
-        rows = table.select(["response_text", "ground_truth", "data_source", "extra_info"]).to_pylist()
-        rule: list[float | None] = [None] * len(rows)
-        rm_on = cfg.reward_model.enable
-        ruled = [i for i, r in enumerate(rows) if not rm_on or rewards.has_rule(r["data_source"], cfg.reward.function)]
-        results = score_rows(cfg, [rows[i] for i in ruled]) if ruled else []
-        fn_names: list[str | None] = [None] * len(rows)
-        errors: list[str | None] = [None] * len(rows)
-        for i, r in zip(ruled, results, strict=True):
-            rule[i], fn_names[i], errors[i] = r.score, r.reward_fn, r.error
-        rm: list[float | None] = [None] * len(rows)
-        if rm_on:
-            got = rm_scores(cfg, table.column("prompt").to_pylist(), [r["response_text"] for r in rows])
-            rm = [g.score for g in got]
-            for i, g in enumerate(got):
-                errors[i] = errors[i] or g.error
-                fn_names[i] = g.reward_fn if fn_names[i] is None or cfg.reward_model.combine == "replace" else f"{fn_names[i]}+{g.reward_fn}"
-            combined = rewards.combine_scores(cfg.reward_model.combine, rule, rm)
-        else:
-            combined = rule
-        all_scores = np.array(combined, dtype=np.float64)
-        shaping: dict[str, float] = {}
-        ob = cfg.reward.overlong_buffer
-        if ob.enable:  # DAPO: soft punishment of responses that run into the length limit
-            lengths = [len(r) for r in table.column("response_ids").to_pylist()]
-            penalty = np.array(algos.overlong_penalty(lengths, cfg.agent.max_response_tokens if cfg.agent.enable else cfg.rollout.max_new_tokens, ob.len, ob.penalty_factor))
-            all_scores = all_scores + penalty
-            shaping = {"reward/overlong_penalty/mean": float(penalty.mean()), "reward/overlong_ratio": float((penalty < 0).mean())}
-        real = np.array(table.column("sample_index").to_pylist()) >= 0  # not ReMax baselines
-        scores = all_scores[real]
-        sources: dict[str, float] = {}
-        for key, vals in (("reward/rule/mean", rule), ("reward/rm/mean", rm)):
-            got_vals = [v for v, keep in zip(vals, real, strict=True) if keep and v is not None]
-            if got_vals and rm_on:
-                sources[key] = float(np.mean(got_vals))
-        out = pa.table(
-            {
-                "sample_id": table.column("sample_id"),
-                "score": pa.array(all_scores, pa.float32()),
-                "reward_fn": fn_names,
-                "error": errors,
-                "score_rule": pa.array(rule if rm_on else [None] * len(rows), pa.float32()),
-                "score_rm": pa.array(rm, pa.float32()),
-            },
-            schema=A.REWARDS,
-        )
-        return StageOutput(
-            tables={"rewards.parquet": out},
-            metrics={
-                "critic/score/mean": float(scores.mean()),
-                "critic/score/max": float(scores.max()),
-                "critic/score/min": float(scores.min()),
-                "reward/errors": float(sum(e is not None for e in errors)),
-                "reward/timeouts": float(sum(e is not None and e.startswith("timeout") for e in errors)),
-                **sources,
-                **shaping,
-            },
-        )
+        return score_round(cfg, _read(cfg, rollouts, "rollouts.parquet"))
 
     return run_stage(cfg, "reward", iteration, {"rollouts": rollouts.artifact_id}, produce, version=version, meta=meta)
+
+
+# ---------------------------------------------------------------- filter_groups (DAPO dynamic sampling)
+@stage_task("filter_groups")
+def filter_groups(
+    cfg: ConfigView,
+    iteration: int,
+    prompts: Manifest,
+    rollouts: Manifest,
+    rewards_m: Manifest,
+    policy: PolicyRef,
+    version: str = "main",
+    meta: dict | None = None,
+) -> StageResult:
+    """Drop the groups without signal from the rollout and reward stages' round, generate and score further
+    rounds of prompts until ``data.prompts_per_iteration`` groups have signal, and commit the trimmed batch
+    (which the later stages read in place of the rollouts and rewards) with every round's groups and verdicts."""
+    fg, per_round = cfg.algorithm.filter_groups, cfg.data.prompts_per_iteration
+
+    def produce() -> StageOutput:
+        train = _read(cfg, prompts, "train.parquet")
+        generated_by: list[dict] = []
+
+        def extra_round(round_: int) -> dynamic_sampling.GenRound:
+            rows = extra_prompt_batch(train.num_rows, iteration, round_, per_round, cfg.data.shuffle_seed, fg.max_num_gen_batches)
+            gen = generate_round(cfg, iteration, train.take(rows).to_pylist(), policy, version, round_)
+            generated_by.append(gen.meta["generated_by"])
+            table = gen.tables["rollouts.parquet"]
+            return dynamic_sampling.GenRound(table, score_round(cfg, table).tables["rewards.parquet"])
+
+        first = dynamic_sampling.GenRound(_read(cfg, rollouts, "rollouts.parquet"), _read(cfg, rewards_m, "rewards.parquet"))
+        sel = dynamic_sampling.select_groups(first, extra_round, per_round, fg.max_num_gen_batches, fg.metric)
+        extra = sel.rounds[1:]
+        return StageOutput(
+            tables={
+                "groups.parquet": sel.groups,
+                "rollouts.parquet": sel.rollouts,
+                "rewards.parquet": sel.rewards,
+                "extra_rollouts.parquet": pa.concat_tables([r.rollouts for r in extra]) if extra else first.rollouts.slice(0, 0),
+                "extra_rewards.parquet": pa.concat_tables([r.rewards for r in extra]) if extra else first.rewards.slice(0, 0),
+            },
+            metrics=sel.metrics(),
+            meta={"generated_by": generated_by} if generated_by else {},
+        )
+
+    inputs = {"prompts": prompts.artifact_id, "rollouts": rollouts.artifact_id, "rewards": rewards_m.artifact_id, "policy": policy.version}
+    return run_stage(cfg, "filter_groups", iteration, inputs, produce, version=version, meta=meta)
 
 
 # ---------------------------------------------------------------- advantage
@@ -618,8 +679,9 @@ def evaluate(
 
 
 def _retryable(task, task_run, state) -> bool:
-    """A reward function that failed a batch fails it again: retries are for lost workers and stores."""
-    return not isinstance(state.data, rewards.RewardFailure)
+    """A reward function that failed a batch fails it again, and dynamic sampling short of groups at its cap
+    (its rounds are seeded) would be again: retries are for lost workers and stores."""
+    return not isinstance(state.data, rewards.RewardFailure | dynamic_sampling.DynamicSamplingExhausted)
 
 
 def submit_stage(cfg: RunConfig, stage: str, *args, **kwargs):

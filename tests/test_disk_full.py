@@ -11,13 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from schemas.config import load_config
+from schemas.config import RunConfig, load_config
 from schemas.stages import SPECS
 from tests_support import moving_overrides, tiny_overrides, update_weights, weights_moved
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parent.parent
-STAGES = tuple(s.name for s in SPECS if s.per_iteration and "critic" not in set(s.inputs) - set(s.optional))
+STAGES = tuple(
+    s.name for s in SPECS if s.per_iteration and s.active(RunConfig()) and "critic" not in set(s.inputs) - set(s.optional)
+)
 
 
 @pytest.fixture

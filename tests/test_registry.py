@@ -42,10 +42,11 @@ BASES = {
         "critic.optim.lr_schedule=linear", "trainer.eval_n=2", "algorithm.use_kl_in_reward=true",
     ],  # fmt: skip
     "agent": None,  # configs/agent_calc.yaml
-    # settings valid only beside others: DAPO's overlong buffer, data-parallel ranks, pipelined rollouts
+    # settings valid only beside others: DAPO's overlong buffer and dynamic sampling, data-parallel ranks, pipelined rollouts
     "scaled": [
         "data.train_path=train.jsonl", "data.test_path=test.jsonl", "reward.overlong_buffer.len=4", "actor.engine=deepspeed",
         "ray.rollout_placement=separate", "reward_model.enable=true", "reward_model.model.path=rm",
+        "algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=3",
     ],  # fmt: skip
 }
 
@@ -201,11 +202,12 @@ def test_settings_no_stage_reads_by_default_are_the_documented_ones():
 def test_registry_derives_the_stage_lists_and_every_stage_has_one_task():
     assert STAGES == tuple(s.name for s in SPECS) and set(TASKS) == set(STAGES)
     assert STAGE_FILES == {
-        "rollout": "rollouts.parquet", "reward": "rewards.parquet", "advantage": "experience.parquet",
+        "rollout": "rollouts.parquet", "reward": "rewards.parquet", "filter_groups": "groups.parquet",
+        "advantage": "experience.parquet",
         "critic": "metrics.parquet", "update": "metrics.parquet", "eval": "eval.parquet",
     }  # fmt: skip
-    assert REPLAYABLE == ("rollout", "reward", "advantage", "update", "eval")
-    outputs = {s.output for s in SPECS} | {"ref", "prev_experience"}  # what an iteration starts from
+    assert REPLAYABLE == ("rollout", "reward", "filter_groups", "advantage", "update", "eval")
+    outputs = {name for s in SPECS for name in s.provides} | {"ref", "prev_experience"}  # what an iteration starts from
     for s in SPECS:
         assert set(s.inputs) <= outputs, s.name
         for path in s.reads:  # every declared path is a setting
