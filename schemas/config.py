@@ -394,6 +394,9 @@ class TrainerConfig(_Section):
     iterations: int = Field(10, ge=0)
     eval_every: int = Field(1, ge=1)
     eval_n: int = Field(0, ge=0)  # sampled answers per held-out prompt for mean@N (0: greedy only)
+    # maj@N is reported where the reward function extracts answers (verl: where it returns a pred); true
+    # refuses, at config load, a reward function that extracts none instead of leaving maj@N out
+    eval_require_maj: bool = False
     seed: int = 0
     # Policy weights + optimizer state are stored every k-th update; a policy in between is rebuilt
     # on demand (resume, replay, a restarted worker) by re-running its updates from stored experience.
@@ -595,6 +598,29 @@ class RunConfig(_Section):
                     f"{name}.micro_batch_tokens={budget} is smaller than the longest sequence, "
                     f"data.max_prompt_length + {response_key} = {longest}"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _maj(self) -> RunConfig:
+        t = self.trainer
+        if not t.eval_require_maj:
+            return self
+        if t.eval_n < 2:
+            raise ValueError(f"trainer.eval_require_maj: maj@N votes over trainer.eval_n >= 2 sampled answers, got {t.eval_n}")
+        from engines.datasets import ADDITION_SOURCE, GSM8K_SOURCE, MULTIPLY_SOURCE
+        from engines.metrics import ANSWER_EXTRACTORS
+        from engines.rewards import DATA_SOURCE_FNS
+
+        # a verl parquet's sources are known only from its rows: the eval stage checks those
+        kit = {"addition": ADDITION_SOURCE, "multiply": MULTIPLY_SOURCE}[self.kit.task]
+        source = {"synthetic": kit, "gsm8k": GSM8K_SOURCE}.get(self.data.source)
+        fn = self.reward.function or DATA_SOURCE_FNS.get(source or "")
+        if fn is not None and fn not in ANSWER_EXTRACTORS:
+            where = "reward.function" if self.reward.function else f"the reward function of data.source={self.data.source},"
+            raise ValueError(
+                f"trainer.eval_require_maj: {where} {fn} extracts no answer for maj@N to vote on; "
+                f"ones that do: {', '.join(ANSWER_EXTRACTORS)}"
+            )
         return self
 
     @model_validator(mode="after")

@@ -100,7 +100,7 @@ _REWARD = ("reward", "reward_model.enable")
 
 
 def _eval_extra(v: ConfigView) -> tuple[str, ...]:
-    return _agent(v) + (("rollout.temperature",) if v.trainer.eval_n > 0 else ())
+    return _agent(v) + (("rollout.temperature", "trainer.eval_require_maj") if v.trainer.eval_n > 0 else ())
 
 
 SPECS: tuple[StageSpec, ...] = (

@@ -667,6 +667,12 @@ def evaluate(
             preds = eval_metrics.extract_answers(rows[greedy_n:], fns)
             if preds is not None:
                 infos["pred"] = preds
+            elif cfg.trainer.eval_require_maj:  # a verl parquet's sources, known only now
+                missing = sorted({f for f in fns if f not in eval_metrics.ANSWER_EXTRACTORS})
+                raise ValueError(
+                    f"trainer.eval_require_maj: reward function(s) {', '.join(missing)} of the held-out data extract no "
+                    "answer for maj@N to vote on; set reward.function to one that does, or trainer.eval_require_maj=false"
+                )
             nested = eval_metrics.validation_metrics(sources[greedy_n:], uids, infos)
             metrics.update(eval_metrics.flatten_validation_metrics(nested))
             correct = [s > 0.5 for s in scores[greedy_n:]]

@@ -112,3 +112,30 @@ def test_preflight_accepts_the_agent_demo_config():
     from engines.preflight import preflight
 
     preflight(load_config("configs/agent_calc.yaml"))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needle"),
+    [
+        (["trainer.eval_require_maj=true"], "trainer.eval_require_maj: maj@N votes over trainer.eval_n >= 2 sampled answers, got 0"),
+        (
+            ["trainer.eval_require_maj=true", "trainer.eval_n=4", "data.source=gsm8k", "data.train_path=t", "data.test_path=h"],
+            "trainer.eval_require_maj: the reward function of data.source=gsm8k, gsm8k extracts no answer",
+        ),
+        (
+            ["trainer.eval_require_maj=true", "trainer.eval_n=4", "reward.function=my_rewards.py:score"],
+            "trainer.eval_require_maj: reward.function my_rewards.py:score extracts no answer",
+        ),
+    ],
+)
+def test_required_maj_without_an_answer_extractor_is_one_line(overrides, needle):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides)
+    assert needle in str(err.value) and "\n" not in str(err.value)
+    # without the requirement the same data is evaluated, maj@N left out as verl leaves it out without a pred
+    load_config(None, [o for o in overrides if not o.startswith("trainer.eval_require_maj")])
+
+
+def test_required_maj_with_an_extracting_reward_function_loads():
+    cfg = load_config(None, ["trainer.eval_require_maj=true", "trainer.eval_n=4", "reward.function=gsm8k_strict"])
+    assert cfg.trainer.eval_require_maj

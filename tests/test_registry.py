@@ -196,6 +196,7 @@ def test_settings_no_stage_reads_by_default_are_the_documented_ones():
         "trainer.iterations",  # read by decaying schedules only (workers.group.total_update_steps)
         "trainer.eval_every",  # the flow's eval schedule
         "trainer.async_staleness",  # the flow's schedule: which policy a rollout gets (recorded as its input)
+        "trainer.eval_require_maj",  # a config check, and read by the eval once trainer.eval_n > 0
     }
 
 
