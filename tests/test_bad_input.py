@@ -134,6 +134,8 @@ CASES: list[tuple[str, list[str], dict[str, str], str]] = [
     ("config file not a mapping", ["train", "-c", "{list_yaml}"], {}, r"config error: .*/list\.yaml must hold a mapping"),
     ("run name with /", ["train", "run_name=a/b"], {}, r"config error: run_name: run name 'a/b' must be"),
     ("groups of one", ["train", "rollout.n=1"], {}, r"config error: <root>: rollout\.n=1: algorithm\.adv_estimator=grpo needs groups"),
+    ("dynamic sampling without a cap", ["train", "algorithm.filter_groups.enable=true"], {}, r"algorithm\.filter_groups\.max_num_gen_batches=0: dynamic sampling needs a cap"),
+    ("maj@N without an extractor", ["train", *GSM, "data.train_path=t.jsonl", "data.test_path=h.jsonl", "trainer.eval_n=4", "trainer.eval_require_maj=true"], {}, r"trainer\.eval_require_maj: the reward function of data\.source=gsm8k, gsm8k extracts no answer"),
     ("no held-out set", ["train", *GSM, "data.train_path=x.jsonl"], {}, r"data\.test_path \(the held-out set\) is required for data\.source=gsm8k"),
     ("mini-batch remainder", ["train", "actor.ppo_mini_batch_size=48", "actor.micro_batch_size=16"], {}, r"actor\.ppo_mini_batch_size=48 does not divide the samples per iteration"),
     ("unknown reward name", ["train", "reward.function=exact_mtch"], {}, r"config error: reward\.function: unknown reward function 'exact_mtch'; valid: "),
