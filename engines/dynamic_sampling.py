@@ -111,12 +111,19 @@ class Selection:
         return len(self.rounds)
 
     def metrics(self) -> dict[str, float]:
+        """verl's ``train/num_gen_batches``, the dropped share of generated groups, and the score statistics of
+        the trained batch (verl computes its data metrics after the filter: these stand in for the reward stage's)."""
         signal = self.groups.column("has_signal").to_numpy(zero_copy_only=False)
+        real = np.asarray(self.rollouts.column("sample_index").to_pylist()) >= 0
+        scores = self.rewards.column("score").to_numpy(zero_copy_only=False)[real]
         return {
             "train/num_gen_batches": float(self.num_gen_batches),
             "train/filter_groups/generated_groups": float(len(signal)),
             "train/filter_groups/kept_groups": float(signal.sum()),
             "train/filter_groups/dropped_share": float(1 - signal.mean()),
+            "critic/score/mean": float(scores.mean()),
+            "critic/score/max": float(scores.max()),
+            "critic/score/min": float(scores.min()),
         }
 
 

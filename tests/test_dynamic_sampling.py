@@ -54,6 +54,9 @@ def test_flat_groups_are_dropped_more_rounds_fill_the_batch_and_it_is_trimmed_in
         "train/filter_groups/generated_groups": 6.0,
         "train/filter_groups/kept_groups": 3.0,
         "train/filter_groups/dropped_share": 0.5,
+        "critic/score/mean": 0.5,  # of the trained batch: groups 1 and 10
+        "critic/score/max": 1.0,
+        "critic/score/min": 0.0,
     }
 
 
