@@ -23,7 +23,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from schemas.artifacts import GROUPS
+from schemas.artifacts import GROUPS, REWARDS, ROLLOUTS, conform
 
 __all__ = ["FILTER_METRICS", "DynamicSamplingExhausted", "GenRound", "Selection", "group_stats", "select_groups"]
 
@@ -151,8 +151,9 @@ def select_groups(
     rollouts, rewards = [], []
     for r, gen in enumerate(rounds):
         keep = pa.array([(r, g) in chosen for g in gen.rollouts.column("group_id").to_pylist()], pa.bool_())
-        rollouts.append(gen.rollouts.filter(keep))
-        rewards.append(gen.rewards.filter(keep))
+        # read back from Parquet or built in memory: one schema for the concatenation
+        rollouts.append(conform(gen.rollouts.filter(keep), ROLLOUTS))
+        rewards.append(conform(gen.rewards.filter(keep), REWARDS))
     groups = pa.table(
         {
             "round": [s.round for s in stats],
