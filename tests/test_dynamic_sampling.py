@@ -146,24 +146,24 @@ def test_a_run_drops_flat_groups_generates_again_and_a_resumed_iteration_commits
             f"store.root={tmp_path}", "run_name=ds", *tiny_overrides(), *moving_overrides(),
             "reward.overlong_buffer.enable=true", "reward.overlong_buffer.len=2",
             "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=seq_reward",
-            "algorithm.filter_groups.max_num_gen_batches=4",
+            "algorithm.filter_groups.max_num_gen_batches=4", "trainer.iterations=1",
         ],
     )  # fmt: skip
     result = train(config=cfg)
     store = store_for(cfg)
-    last = {h["iteration"]: h for h in result["history"]}[2]
+    last = {h["iteration"]: h for h in result["history"]}[1]
     assert last["train/num_gen_batches"] >= 2 and last["train/filter_groups/dropped_share"] > 0
-    fg = store.manifest("ds", 2, "filter_groups")
+    fg = store.manifest("ds", 1, "filter_groups")
     groups = store.read_table(fg, "groups.parquet").to_pydict()
     assert sum(groups["in_batch"]) == 8 and max(groups["round"]) == last["train/num_gen_batches"] - 1
     assert not any(b and not s for b, s in zip(groups["in_batch"], groups["has_signal"], strict=True))
     extra = store.read_table(fg, "extra_rollouts.parquet")
-    assert extra.num_rows > 0 and all(".1/" in s for s in extra.column("sample_id").to_pylist()[:4])
+    assert extra.num_rows > 0 and all("/1.1/" in s for s in extra.column("sample_id").to_pylist()[:4])
     # the update trained on exactly prompts_per_iteration x n samples, every group with signal
-    adv = store.manifest("ds", 2, "advantage")
+    adv = store.manifest("ds", 1, "advantage")
     assert adv.inputs["rollouts"] == adv.inputs["rewards"] == fg.artifact_id
     exp = store.read_table(adv, "experience.parquet")
-    assert exp.num_rows == 8 * 4 and store.manifest("ds", 2, "update").inputs["experience"] == adv.artifact_id
+    assert exp.num_rows == 8 * 4 and store.manifest("ds", 1, "update").inputs["experience"] == adv.artifact_id
     scores: dict[int, list[float]] = {}
     for g, s in zip(exp.column("group_id").to_pylist(), exp.column("score").to_pylist(), strict=True):
         scores.setdefault(g, []).append(s)
@@ -171,8 +171,8 @@ def test_a_run_drops_flat_groups_generates_again_and_a_resumed_iteration_commits
     assert any(g >= 8 for g in scores)  # some groups come from an extra round
 
     # an iteration killed before dynamic sampling committed: the rerun regenerates the same rounds, bytes and all
-    before = {s: store.manifest("ds", 2, s).files for s in ("filter_groups", "advantage", "update")}
-    store.delete("ds", 2, "filter_groups")
+    before = {s: store.manifest("ds", 1, s).files for s in ("filter_groups", "advantage", "update")}
+    store.delete("ds", 1, "filter_groups")
     again = train(config=cfg)
-    assert again["executed"] == ["iter-2/filter_groups", "iter-2/advantage", "iter-2/update", "iter-2/eval"]
-    assert {s: store.manifest("ds", 2, s).files for s in before} == before
+    assert again["executed"] == ["iter-1/filter_groups", "iter-1/advantage", "iter-1/update", "iter-1/eval"]
+    assert {s: store.manifest("ds", 1, s).files for s in before} == before
