@@ -176,3 +176,7 @@ def test_a_run_drops_flat_groups_generates_again_and_a_resumed_iteration_commits
     again = train(config=cfg)
     assert again["executed"] == ["iter-1/filter_groups", "iter-1/advantage", "iter-1/update", "iter-1/eval"]
     assert {s: store.manifest("ds", 1, s).files for s in before} == before
+    # a replay of the advantage stage finds its inputs: dynamic sampling's batch, not the first round's rollouts
+    from flows.replay import replay
+
+    assert replay(run_name="ds", iteration=1, stage="advantage", store_root=str(tmp_path))["identical"]
