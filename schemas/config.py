@@ -12,8 +12,6 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from engines.dynamic_sampling import FILTER_METRICS
-
 AdvEstimator = Literal[
     "gae", "grpo", "grpo_vectorized", "rloo", "rloo_vectorized", "reinforce_plus_plus",
     "reinforce_plus_plus_baseline", "remax", "opo", "gpg", "grpo_passk", "gdpo",
@@ -374,8 +372,17 @@ class FilterGroupsConfig(_Section):
     generation rounds in all (verl's default 0 means no cap there; here a cap is required)."""
 
     enable: bool = False
-    metric: Literal[tuple(FILTER_METRICS)] = "acc"  # type: ignore[valid-type]
+    metric: str = "acc"  # a key of engines.dynamic_sampling.FILTER_METRICS
     max_num_gen_batches: int = Field(0, ge=0)
+
+    @field_validator("metric")
+    @classmethod
+    def _metric(cls, v: str) -> str:
+        from engines.dynamic_sampling import FILTER_METRICS
+
+        if v not in FILTER_METRICS:
+            raise ValueError(f"unknown metric {v!r}; valid: {', '.join(FILTER_METRICS)}")
+        return v
 
 
 class AlgorithmConfig(_Section):

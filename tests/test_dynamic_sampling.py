@@ -114,7 +114,7 @@ def test_extra_round_prompts_are_a_pure_function_apart_from_the_first_round_and_
              "algorithm.filter_groups.metric=seq_final_reward", "algorithm.use_kl_in_reward=true"],
             "algorithm.filter_groups.metric=seq_final_reward with algorithm.use_kl_in_reward",
         ),  # fmt: skip
-        (["algorithm.filter_groups.metric=accuracy"], "algorithm.filter_groups.metric: Input should be 'acc', 'score'"),
+        (["algorithm.filter_groups.metric=accuracy"], "algorithm.filter_groups.metric: unknown metric 'accuracy'; valid: acc, score, seq_reward, seq_final_reward"),
     ],
 )
 def test_unusable_dynamic_sampling_settings_are_one_line_naming_the_setting(overrides, message):

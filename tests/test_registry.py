@@ -76,6 +76,7 @@ EXPLICIT = {
     "ray.trainer_resources": [{"node_a": 1.0}],
     "ray.rollout_resources": [{"node_b": 1.0}],
     "optim.betas": [[0.8, 0.99]],
+    "filter_groups.metric": ["seq_reward"],
 }
 
 
