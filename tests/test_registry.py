@@ -42,11 +42,12 @@ BASES = {
         "critic.optim.lr_schedule=linear", "trainer.eval_n=2", "algorithm.use_kl_in_reward=true",
     ],  # fmt: skip
     "agent": None,  # configs/agent_calc.yaml
-    # settings valid only beside others: DAPO's overlong buffer and dynamic sampling, data-parallel ranks, pipelined rollouts
+    # settings valid only beside others: DAPO's overlong buffer and dynamic sampling, data-parallel ranks,
+    # pipelined rollouts, LoRA
     "scaled": [
         "data.train_path=train.jsonl", "data.test_path=test.jsonl", "reward.overlong_buffer.len=4", "actor.engine=deepspeed",
         "ray.rollout_placement=separate", "reward_model.enable=true", "reward_model.model.path=rm",
-        "algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=3",
+        "algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=3", "model.lora_rank=4",
     ],  # fmt: skip
 }
 
