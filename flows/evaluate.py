@@ -39,9 +39,8 @@ def evaluate_run(
     check_placement(cfg)
     group = open_group(cfg, version)  # its own worker (never a training run's), held for the stage task
     try:
-        result = stages.TASKS["eval"](
-            cfg, iteration, prompts, policy, version=version, meta={"eval_of": policy.version, "overrides": overrides}
-        )
+        meta = {"eval_of": policy.version, "overrides": overrides}
+        result = stages.result_of(stages.TASKS["eval"](cfg, iteration, prompts, policy, version=version, meta=meta))
     finally:
         group.release()
     return {

@@ -91,7 +91,7 @@ def replay(
     check_placement(cfg)
     group = open_group(cfg, version)  # its own worker (never a training run's), held for the stage tasks
     try:
-        result = stages.TASKS[stage](cfg, iteration, *inputs, version=version, meta=lineage)
+        result = stages.result_of(stages.TASKS[stage](cfg, iteration, *inputs, version=version, meta=lineage))
     finally:
         group.release()
     return summarize(store_for(cfg), original, result.manifest)
