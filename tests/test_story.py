@@ -1,4 +1,4 @@
-"""The run's story as Prefect tells it: reused stages are Cached.
+"""The run's story as Prefect and MLflow tell it: reused stages are Cached, replays and evals are published.
 
 One short training run (one iteration of the tiny kit), checked through the Prefect API and MLflow's client.
 """
@@ -71,3 +71,50 @@ def test_reused_stages_are_cached_in_prefect_and_executed_ones_completed(story_r
     top = next(name for name, stage in second if stage == "data_prep")
     assert second[(top, "data_prep")].state_details.cache_key == store.manifest(RUN, None, "data_prep").key
 
+
+def test_replay_publishes_a_prefect_artifact_and_a_nested_mlflow_run(story_run):
+    from mlflow.tracking import MlflowClient
+    from prefect.artifacts import Artifact
+
+    from flows.replay import format_summary, replay
+    from infra.tracking import log_result, tracking_uri_for
+
+    cfg, root, _ = story_run
+    summary = replay(run_name=RUN, iteration=1, stage="reward", store_root=root)
+    assert summary["identical"] and summary["prefect_artifact"] == f"{RUN}-replay"
+    art = Artifact.get(f"{RUN}-replay")
+    assert art is not None and art.type == "markdown"
+    text = str(art.data)
+    assert "Replay of `reward`, iteration 1" in text and "**equal**" in text
+    assert "| rewards.parquet | yes |" in text and "| critic/score/mean |" in text
+    client = MlflowClient(tracking_uri_for(cfg))
+    nested = client.get_run(summary["mlflow_run_id"])
+    parent = client.get_run(nested.data.tags["mlflow.parentRunId"])
+    assert parent.data.tags["rlstage.run_name"] == RUN
+    assert nested.data.metrics["replay/reward/identical"] == 1.0 and "critic/score/mean" in nested.data.metrics
+    assert nested.data.tags["rlstage.replay.identical"] == "true"
+    assert "published: Prefect artifact story-replay, MLflow run" in format_summary(summary)
+    # a result recorded before (the same replay again, answered from its committed version) is recorded once
+    again = log_result(cfg, "again", f"replay/1/reward/{summary['version']}", {"x": 1.0}, 1, {}, {})
+    assert again == nested.info.run_id and "x" not in client.get_run(again).data.metrics
+
+
+def test_eval_publishes_its_metrics_as_a_prefect_table_and_a_nested_mlflow_run(story_run):
+    from mlflow.tracking import MlflowClient
+    from prefect.artifacts import Artifact
+
+    from flows.evaluate import evaluate_run
+    from infra.tracking import tracking_uri_for
+
+    cfg, root, _ = story_run
+    result = evaluate_run(run_name=RUN, iteration=1, store_root=root)
+    assert result["prefect_artifact"] == f"{RUN}-eval"
+    art = Artifact.get(f"{RUN}-eval")
+    assert art is not None and art.type == "table"
+    text = str(art.data)
+    assert "val/accuracy" in text and result["version"] in text
+    client = MlflowClient(tracking_uri_for(cfg))
+    nested = client.get_run(result["mlflow_run_id"])
+    assert client.get_run(nested.data.tags["mlflow.parentRunId"]).data.tags["rlstage.run_name"] == RUN
+    history = client.get_metric_history(nested.info.run_id, "val/accuracy")
+    assert [(m.step, m.value) for m in history] == [(1, result["metrics"]["val/accuracy"])]
