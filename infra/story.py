@@ -27,7 +27,7 @@ def _mlflow(cfg: RunConfig, *args) -> str | None:
 
 def publish_replay(cfg: RunConfig, summary: dict, overrides: list[str], replay_of: str) -> dict:
     """``summary`` (flows/replay.py: summarize) as a markdown artifact ``<run>-replay`` (a version per replay)
-    and a nested MLflow run holding the replayed metrics and ``replay/identical``."""
+    and a nested MLflow run holding the replayed metrics and ``replay/<stage>/identical``."""
     from prefect.artifacts import create_markdown_artifact
 
     stage, it = summary["stage"], summary["iteration"]
