@@ -134,7 +134,9 @@ def log_result(
     from mlflow.tracking import MlflowClient
     from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 
-    client = MlflowClient(tracking_uri_for(cfg))
+    uri = tracking_uri_for(cfg)
+    check_reachable(uri)  # MLflow's client would retry a server that is down for minutes
+    client = MlflowClient(uri)
     exp_id = _experiment_id(client, cfg)
     parent = _training_run_id(client, exp_id, cfg)
     recorded = client.search_runs([exp_id], filter_string=f"tags.`{RESULT_TAG}` = '{result}'")
