@@ -52,6 +52,7 @@ def main() -> None:
         from flows.training import train
         from schemas.config import load_config
         from tasks.kit import sft_warm_start
+        from tasks.stages import result_of
 
         cfg = load_config(ROOT / "configs" / "agent_calc.yaml", [f"store.root={args.store}", *args.overrides])
         t0 = time.perf_counter()
@@ -59,16 +60,16 @@ def main() -> None:
         wall = time.perf_counter() - t0
         hist = result["history"]
         evals = [h for h in hist if "val/accuracy" in h]
-        sft = sft_warm_start.fn(cfg)  # committed by the run: read back, not retrained
+        sft = result_of(sft_warm_start.fn(cfg))  # committed by the run: read back, not retrained
         steps = int(sft.metrics["sft/steps"])
         # The baseline: the same model and SFT budget, answering in its head.
         t1 = time.perf_counter()
-        no_tool = sft_warm_start.fn(
+        no_tool = result_of(sft_warm_start.fn(
             load_config(
                 ROOT / "configs" / "agent_calc.yaml",
                 [f"store.root={args.store}", *args.overrides, "agent.enable=false", f"sft.steps={steps}", "sft.target_accuracy=null"],
             )
-        )
+        ))
         print(
             json.dumps(
                 {

@@ -130,6 +130,7 @@ def cmd_eval(args) -> int:
     _check_services()
     with prefect_api(args.store if "://" not in args.store else ".rlstage"):
         from flows.evaluate import evaluate_run
+        from infra.story import published
 
         result = evaluate_run(
             run_name=args.run, iteration=args.iteration, store_root=args.store, overrides=args.overrides
@@ -138,6 +139,7 @@ def cmd_eval(args) -> int:
     print(f"{state}: policy of iteration {result['iteration']} of run {result['run']} -> {result['artifact']}")
     for k, v in sorted(result["metrics"].items()):
         print(f"  {k}: {v:.4g}")
+    print(published(result))
     return 0
 
 

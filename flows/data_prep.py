@@ -31,7 +31,7 @@ def prepare_data(
     store.check_writable()
     check_run_config(store, cfg)
     with run_lease(store, cfg.run_name, label="data-prep flow"):
-        result = stages.data_prep(cfg)  # no model involved: runs in the flow's process, not on Ray
+        result = stages.result_of(stages.data_prep(cfg))  # no model involved: runs in the flow's process, not on Ray
         record_run_config(store, cfg)  # only once the data was read
     m = result.manifest
     return {

@@ -14,6 +14,7 @@ from engines.preflight import preflight
 from flows.checks import check_eval, stored_config_with
 from flows.replay import stage_inputs
 from infra.ray_runtime import ensure_ray
+from infra.story import publish_eval
 from schemas.config import RunConfig
 from schemas.stages import STAGE_FILES, view_hash
 from tasks import stages
@@ -39,12 +40,11 @@ def evaluate_run(
     check_placement(cfg)
     group = open_group(cfg, version)  # its own worker (never a training run's), held for the stage task
     try:
-        result = stages.TASKS["eval"](
-            cfg, iteration, prompts, policy, version=version, meta={"eval_of": policy.version, "overrides": overrides}
-        )
+        meta = {"eval_of": policy.version, "overrides": overrides}
+        result = stages.result_of(stages.TASKS["eval"](cfg, iteration, prompts, policy, version=version, meta=meta))
     finally:
         group.release()
-    return {
+    out = {
         "run": run_name,
         "iteration": iteration,
         "policy": policy.version,
@@ -53,3 +53,4 @@ def evaluate_run(
         "artifact": store.uri(result.manifest, STAGE_FILES["eval"]),
         "metrics": result.metrics,
     }
+    return {**out, **publish_eval(cfg, out, overrides)}

@@ -17,6 +17,7 @@ from flows.checks import check_replay, need, stored_config_with
 from flows.training import Models, models_before
 from infra.ray_runtime import ensure_ray
 from infra.store import ArtifactStore
+from infra.story import publish_replay, published
 from schemas.config import ConfigError, RunConfig
 from schemas.manifest import Manifest, PolicyRef
 from schemas.stages import SPECS, STAGE_FILES, spec
@@ -91,10 +92,11 @@ def replay(
     check_placement(cfg)
     group = open_group(cfg, version)  # its own worker (never a training run's), held for the stage tasks
     try:
-        result = stages.TASKS[stage](cfg, iteration, *inputs, version=version, meta=lineage)
+        result = stages.result_of(stages.TASKS[stage](cfg, iteration, *inputs, version=version, meta=lineage))
     finally:
         group.release()
-    return summarize(store_for(cfg), original, result.manifest)
+    summary = summarize(store_for(cfg), original, result.manifest)
+    return {**summary, **publish_replay(cfg, summary, overrides, original.artifact_id)}
 
 
 def summarize(store: ArtifactStore, original: Manifest, replayed: Manifest) -> dict:
@@ -125,4 +127,6 @@ def format_summary(s: dict) -> str:
     for k, (a, b) in s["metrics"].items():
         if k.startswith(("critic/", "actor/", "val", "response_length/mean", "rollout/logprob_gap")):
             lines.append(f"  {k}: {a:.4g} -> {b:.4g}")
+    if "prefect_artifact" in s:
+        lines.append(published(s))
     return "\n".join(lines)

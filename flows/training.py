@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -26,6 +25,7 @@ from infra.env import apply_defaults
 from infra.lease import run_lease
 from infra.ray_runtime import RAY_NAMESPACE, ensure_ray
 from infra.store import ArtifactStore
+from infra.story import artifact_key
 from infra.tracking import Tracker, check_reachable, tracking_uri_for
 from schemas.config import ConfigError, RunConfig, build_config, load_config, merge_dicts, parse_overrides
 from schemas.manifest import Manifest, PolicyRef
@@ -332,10 +332,6 @@ def _run_iterations(cfg: RunConfig, store: ArtifactStore, first: int, last: int,
         group.release()
 
 
-def _artifact_key(cfg: RunConfig, what: str) -> str:
-    return re.sub(r"[^a-z0-9-]", "-", f"{cfg.run_name}-{what}".lower())
-
-
 def _publish_iteration(
     cfg: RunConfig, store: ArtifactStore, tracker: Tracker, outcome: IterationOutcome, metrics: dict, history: list[dict]
 ) -> None:
@@ -349,7 +345,7 @@ def _publish_iteration(
         rows.append({"name": f"artifact/{stage}", "value": store.artifact_dir(m.run, m.iteration, m.stage, m.version)})
     rows.append({"name": "mlflow/run", "value": tracker.run_url})
     it = outcome.iteration
-    create_table_artifact(table=rows, key=_artifact_key(cfg, "iteration"), description=f"rlstage run {cfg.run_name}, iteration {it}")
+    create_table_artifact(table=rows, key=artifact_key(cfg.run_name, "iteration"), description=f"rlstage run {cfg.run_name}, iteration {it}")
 
     def cell(h: dict, name: str) -> str:
         return f"{h[name]:.3f}" if name in h else ""
@@ -363,7 +359,7 @@ def _publish_iteration(
         *(f"| {h['iteration']} | {cell(h, 'val/accuracy')} | {cell(h, 'critic/score/mean')} | {', '.join(h['executed'])} |" for h in history),
     ]
     create_markdown_artifact(
-        markdown="\n".join(lines), key=_artifact_key(cfg, "progress"), description=f"rlstage run {cfg.run_name}: iterations so far"
+        markdown="\n".join(lines), key=artifact_key(cfg.run_name, "progress"), description=f"rlstage run {cfg.run_name}: iterations so far"
     )
 
 

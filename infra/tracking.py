@@ -20,6 +20,7 @@ logging.getLogger("mlflow.store.db.utils").setLevel(logging.WARNING)
 MAX_PARAM_CHARS = 500  # MLflow rejects longer parameter values
 RUN_NAME_TAG = "rlstage.run_name"
 STORE_TAG = "rlstage.store"  # a run is (store, run name): the same name in another store is another run
+RESULT_TAG = "rlstage.result"  # a replay's or an extra evaluation's nested run: which result it records
 # MLflow 3's UI opens an experiment by its kind; without the tag it infers GenAI (traces) for ours.
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 EXPERIMENT_KIND = "custom_model_development"  # shown as "Machine learning": the runs table
@@ -97,6 +98,64 @@ def metric_name(name: str) -> str:
     return _BAD_METRIC_CHARS.sub("_", name.replace("@", "_at_"))
 
 
+def _experiment_id(client, cfg: RunConfig) -> str:
+    """The id of ``tracking.experiment``, created (as a training experiment) when missing."""
+    exp = client.get_experiment_by_name(cfg.tracking.experiment)
+    if exp is None:
+        location = None
+        if "://" not in cfg.store.root:
+            location = (Path(cfg.store.root).expanduser().resolve() / "mlflow-artifacts").as_uri()
+        return client.create_experiment(
+            cfg.tracking.experiment, artifact_location=location, tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND}
+        )
+    if EXPERIMENT_KIND_TAG not in exp.tags:  # a kind chosen in the UI stays
+        client.set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
+    return exp.experiment_id
+
+
+def _training_run_id(client, experiment_id: str, cfg: RunConfig) -> str | None:
+    """The MLflow run of ``cfg``'s training run: tagged with its name and store."""
+    store = store_identity(cfg.store.root)
+    named = client.search_runs([experiment_id], filter_string=f"tags.`{RUN_NAME_TAG}` = '{cfg.run_name}'")
+    # Runs recorded before the store tag existed continue as before.
+    found = [r for r in named if r.data.tags.get(STORE_TAG, store) == store]
+    return found[0].info.run_id if found else None
+
+
+def log_result(
+    cfg: RunConfig, name: str, result: str, metrics: dict[str, float], step: int, tags: dict[str, str], params: dict[str, str]
+) -> str:
+    """Record a replay or an extra evaluation of ``cfg``'s run as an MLflow run named ``name``, nested in the
+    training run's own (tag ``mlflow.parentRunId``), metrics at ``step`` (the iteration). ``result`` names
+    what it records (a committed artifact version): a result recorded before is not logged twice.
+    Returns the nested run's id."""
+    apply_defaults()
+    from mlflow.entities import Metric, Param, RunTag
+    from mlflow.tracking import MlflowClient
+    from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
+
+    uri = tracking_uri_for(cfg)
+    check_reachable(uri)  # MLflow's client would retry a server that is down for minutes
+    client = MlflowClient(uri)
+    exp_id = _experiment_id(client, cfg)
+    parent = _training_run_id(client, exp_id, cfg)
+    recorded = client.search_runs([exp_id], filter_string=f"tags.`{RESULT_TAG}` = '{result}'")
+    recorded = [r for r in recorded if r.data.tags.get(MLFLOW_PARENT_RUN_ID) == parent]
+    if recorded:
+        return recorded[0].info.run_id
+    links = {MLFLOW_PARENT_RUN_ID: parent} if parent else {}
+    run_id = client.create_run(exp_id, run_name=name, tags={RESULT_TAG: result, **links}).info.run_id
+    now = int(time.time() * 1000)
+    client.log_batch(
+        run_id,
+        metrics=[Metric(metric_name(k), float(v), now, step) for k, v in sorted(metrics.items())],
+        params=[Param(k, str(v)[:MAX_PARAM_CHARS]) for k, v in sorted(params.items())],
+        tags=[RunTag(k, v) for k, v in {**source_tags(), **tags}.items()],
+    )
+    client.set_terminated(run_id)
+    return run_id
+
+
 class Tracker:
     def __init__(self, cfg: RunConfig, tags: dict[str, str] | None = None) -> None:
         apply_defaults()
@@ -108,25 +167,11 @@ class Tracker:
         # No mlflow.set_tracking_uri: it exports MLFLOW_TRACKING_URI, which later runs of this process (and
         # the processes it starts) would take for their own tracking URI.
         self.client = MlflowClient(self.uri)
-        exp = self.client.get_experiment_by_name(cfg.tracking.experiment)
-        if exp is None:
-            location = None
-            if "://" not in cfg.store.root:
-                location = (Path(cfg.store.root).expanduser().resolve() / "mlflow-artifacts").as_uri()
-            exp_id = self.client.create_experiment(
-                cfg.tracking.experiment, artifact_location=location, tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND}
-            )
-        else:
-            exp_id = exp.experiment_id
-            if EXPERIMENT_KIND_TAG not in exp.tags:  # a kind chosen in the UI stays
-                self.client.set_experiment_tag(exp_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
-        self.experiment_id = exp_id
+        self.experiment_id = exp_id = _experiment_id(self.client, cfg)
         store = store_identity(cfg.store.root)
-        named = self.client.search_runs([exp_id], filter_string=f"tags.`{RUN_NAME_TAG}` = '{cfg.run_name}'")
-        # Runs recorded before the store tag existed continue as before.
-        found = [r for r in named if r.data.tags.get(STORE_TAG, store) == store]
+        found = _training_run_id(self.client, exp_id, cfg)
         if found:
-            self.run_id = found[0].info.run_id
+            self.run_id = found
             self.client.update_run(self.run_id, status="RUNNING")
             self.client.set_tag(self.run_id, STORE_TAG, store)
         else:

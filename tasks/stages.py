@@ -20,6 +20,8 @@ import ray
 import torch
 from prefect import Task, task
 from prefect.cache_policies import NO_CACHE
+from prefect.client.schemas.objects import StateDetails
+from prefect.states import Completed, State
 
 from engines import algorithms as algos
 from engines import chat, datasets, dynamic_sampling, reward_model, rewards
@@ -109,13 +111,31 @@ def stage_task(name: str) -> Callable[[Callable[..., StageResult]], Task]:
 
     def register(body: Callable[..., StageResult]) -> Task:
         @functools.wraps(body)
-        def run(cfg: RunConfig, *args, **kwargs) -> StageResult:
-            return body(stage_view(cfg, name), *args, **kwargs)
+        def run(cfg: RunConfig, *args, **kwargs) -> StageResult | State:
+            result = body(stage_view(cfg, name), *args, **kwargs)
+            return result if result.executed else cached(result)
 
+        # The store's manifest decides reuse (run_stage); Prefect only reports it, so it caches nothing itself.
         TASKS[name] = task(name=name, cache_policy=NO_CACHE, persist_result=False)(run)
         return TASKS[name]
 
     return register
+
+
+def cached(result: StageResult) -> State:
+    """A reused stage's task run ends as Prefect's Cached state (Completed, named "Cached"), keyed by the
+    stage's own cache key: a task that returns a state ends in it, and its result is the state's data."""
+    return Completed(
+        name="Cached",
+        data=result,
+        message=f"committed artifact {result.manifest.artifact_id} reused",
+        state_details=StateDetails(cache_key=result.manifest.key),
+    )
+
+
+def result_of(returned: StageResult | State) -> StageResult:
+    """What a stage task's function or call returned, as a StageResult (a reused stage returns its Cached state)."""
+    return returned.result() if isinstance(returned, State) else returned
 
 
 # ---------------------------------------------------------------- data prep

@@ -70,10 +70,16 @@ def test_replay_with_stored_config_reproduces_checksums(ops_run, stage):
 
 
 def test_replay_with_changed_settings_writes_a_sibling_version(ops_run):
+    """A sibling version, the original untouched; published as a Prefect artifact of the run and an MLflow run
+    nested in the run's own (infra/story.py)."""
+    from mlflow.tracking import MlflowClient
+    from prefect.artifacts import Artifact
+
     from flows.replay import format_summary, replay
+    from infra.tracking import log_result, tracking_uri_for
     from tasks.runtime import store_for
 
-    cfg, root, _ = ops_run
+    cfg, root, first = ops_run
     store = store_for(cfg)
     original = store.manifest("ops", 1, "update")
     summary = replay(run_name="ops", iteration=1, stage="update", store_root=root, overrides=["actor.entropy_coeff=0.05"])
@@ -87,6 +93,21 @@ def test_replay_with_changed_settings_writes_a_sibling_version(ops_run):
     versions = store.versions("ops", 1, "update")
     assert versions[0] == "main" and summary["version"] in versions
     assert "actor/entropy:" in format_summary(summary)
+    assert "published: Prefect artifact ops-replay, MLflow run" in format_summary(summary)
+
+    assert summary["prefect_artifact"] == "ops-replay"
+    text = str(Artifact.get("ops-replay").data)
+    assert "Replay of `update`, iteration 1" in text and "**differ**" in text and "actor.entropy_coeff=0.05" in text
+    assert "| model/model.safetensors | no |" in text and "| model/config.json | yes |" in text
+    assert "| actor/entropy |" in text
+    client = MlflowClient(tracking_uri_for(cfg))
+    nested = client.get_run(summary["mlflow_run_id"])
+    assert nested.data.tags["mlflow.parentRunId"] == first["mlflow_run_id"]
+    assert nested.data.metrics["replay/update/identical"] == 0.0 and "actor/entropy" in nested.data.metrics
+    assert nested.data.params["overrides"] == "actor.entropy_coeff=0.05"
+    # the same result again (the same replay, answered from its committed version) is recorded once
+    again = log_result(cfg, "again", f"replay/1/update/{summary['version']}", {"x": 1.0}, 1, {}, {})
+    assert again == nested.info.run_id and "x" not in client.get_run(again).data.metrics
 
 
 def test_replay_of_missing_stage_or_iteration_is_a_clear_error(ops_run):
@@ -130,10 +151,14 @@ def test_second_flow_on_the_same_run_is_refused(ops_run):
 
 
 def test_eval_flow_scores_a_stored_policy_into_a_sibling_version(ops_run):
+    from mlflow.tracking import MlflowClient
+    from prefect.artifacts import Artifact
+
     from flows.evaluate import evaluate_run
     from infra.store import ArtifactStore
+    from infra.tracking import tracking_uri_for
 
-    _, root, first = ops_run
+    cfg, root, first = ops_run
     store = ArtifactStore(root)
     logged = store.manifest("ops", 1, "eval")
     again = evaluate_run(run_name="ops", iteration=1, store_root=root)
@@ -143,7 +168,17 @@ def test_eval_flow_scores_a_stored_policy_into_a_sibling_version(ops_run):
     assert store.manifest("ops", 1, "eval").artifact_id == logged.artifact_id  # the original is untouched
     more = evaluate_run(run_name="ops", iteration=0, store_root=root, overrides=["trainer.eval_n=3"])
     assert more["iteration"] == 0 and "val-core/synthetic/addition/reward/mean@3" in more["metrics"]
-    assert not evaluate_run(run_name="ops", iteration=0, store_root=root, overrides=["trainer.eval_n=3"])["executed"]
+    same = evaluate_run(run_name="ops", iteration=0, store_root=root, overrides=["trainer.eval_n=3"])
+    assert not same["executed"]
+    # published: a table artifact of the run (the latest evaluation) and a nested MLflow run, recorded once
+    assert same["prefect_artifact"] == "ops-eval" and same["mlflow_run_id"] == more["mlflow_run_id"]
+    text = str(Artifact.get("ops-eval").data)
+    assert "val-core/synthetic/addition/reward/mean@3" in text and more["version"] in text
+    client = MlflowClient(tracking_uri_for(cfg))
+    nested = client.get_run(again["mlflow_run_id"])
+    assert nested.data.tags["mlflow.parentRunId"] == first["mlflow_run_id"]
+    history = client.get_metric_history(nested.info.run_id, "val/accuracy")
+    assert [(m.step, m.value) for m in history] == [(1, again["metrics"]["val/accuracy"])]
     with pytest.raises(ConfigError, match="iteration: run 'ops' has policies for 0.."):
         evaluate_run(run_name="ops", iteration=99, store_root=root)
     with pytest.raises(ConfigError, match="store.root: an evaluation cannot change it"):

@@ -6,7 +6,7 @@ import pytest
 
 from schemas.config import ConfigError, load_config
 from schemas.stages import STAGE_FILES, spec
-from tests_support import tiny_overrides
+from tests_support import stage_states, tiny_overrides
 
 pytestmark = pytest.mark.slow
 
@@ -86,17 +86,29 @@ def test_mlflow_has_metrics_params_and_tags(first_run):
 
 
 def test_rerun_executes_nothing_then_only_after_a_deleted_artifact(first_run):
+    """Also as Prefect shows it: a reused stage's task run is Cached (keyed by the stage's own cache key),
+    one that ran is Completed."""
     from flows.training import train
     from tasks.runtime import store_for
 
     cfg, _ = first_run
-    again = train(config=cfg)
-    assert again["executed"] == []
+    again_state = train(config=cfg, return_state=True)
+    assert again_state.result()["executed"] == []
+    again = stage_states(again_state)
+    assert {("it-iter-2", s) for s in ("rollout", "reward", "advantage", "update", "eval")} <= set(again)
+    assert {state.name for state in again.values()} == {"Cached"} and all(s.is_completed() for s in again.values())
     store = store_for(cfg)
+    for stage in ("rollout", "reward", "advantage", "update"):
+        assert again[("it-iter-1", stage)].state_details.cache_key == store.manifest("it", 1, stage).key
     before = {s: store.manifest("it", 1, s).artifact_id for s in ("rollout", "reward")}
     store.delete("it", 2, "advantage")
-    third = train(config=cfg)
-    assert third["executed"] == ["iter-2/advantage", "iter-2/update", "iter-2/eval"]
+    third_state = train(config=cfg, return_state=True)
+    assert third_state.result()["executed"] == ["iter-2/advantage", "iter-2/update", "iter-2/eval"]
+    third = stage_states(third_state)
+    assert set(third) == set(again)
+    ran = {key for key, state in third.items() if state.name == "Completed"}
+    assert ran == {("it-iter-2", "advantage"), ("it-iter-2", "update"), ("it-iter-2", "eval")}
+    assert {state.name for key, state in third.items() if key not in ran} == {"Cached"}
     assert {s: store.manifest("it", 1, s).artifact_id for s in ("rollout", "reward")} == before
 
 

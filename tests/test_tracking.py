@@ -8,6 +8,7 @@ os.environ["MLFLOW_DISABLE_TELEMETRY"] = "true"  # before mlflow is imported any
 
 import subprocess
 
+import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
@@ -19,6 +20,8 @@ from infra.tracking import (
     RUN_NAME_TAG,
     STORE_TAG,
     Tracker,
+    TrackingUnavailable,
+    log_result,
 )
 from schemas.config import load_config
 
@@ -93,3 +96,28 @@ def test_a_run_is_its_store_and_its_name(tmp_path):
     cfg = load_config(None, [f"store.root={tmp_path / 'c'}", f"tracking.tracking_uri={uri}", "run_name=legacy"])
     assert Tracker(cfg).run_id == old
     assert client.get_run(old).data.tags[STORE_TAG] == str((tmp_path / "c").resolve())
+
+
+def test_a_result_is_a_nested_run_recorded_once(tmp_path):
+    """A replay's or an eval's result: an MLflow run nested in the training run's, not logged twice."""
+    cfg = _cfg(tmp_path)
+    parent = Tracker(cfg)
+    parent.finish()
+    first = log_result(cfg, "replay reward iter-1 v", "replay/1/reward/v", {"replay/reward/identical": 1.0}, 1, {"t": "x"}, {"overrides": ""})
+    again = log_result(cfg, "replay reward iter-1 v", "replay/1/reward/v", {"replay/reward/identical": 0.0}, 1, {}, {})
+    client = MlflowClient(parent.uri)
+    run = client.get_run(first)
+    assert again == first and run.data.tags["mlflow.parentRunId"] == parent.run_id and run.data.tags["t"] == "x"
+    assert [m.value for m in client.get_metric_history(first, "replay/reward/identical")] == [1.0]
+    assert RUN_NAME_TAG not in run.data.tags  # the run's own MLflow run stays the only one named after it
+
+
+def test_a_result_for_an_unreachable_server_fails_fast(tmp_path):
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = load_config(None, [f"store.root={tmp_path}", f"tracking.tracking_uri=http://127.0.0.1:{port}", "run_name=tr"])
+    with pytest.raises(TrackingUnavailable, match=f"127.0.0.1:{port} is unreachable"):
+        log_result(cfg, "n", "r", {}, 1, {}, {})

@@ -37,3 +37,22 @@ def update_weights(store, run: str, iteration: int) -> dict:
 
 def weights_moved(a: dict, b: dict) -> bool:
     return any((a[k] - b[k]).abs().max() > 0 for k in a)
+
+
+def stage_states(flow_state) -> dict:
+    """(flow run name, stage) -> the final state of each stage task run of a training flow run (the state a
+    ``train(..., return_state=True)`` call returns) and of its iteration subflows, read from the Prefect API."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, FlowRunFilterParentFlowRunId
+
+    from tasks.stages import TASKS
+
+    with get_client(sync_client=True) as client:
+        top = client.read_flow_run(flow_state.state_details.flow_run_id)
+        children = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[top.id]))
+        )
+        names = {r.id: r.name for r in [top, *children]}
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=list(names))))
+    # A task run is named <task>-<suffix>; the stage tasks are named after their stage.
+    return {(names[r.flow_run_id], r.name.rsplit("-", 1)[0]): r.state for r in runs if r.name.rsplit("-", 1)[0] in TASKS}
