@@ -72,12 +72,17 @@ class PrefectServer:
         stop_process_group(self.proc)
 
 
-def prefect_env(home: Path) -> dict[str, str]:
+def prefect_env(home: Path, ui_port: int | None = None) -> dict[str, str]:
+    """The server's environment; with ``ui_port`` its UI is on and calls the API of that port (the UI's
+    default is port 4200, whatever port the server runs on)."""
     apply_defaults()
-    return {**os.environ, "PREFECT_HOME": str(home), "PREFECT_UI_ENABLED": "false", "PREFECT_LOGGING_LEVEL": "WARNING"}
+    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_UI_ENABLED": "false", "PREFECT_LOGGING_LEVEL": "WARNING"}
+    if ui_port:
+        env.update(PREFECT_UI_ENABLED="true", PREFECT_UI_API_URL=f"http://127.0.0.1:{ui_port}/api")
+    return env
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """In the server's process: get SIGTERM when the process that started it dies, even by SIGKILL (Linux)."""
     if sys.platform.startswith("linux"):
         import ctypes
@@ -86,19 +91,22 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
-def start_prefect_server(home: str | Path, port: int | None = None, timeout_s: float = 90.0) -> PrefectServer:
-    """Start ``prefect server start`` on 127.0.0.1 with its state under ``home``; wait until healthy."""
+def start_prefect_server(
+    home: str | Path, port: int | None = None, timeout_s: float = 90.0, ui: bool = False
+) -> PrefectServer:
+    """Start ``prefect server start`` on 127.0.0.1 with its state under ``home`` (and its UI when ``ui``);
+    wait until healthy."""
     home = Path(home).resolve()
     home.mkdir(parents=True, exist_ok=True)
     port = port or free_port()
     log = open(home / "server.log", "ab")  # noqa: SIM115 - the server process owns it
     proc = subprocess.Popen(
         [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-        env=prefect_env(home),
+        env=prefect_env(home, port if ui else None),
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,
-        preexec_fn=_die_with_parent,
+        preexec_fn=die_with_parent,
     )
     url = f"http://127.0.0.1:{port}/api"
     try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,9 @@ from infra.env import apply_defaults
 apply_defaults()
 # The session's server stops before the interpreter exits: don't ship logs to it at exit.
 os.environ.setdefault("PREFECT_LOGGING_TO_API_ENABLED", "false")
+# The local home (infra/home.py: default MLflow store, Prefect home of the CLI) of this test process, never the
+# user's: runs are told apart there by their store (a tmp folder per test), as in a real home.
+os.environ["RLSTAGE_HOME"] = tempfile.mkdtemp(prefix="rlstage-home-")
 REPO = Path(__file__).resolve().parent.parent
 GSM8K = REPO.parent / "shared" / "data" / "gsm8k"
 
