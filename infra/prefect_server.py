@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -12,23 +11,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from infra.env import apply_defaults, pid_alive
-
-
-def free_port(prefer: int = 0, strict: bool = False) -> int:
-    """``prefer`` when it is free on 127.0.0.1, else (unless ``strict``) a port the kernel picks.
-
-    SO_REUSEADDR as the servers bind: a port whose last connections are in TIME_WAIT counts as free.
-    """
-    for port in (prefer,) if strict else dict.fromkeys((prefer, 0)):
-        with socket.socket() as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return s.getsockname()[1]
-    raise OSError(f"port {prefer} on 127.0.0.1 is in use")
+from infra.env import apply_defaults, free_port, pid_alive
 
 
 def wait_http(url: str, timeout_s: float, proc: subprocess.Popen | int | None = None) -> None:

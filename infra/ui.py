@@ -13,14 +13,8 @@ import time
 from pathlib import Path
 
 from infra import home
-from infra.env import apply_defaults
-from infra.prefect_server import (
-    die_with_parent,
-    free_port,
-    start_prefect_server,
-    stop_process_group,
-    wait_http,
-)
+from infra.env import apply_defaults, free_port
+from infra.prefect_server import die_with_parent, start_prefect_server, stop_process_group, wait_http
 
 
 def start_mlflow_server(directory: Path, port: int) -> subprocess.Popen:

@@ -18,8 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from infra.env import pid_alive
-from infra.prefect_server import free_port
+from infra.env import free_port, pid_alive
 from tests_support import tiny_overrides
 
 pytestmark = pytest.mark.slow
