@@ -60,7 +60,8 @@ def serve(prefect_port: int, mlflow_port: int) -> int:
                 wait_http(f"{mlflow_url}/health", 120, proc)
             home.record_service(name, proc, port)
         print(f"Prefect UI: {prefect_url.removesuffix('/api')}", flush=True)
-        print(f"MLflow UI:  {mlflow_url}", flush=True)
+        # MLflow 3's UI opens in its GenAI mode (a per-browser setting) unless the link names the mode.
+        print(f"MLflow UI:  {mlflow_url}/#/experiments?workflowType=machine_learning", flush=True)
         if not started:
             print(f"(both run on {home.home()} already; rlstage ui leaves them running)", file=sys.stderr)
             return 0

@@ -56,7 +56,7 @@ def ui(tmp_path_factory):
             pids = [int((stack / f"{name}.pid").read_text()) for name in ("prefect-server", "mlflow")]
             yield {
                 "proc": proc, "wanted": wanted, "pids": pids,
-                "prefect": urls["Prefect UI"].strip(), "mlflow": urls["MLflow UI"].strip(),
+                "prefect": urls["Prefect UI"].strip(), "mlflow": urls["MLflow UI"].strip().split("/#")[0], "mlflow_link": urls["MLflow UI"].strip(),
             }  # fmt: skip
         finally:
             if proc.poll() is None:
@@ -83,6 +83,8 @@ def test_the_runs_metrics_are_in_mlflow(ui):
         json={"experiment_ids": [exp["experiment_id"]], "filter": f"tags.`rlstage.run_name` = '{RUN}'"},
     ).json()["runs"]
     assert len(found) == 1
+    # The printed link opens MLflow's UI on the training runs, not in its GenAI mode.
+    assert ui["mlflow_link"] == f"{ui['mlflow']}/#/experiments?workflowType=machine_learning"
     metrics = {m["key"]: m for m in found[0]["data"]["metrics"]}
     assert metrics["val/accuracy"]["step"] == 1 and "critic/score/mean" in metrics
 
