@@ -48,7 +48,7 @@ def main() -> None:
 
     apply_defaults()
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
-    with prefect_api(args.store):
+    with prefect_api():
         from flows.training import train
         from schemas.config import load_config
         from tasks.kit import sft_warm_start

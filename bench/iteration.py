@@ -30,7 +30,7 @@ def main() -> None:
     from infra.env import apply_defaults
 
     apply_defaults()
-    with prefect_api(args.store):
+    with prefect_api():
         from flows.training import train
         from schemas.config import load_config
 

@@ -86,7 +86,7 @@ def main() -> None:
         params = build_model(folder, args.dtype)
     monitor = PeakMemory()
     monitor.start()
-    with prefect_api(args.store):
+    with prefect_api():
         from flows.training import train
         from schemas.config import load_config
         from tasks.runtime import store_for

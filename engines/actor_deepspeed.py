@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
 from contextlib import nullcontext
 
 import torch
@@ -37,6 +36,7 @@ import torch
 from engines.actor import TorchActor
 from engines.batching import check_packing_supported, lr_lambda, trainable_parameters
 from engines.checkpoint import register_type
+from infra.env import free_port
 from schemas.config import ActorConfig
 
 
@@ -57,12 +57,6 @@ _register_state_types()
 _OWN_MASTER_PORT: str | None = None
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def ensure_dist_env() -> None:
     """Fill in the torch.distributed env for a single process, so DeepSpeed never falls back to MPI discovery.
 
@@ -80,7 +74,7 @@ def ensure_dist_env() -> None:
                 "MASTER_PORT must be set when WORLD_SIZE > 1 (every rank must use the same port)"
             )
         # A fresh port per group: the previous group's store may still hold the old one in TIME_WAIT.
-        _OWN_MASTER_PORT = os.environ["MASTER_PORT"] = str(_free_port())
+        _OWN_MASTER_PORT = os.environ["MASTER_PORT"] = str(free_port())
 
 
 def disable_shm_comm_build() -> None:

@@ -1,4 +1,4 @@
-"""The ``rlstage`` command: demo, train, nightly, replay, eval, data-prep, compare, inspect."""
+"""The ``rlstage`` command: demo, train, nightly, replay, eval, export, data-prep, compare, inspect, ui."""
 
 from __future__ import annotations
 
@@ -19,22 +19,35 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml
 
 
 @contextmanager
-def prefect_api(state_dir: str):
-    """Use ``PREFECT_API_URL`` if set, else start a local Prefect server for the duration."""
+def prefect_api():
+    """The Prefect API of this command: ``PREFECT_API_URL`` if set, else the server that runs on the local
+    home (``infra/home.py``: ``rlstage ui``, ``infra/stack.sh``), else a server on that home started for the
+    duration. The home's MLflow server, when one runs, is the default tracking URI meanwhile."""
+    from infra import home
+
+    mlflow_url = home.running_service(home.MLFLOW_SERVICE)
+    if mlflow_url and not os.environ.get("MLFLOW_TRACKING_URI"):
+        os.environ["MLFLOW_TRACKING_URI"] = mlflow_url
     if os.environ.get("PREFECT_API_URL"):
         yield os.environ["PREFECT_API_URL"]
         return
+    os.environ["PREFECT_HOME"] = str(home.prefect_home())
+    url = home.running_service(home.PREFECT_SERVICE)
+    if url:
+        os.environ["PREFECT_API_URL"] = url
+        yield url
+        return
     from infra.prefect_server import start_prefect_server
 
-    print("starting a local Prefect server on 127.0.0.1 ...", file=sys.stderr, flush=True)
-    server = start_prefect_server(Path(state_dir) / "prefect")
+    print(f"starting a local Prefect server on 127.0.0.1 (home {home.prefect_home()}) ...", file=sys.stderr, flush=True)
+    server = start_prefect_server(home.prefect_home())
     os.environ["PREFECT_API_URL"] = server.url
-    os.environ["PREFECT_HOME"] = str(server.home)
-    # This server stops when the command ends: shipping logs to it at exit would only fail.
-    os.environ.setdefault("PREFECT_LOGGING_TO_API_ENABLED", "false")
     try:
         yield server.url
     finally:
+        from prefect.logging.handlers import APILogHandler
+
+        APILogHandler().flush()  # the run's logs reach the server before it stops
         server.stop()
 
 
@@ -73,7 +86,7 @@ def _check_new_run(cfg, tracking: bool = True) -> None:
 def cmd_train(args) -> int:
     cfg = _load(args)
     _check_new_run(cfg)
-    with prefect_api(cfg.store.root if "://" not in cfg.store.root else ".rlstage"):
+    with prefect_api():
         from flows.training import train
 
         result = train(config=cfg)
@@ -98,7 +111,7 @@ def cmd_nightly(args) -> int:
         raise ConfigError(f"config error: --iterations: must be >= 1, got {args.iterations}")
     check_inputs(stored_config(ArtifactStore(args.store), args.run))
     _check_services()
-    with prefect_api(args.store if "://" not in args.store else ".rlstage"):
+    with prefect_api():
         from flows.nightly import nightly
 
         result = nightly(run_name=args.run, iterations=args.iterations, store_root=args.store)
@@ -112,7 +125,7 @@ def cmd_replay(args) -> int:
     store, _ = stored_config_with(args.store, args.run, args.overrides, "a replay")
     check_replay(store, args.run, args.iteration, args.stage)
     _check_services()
-    with prefect_api(args.store if "://" not in args.store else ".rlstage"):
+    with prefect_api():
         from flows.replay import format_summary, replay
 
         summary = replay(
@@ -128,7 +141,7 @@ def cmd_eval(args) -> int:
     store, _ = stored_config_with(args.store, args.run, args.overrides, "an evaluation")
     check_eval(store, args.run, args.iteration)
     _check_services()
-    with prefect_api(args.store if "://" not in args.store else ".rlstage"):
+    with prefect_api():
         from flows.evaluate import evaluate_run
         from infra.story import published
 
@@ -155,7 +168,7 @@ def cmd_export(args) -> int:
 def cmd_data_prep(args) -> int:
     cfg = _load(args)
     _check_new_run(cfg, tracking=False)
-    with prefect_api(cfg.store.root if "://" not in cfg.store.root else ".rlstage"):
+    with prefect_api():
         from flows.data_prep import prepare_data
 
         result = prepare_data(config=cfg)
@@ -181,6 +194,12 @@ def cmd_inspect(args) -> int:
     with pl.Config(tbl_rows=-1, tbl_cols=-1, fmt_str_lengths=40, tbl_width_chars=200, tbl_hide_dataframe_shape=True):
         print(frame)
     return 0
+
+
+def cmd_ui(args) -> int:
+    from infra.ui import serve
+
+    return serve(args.prefect_port, args.mlflow_port)
 
 
 def _summary(result: dict) -> None:
@@ -346,6 +365,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-n", "--limit", type=int, default=10, help="rows of best/worst/logprob-gap")
     p.add_argument("--store", default="./rlstage-runs", help="store root of the run")
     p.set_defaults(fn=cmd_inspect)
+
+    p = sub.add_parser("ui", help="the Prefect and MLflow UIs on the local home's runs, until Ctrl-C")
+    p.add_argument("--prefect-port", type=int, default=4200, help="Prefect UI port (another free one if taken)")
+    p.add_argument("--mlflow-port", type=int, default=5000, help="MLflow UI port (another free one if taken)")
+    p.set_defaults(fn=cmd_ui)
 
     for p in sub.choices.values():  # "rlstage train --verbose" works as well as "rlstage --verbose train"
         p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)

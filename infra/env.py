@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 
 LOOPBACK_DEFAULTS = {
     "DO_NOT_TRACK": "true",
@@ -39,3 +40,20 @@ def pid_alive(pid: int) -> bool:
 def apply_defaults() -> None:
     for k, v in LOOPBACK_DEFAULTS.items():
         os.environ.setdefault(k, v)
+
+
+def free_port(prefer: int = 0, strict: bool = False, host: str = "127.0.0.1") -> int:
+    """``prefer`` when it is free on ``host``, else (unless ``strict``) a port the kernel picks. The one
+    free-port helper: servers of the stack and ``rlstage ui``, torch.distributed's MASTER_PORT.
+
+    SO_REUSEADDR as the servers bind: a port whose last connections are in TIME_WAIT counts as free.
+    """
+    for port in (prefer,) if strict else dict.fromkeys((prefer, 0)):
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise OSError(f"port {prefer} on {host} is in use")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -12,23 +11,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from infra.env import apply_defaults, pid_alive
-
-
-def free_port(prefer: int = 0, strict: bool = False) -> int:
-    """``prefer`` when it is free on 127.0.0.1, else (unless ``strict``) a port the kernel picks.
-
-    SO_REUSEADDR as the servers bind: a port whose last connections are in TIME_WAIT counts as free.
-    """
-    for port in (prefer,) if strict else dict.fromkeys((prefer, 0)):
-        with socket.socket() as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return s.getsockname()[1]
-    raise OSError(f"port {prefer} on 127.0.0.1 is in use")
+from infra.env import apply_defaults, free_port, pid_alive
 
 
 def wait_http(url: str, timeout_s: float, proc: subprocess.Popen | int | None = None) -> None:
@@ -72,12 +55,17 @@ class PrefectServer:
         stop_process_group(self.proc)
 
 
-def prefect_env(home: Path) -> dict[str, str]:
+def prefect_env(home: Path, ui_port: int | None = None) -> dict[str, str]:
+    """The server's environment; with ``ui_port`` its UI is on and calls the API of that port (the UI's
+    default is port 4200, whatever port the server runs on)."""
     apply_defaults()
-    return {**os.environ, "PREFECT_HOME": str(home), "PREFECT_UI_ENABLED": "false", "PREFECT_LOGGING_LEVEL": "WARNING"}
+    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_UI_ENABLED": "false", "PREFECT_LOGGING_LEVEL": "WARNING"}
+    if ui_port:
+        env.update(PREFECT_UI_ENABLED="true", PREFECT_UI_API_URL=f"http://127.0.0.1:{ui_port}/api")
+    return env
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """In the server's process: get SIGTERM when the process that started it dies, even by SIGKILL (Linux)."""
     if sys.platform.startswith("linux"):
         import ctypes
@@ -86,19 +74,22 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
-def start_prefect_server(home: str | Path, port: int | None = None, timeout_s: float = 90.0) -> PrefectServer:
-    """Start ``prefect server start`` on 127.0.0.1 with its state under ``home``; wait until healthy."""
+def start_prefect_server(
+    home: str | Path, port: int | None = None, timeout_s: float = 90.0, ui: bool = False
+) -> PrefectServer:
+    """Start ``prefect server start`` on 127.0.0.1 with its state under ``home`` (and its UI when ``ui``);
+    wait until healthy."""
     home = Path(home).resolve()
     home.mkdir(parents=True, exist_ok=True)
     port = port or free_port()
     log = open(home / "server.log", "ab")  # noqa: SIM115 - the server process owns it
     proc = subprocess.Popen(
         [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-        env=prefect_env(home),
+        env=prefect_env(home, port if ui else None),
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,
-        preexec_fn=_die_with_parent,
+        preexec_fn=die_with_parent,
     )
     url = f"http://127.0.0.1:{port}/api"
     try:

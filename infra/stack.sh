@@ -9,15 +9,17 @@
 #   infra/stack.sh down      stop everything: TERM each process group (twice for the worker),
 #                            KILL what is left after RLSTAGE_STOP_TIMEOUT seconds
 #
-# Settings (environment): RLSTAGE_STACK_DIR (state: pids, ports, logs, Prefect home, MLflow DB;
-# default <repo>/.rlstage/stack), RLSTAGE_VENV (default <repo>/.venv), RLSTAGE_POOL
+# The stack runs on the local home that the CLI and `rlstage ui` share (infra/home.py): Prefect home
+# <home>/prefect, MLflow store <home>/mlflow, pids, ports and logs <home>/stack.
+# Settings (environment): RLSTAGE_HOME (default <repo>/.rlstage), RLSTAGE_VENV (default <repo>/.venv), RLSTAGE_POOL
 # (rlstage-process), RLSTAGE_PREFECT_PORT / RLSTAGE_MLFLOW_PORT (default: 4200 / 5000 when free,
 # else any free port), RLSTAGE_STOP_TIMEOUT (15), PREFECT_UI_ENABLED (true).
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VENV=${RLSTAGE_VENV:-$REPO/.venv}
-STATE=${RLSTAGE_STACK_DIR:-$REPO/.rlstage/stack}
+export RLSTAGE_HOME=${RLSTAGE_HOME:-$REPO/.rlstage}
+STATE=$RLSTAGE_HOME/stack
 POOL=${RLSTAGE_POOL:-rlstage-process}
 STOP_TIMEOUT=${RLSTAGE_STOP_TIMEOUT:-15}
 PY=$VENV/bin/python
@@ -30,7 +32,7 @@ export MLFLOW_DISABLE_TELEMETRY=true MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false
 export RAY_USAGE_STATS_ENABLED=0 RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false AWS_EC2_METADATA_DISABLED=true
 export PYTHONUNBUFFERED=1
-export PREFECT_HOME=$STATE/prefect
+export PREFECT_HOME=$RLSTAGE_HOME/prefect
 
 die() { echo "stack: $*" >&2; exit 1; }
 pidfile() { echo "$STATE/$1.pid"; }
@@ -85,13 +87,14 @@ prefect_url() { echo "http://127.0.0.1:$(read_or_empty "$(portfile prefect-serve
 mlflow_url() { echo "http://127.0.0.1:$(read_or_empty "$(portfile mlflow)")"; }
 
 print_env() {
+  echo "export RLSTAGE_HOME=$RLSTAGE_HOME"
   echo "export PREFECT_API_URL=$(prefect_url)"
   echo "export MLFLOW_TRACKING_URI=$(mlflow_url)"
 }
 
 cmd_up() {
   [[ -x $PY ]] || die "no virtual environment at $VENV (run scripts/setup.sh)"
-  mkdir -p "$STATE" "$PREFECT_HOME" "$STATE/mlflow/artifacts"
+  mkdir -p "$STATE" "$PREFECT_HOME" "$RLSTAGE_HOME/mlflow/artifacts"
   local port
 
   if running prefect-server; then
@@ -99,7 +102,8 @@ cmd_up() {
   else
     port=$(choose_port prefect-server "${RLSTAGE_PREFECT_PORT:-}" 4200)
     echo "$port" >"$(portfile prefect-server)"
-    start prefect-server env PREFECT_UI_ENABLED="${PREFECT_UI_ENABLED:-true}" \
+    # The UI calls the API at PREFECT_UI_API_URL (default port 4200), not where the server runs.
+    start prefect-server env PREFECT_UI_ENABLED="${PREFECT_UI_ENABLED:-true}" PREFECT_UI_API_URL="$(prefect_url)" \
       "$VENV/bin/prefect" server start --host 127.0.0.1 --port "$(cat "$(portfile prefect-server)")"
     wait_http "$(prefect_url)/health" 120 "$(cat "$(pidfile prefect-server)")" prefect-server
     echo "prefect server: $(prefect_url) (pid $(cat "$(pidfile prefect-server)"))"
@@ -113,8 +117,8 @@ cmd_up() {
     port=$(choose_port mlflow "${RLSTAGE_MLFLOW_PORT:-}" 5000)
     echo "$port" >"$(portfile mlflow)"
     start mlflow "$VENV/bin/mlflow" server --host 127.0.0.1 --port "$(cat "$(portfile mlflow)")" --workers 1 \
-      --backend-store-uri "sqlite:///$STATE/mlflow/mlflow.db" \
-      --artifacts-destination "$STATE/mlflow/artifacts"
+      --backend-store-uri "sqlite:///$RLSTAGE_HOME/mlflow/mlflow.db" \
+      --artifacts-destination "$RLSTAGE_HOME/mlflow/artifacts"
     wait_http "$(mlflow_url)/health" 120 "$(cat "$(pidfile mlflow)")" mlflow
     echo "mlflow server:  $(mlflow_url) (pid $(cat "$(pidfile mlflow)"))"
   fi

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from infra.env import apply_defaults
+from infra.home import mlflow_uri
 from infra.store import store_identity
 from schemas.config import RunConfig
 
@@ -30,17 +31,9 @@ _BAD_METRIC_CHARS = re.compile(r"[^\w.\- :/]")
 
 
 def tracking_uri_for(cfg: RunConfig) -> str:
-    """``tracking.tracking_uri``, else ``MLFLOW_TRACKING_URI``, else SQLite under a local store root."""
-    if cfg.tracking.tracking_uri:
-        return cfg.tracking.tracking_uri
-    if os.environ.get("MLFLOW_TRACKING_URI"):
-        return os.environ["MLFLOW_TRACKING_URI"]
-    identity = store_identity(cfg.store.root)
-    if "://" in identity:  # an object store: the database stays on this machine
-        return f"sqlite:///{Path('mlflow.db').resolve()}"
-    local = Path(identity)
-    local.mkdir(parents=True, exist_ok=True)
-    return f"sqlite:///{local / 'mlflow.db'}"
+    """``tracking.tracking_uri``, else ``MLFLOW_TRACKING_URI``, else the local home's SQLite store
+    (``infra/home.py``: the one ``rlstage ui`` and the stack's MLflow server show)."""
+    return cfg.tracking.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or mlflow_uri()
 
 
 class TrackingUnavailable(RuntimeError):
@@ -162,6 +155,8 @@ class Tracker:
         from mlflow.tracking import MlflowClient
 
         self.uri = tracking_uri_for(cfg)
+        if self.uri.startswith("sqlite:///"):
+            Path(self.uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
         self.offline = False  # the server stopped answering mid-run
         self.unsent: dict[int, dict[str, float]] = {}  # step -> metrics not yet sent
         # No mlflow.set_tracking_uri: it exports MLFLOW_TRACKING_URI, which later runs of this process (and

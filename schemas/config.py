@@ -455,7 +455,7 @@ class RayConfig(_Section):
 
 
 class TrackingConfig(_Section):
-    tracking_uri: str | None = None  # None: MLFLOW_TRACKING_URI, else sqlite under the store root
+    tracking_uri: str | None = None  # None: MLFLOW_TRACKING_URI, else <RLSTAGE_HOME>/mlflow/mlflow.db
     experiment: str = "rlstage"
     rollout_sample_rows: int = Field(16, ge=0)
 

@@ -3,5 +3,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-export PYTHONUNBUFFERED=1 PREFECT_LOGGING_LEVEL=${PREFECT_LOGGING_LEVEL:-WARNING}
+# Prefect's INFO lines reach the run's logs in the UI (rlstage ui), only its warnings the terminal.
+export PYTHONUNBUFFERED=1 PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL=${PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL:-WARNING}
 exec .venv/bin/rlstage demo "$@"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,9 @@ from infra.env import apply_defaults
 apply_defaults()
 # The session's server stops before the interpreter exits: don't ship logs to it at exit.
 os.environ.setdefault("PREFECT_LOGGING_TO_API_ENABLED", "false")
+# The local home (infra/home.py: default MLflow store, Prefect home of the CLI) of this test process, never the
+# user's: runs are told apart there by their store (a tmp folder per test), as in a real home.
+os.environ["RLSTAGE_HOME"] = tempfile.mkdtemp(prefix="rlstage-home-")
 REPO = Path(__file__).resolve().parent.parent
 GSM8K = REPO.parent / "shared" / "data" / "gsm8k"
 
@@ -24,7 +28,7 @@ MODULE_SECONDS = {
     "test_disk_full": 132, "test_actor_deepspeed": 118, "test_tracking_server": 90, "test_agent_pipeline": 85,
     "test_trust": 79, "test_checkpoint": 75, "test_bad_input": 66, "test_pipeline": 60, "test_registry": 58,
     "test_chat": 54, "test_rollout_vllm": 43, "test_store_s3": 42, "test_agent_loop": 30, "test_explore": 29,
-    "test_reward_model": 25, "test_lora": 60, "test_dynamic_sampling": 68,
+    "test_reward_model": 25, "test_lora": 60, "test_dynamic_sampling": 68, "test_ui": 95,
 }  # fmt: skip
 
 

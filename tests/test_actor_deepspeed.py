@@ -17,7 +17,8 @@ from schemas.config import ActorConfig, KitConfig, OptimConfig
 pytestmark = pytest.mark.slow
 
 deepspeed = pytest.importorskip("deepspeed")
-from engines.actor_deepspeed import DeepSpeedActor, _free_port  # noqa: E402
+from engines.actor_deepspeed import DeepSpeedActor  # noqa: E402
+from infra.env import free_port  # noqa: E402
 
 KIT = KitConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64)
 TOL = 1e-5
@@ -229,7 +230,7 @@ def test_data_parallel_matches_single_process(tok, weights, tmp_path, stage, bud
     ref_metrics, ref_params = torch_reference(tok, weights, cfg, batch, [7])
     out = str(tmp_path / "rank0.safetensors")
     ctx = torch.multiprocessing.get_context("spawn")
-    port = _free_port()
+    port = free_port()
     procs = [
         ctx.Process(target=_dp_worker, args=(r, world, port, weights, batch, cfg.model_dump(), out))
         for r in range(world)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -19,17 +18,12 @@ pytest.importorskip("s3fs", reason="s3fs is not installed (pip install -e '.[dev
 pytest.importorskip("moto.server", reason="moto[server] is not installed (pip install -e '.[dev]')")
 boto3 = pytest.importorskip("boto3", reason="boto3 is not installed (pip install -e '.[dev]')")
 
+from infra.env import free_port  # noqa: E402
 from infra.store import ArtifactCorrupt, ArtifactStore, CommitConflict  # noqa: E402
 
 BUCKET = "rlstage-test"
 CREDS = {"key": "testing", "secret": "testing"}
 RUN = "run-s3"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +37,7 @@ def endpoint() -> Iterator[str]:
             "AWS_EC2_METADATA_DISABLED": "true",
         }.items():
             mp.setenv(k, v)
-        port = _free_port()
+        port = free_port()
         url = f"http://127.0.0.1:{port}"
         exe = Path(sys.executable).with_name("moto_server")
         cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "moto.server"]
@@ -298,7 +292,7 @@ def test_unreachable_endpoints_are_one_clear_error(prefect_api, tmp_path: Path) 
     from schemas.config import load_config
     from tests_support import tiny_overrides
 
-    closed = f"http://127.0.0.1:{_free_port()}"
+    closed = f"http://127.0.0.1:{free_port()}"
     base = ["run_name=unreach", *tiny_overrides()]
     cfg = load_config(None, [f"store.root={tmp_path / 'store'}", f"tracking.tracking_uri={closed}", *base])
     with pytest.raises(TrackingUnavailable, match="is unreachable"):

@@ -54,7 +54,7 @@ def test_a_tracking_server_lost_mid_run_is_caught_up_from_the_store(prefect_api,
 
     from flows.nightly import nightly
     from flows.training import PROGRESS, train
-    from infra.prefect_server import free_port
+    from infra.env import free_port
     from tasks.runtime import store_for
 
     server = MlflowServer(tmp_path, free_port())

@@ -192,14 +192,12 @@ class PolicyWorker:
     # ------------------------------------------------------------------ the version protocol
     def rendezvous(self) -> tuple[str, int]:
         """A free port on this node for a new data-parallel process group (called on rank 0)."""
-        import socket
-
         import ray
 
+        from infra.env import free_port
+
         addr = ray.util.get_node_ip_address()
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((addr, 0))
-            return addr, s.getsockname()[1]
+        return addr, free_port(host=addr)
 
     def join(self, addr: str, port: int) -> None:
         """Start over in a new process group (all ranks at once): the policy is loaded again after this."""

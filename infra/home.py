@@ -1,0 +1,76 @@
+"""One local home for every run: the Prefect home and the MLflow store that the demo, the CLI, the stack
+(``infra/stack.sh``) and ``rlstage ui`` share, so that a run is visible in both UIs whichever path ran it.
+
+    <home>/prefect/          PREFECT_HOME: Prefect's database (flow runs, logs, artifacts)
+    <home>/mlflow/mlflow.db  the MLflow tracking store; <home>/mlflow/artifacts: the server's artifacts
+    <home>/stack/            pids, ports and logs of the servers that run on this home (stack.sh, rlstage ui)
+
+``<home>`` is ``RLSTAGE_HOME``, else ``.rlstage`` in the current directory (the repository root in the README).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+from infra.env import pid_alive
+
+HOME_ENV = "RLSTAGE_HOME"
+# The names under which stack.sh (and rlstage ui) record a server: <home>/stack/<name>.pid and .port.
+PREFECT_SERVICE, MLFLOW_SERVICE = "prefect-server", "mlflow"
+
+
+def home() -> Path:
+    return Path(os.environ.get(HOME_ENV) or ".rlstage").expanduser().resolve()
+
+
+def prefect_home() -> Path:
+    return home() / "prefect"
+
+
+def mlflow_dir() -> Path:
+    return home() / "mlflow"
+
+
+def mlflow_uri() -> str:
+    return f"sqlite:///{mlflow_dir() / 'mlflow.db'}"
+
+
+def state_dir() -> Path:
+    return home() / "stack"
+
+
+def service_url(name: str, port: int) -> str:
+    return f"http://127.0.0.1:{port}" + ("/api" if name == PREFECT_SERVICE else "")
+
+
+def running_service(name: str) -> str | None:
+    """The URL of the server ``name`` that runs on this home (recorded pid alive and leading its session)."""
+    try:
+        pid = int((state_dir() / f"{name}.pid").read_text())
+        port = int((state_dir() / f"{name}.port").read_text())
+    except (OSError, ValueError):
+        return None
+    try:
+        if not pid_alive(pid) or os.getsid(pid) != pid:  # a reused pid: not the session that was recorded
+            return None
+    except OSError:
+        return None
+    return service_url(name, port)
+
+
+def record_service(name: str, proc: subprocess.Popen, port: int) -> None:
+    state_dir().mkdir(parents=True, exist_ok=True)
+    (state_dir() / f"{name}.port").write_text(f"{port}\n")
+    (state_dir() / f"{name}.pid").write_text(f"{proc.pid}\n")
+
+
+def forget_service(name: str, proc: subprocess.Popen) -> None:
+    """Remove the record of ``name`` if it is still ``proc``'s (the port file stays: the next start prefers it)."""
+    pidfile = state_dir() / f"{name}.pid"
+    try:
+        if int(pidfile.read_text()) == proc.pid:
+            pidfile.unlink()
+    except (OSError, ValueError):
+        pass
