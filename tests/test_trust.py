@@ -306,7 +306,7 @@ def test_a_signal_stops_the_prefect_server_and_ray_that_train_started(prefect_ap
                 break
         else:
             pytest.fail("train ended before the run started:\n" + "".join(lines))
-        home = f"PREFECT_HOME={(store / 'prefect').resolve()}"
+        home = f"PREFECT_HOME={(tmp_path / '.rlstage' / 'prefect').resolve()}"  # the one home, in the command's cwd
         started = _processes_with_env(home)
         assert len(started) >= 2  # the Prefect server and Ray's processes, all children of the command
         proc.send_signal(signum)
@@ -327,7 +327,7 @@ def test_a_signal_stops_the_prefect_server_and_ray_that_train_started(prefect_ap
         from infra.store import ArtifactStore
         from schemas.config import load_config
 
-        train(config=load_config(None, [*cmd[4:], f"tracking.tracking_uri=sqlite:///{store / 'mlflow.db'}"]))
+        train(config=load_config(None, [*cmd[4:], f"tracking.tracking_uri=sqlite:///{tmp_path / '.rlstage' / 'mlflow' / 'mlflow.db'}"]))
         done = ArtifactStore(str(store))
         assert done.iterations("sig") == [0, 1, 2]
         m = done.manifest("sig", 2, "eval")
