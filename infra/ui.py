@@ -17,11 +17,12 @@ from infra.env import apply_defaults, free_port
 from infra.prefect_server import die_with_parent, start_prefect_server, stop_process_group, wait_http
 
 
-def start_mlflow_server(directory: Path, port: int) -> subprocess.Popen:
-    """``mlflow server`` on 127.0.0.1 over ``<directory>/mlflow.db``; returns without waiting for it."""
+def start_mlflow_server(directory: Path, port: int, log_path: Path | None = None) -> subprocess.Popen:
+    """``mlflow server`` on 127.0.0.1 over ``<directory>/mlflow.db``, its output appended to ``log_path``
+    (default: the home's ``stack/mlflow.log``); returns without waiting for it."""
     apply_defaults()  # MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false: ~540 MiB instead of ~1.3 GiB
     (directory / "artifacts").mkdir(parents=True, exist_ok=True)
-    log = open(home.state_dir() / "mlflow.log", "ab")  # noqa: SIM115 - the server process owns it
+    log = open(log_path or home.state_dir() / "mlflow.log", "ab")  # noqa: SIM115 - the server process owns it
     cmd = [
         str(Path(sys.executable).with_name("mlflow")), "server", "--host", "127.0.0.1", "--port", str(port),
         "--workers", "1", "--backend-store-uri", f"sqlite:///{directory / 'mlflow.db'}",

@@ -5,11 +5,8 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -26,23 +23,11 @@ class MlflowServer:
         self.url = f"http://127.0.0.1:{port}"
 
     def start(self) -> None:
-        mlflow = Path(sys.executable).with_name("mlflow")
-        cmd = [
-            str(mlflow), "server", "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1",
-            "--backend-store-uri", f"sqlite:///{self.home / 'mlflow.db'}",
-            "--artifacts-destination", str(self.home / "artifacts"),
-        ]  # fmt: skip
-        log = open(self.home / "server.log", "ab")  # the server's output, for its lifetime
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=log, start_new_session=True)
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=2):
-                    return
-            except OSError:
-                assert self.proc.poll() is None, (self.home / "server.log").read_text()[-2000:]
-                time.sleep(0.5)
-        raise AssertionError("mlflow server did not answer")
+        from infra.prefect_server import wait_http
+        from infra.ui import start_mlflow_server
+
+        self.proc = start_mlflow_server(self.home, self.port, self.home / "server.log")
+        wait_http(f"{self.url}/health", 180, self.proc)
 
     def kill(self) -> None:
         os.killpg(self.proc.pid, signal.SIGKILL)
