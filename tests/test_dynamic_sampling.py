@@ -135,10 +135,11 @@ def test_a_run_drops_flat_groups_generates_again_and_a_resumed_iteration_commits
     """The tiny kit's rewards are all 0, so the overlong shaping (responses past 6 of 8 tokens lose up to 1) is
     the signal: groups whose samples all have the same length penalty are dropped and more prompts generated."""
     import numpy as np
+    from safetensors.torch import load
 
     from flows.training import train
     from tasks.runtime import store_for
-    from tests_support import moving_overrides
+    from tests_support import moving_overrides, update_weights, weights_moved
 
     cfg = load_config(
         None,
@@ -169,6 +170,9 @@ def test_a_run_drops_flat_groups_generates_again_and_a_resumed_iteration_commits
         scores.setdefault(g, []).append(s)
     assert len(scores) == 8 and all(len(v) == 4 and np.std(v) > 0 for v in scores.values())
     assert any(g >= 8 for g in scores)  # some groups come from an extra round
+    start = store.manifest("ds", 1, "update").meta["policy_ref"]
+    init = store.manifest(start["run"], start["iteration"], start["stage"])
+    assert weights_moved(load(store.read_bytes(init, "model/model.safetensors")), update_weights(store, "ds", 1))
 
     # an iteration killed before dynamic sampling committed: the rerun regenerates the same rounds, bytes and all
     before = {s: store.manifest("ds", 1, s).files for s in ("filter_groups", "advantage", "update")}
