@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from prefect import flow, get_client, get_run_logger
 from prefect.context import FlowRunContext, get_run_context
+from prefect.futures import PrefectFuture
 from prefect.logging.handlers import APILogHandler
 from prefect.settings import temporary_settings
 from prefect_ray import RayTaskRunner
@@ -97,17 +98,21 @@ def _name_flow_run(name: str) -> None:
             client.update_flow_run(ctx.flow_run.id, name=name)
 
 
-def _run_stage(outcome: IterationOutcome, label: str, cfg: RunConfig, stage: str, *args) -> stages.StageResult:
+def _run_stage(
+    outcome: IterationOutcome, label: str, cfg: RunConfig, stage: str, *args, wait_for: list | None = None
+) -> tuple[stages.StageResult, PrefectFuture]:
+    """Run one stage task to its end; ``wait_for`` (the tasks that produced its inputs) draws the flow graph's edges."""
     t0 = time.perf_counter()
     _emit(f"  {label} {stage:<9} ...")
-    result = stages.submit_stage(cfg, stage, *args).result()
+    future = stages.submit_stage(cfg, stage, *args, wait_for=wait_for)
+    result = future.result()
     wall = time.perf_counter() - t0
     outcome.results[stage] = result
     outcome.wall_s[stage] = wall
     fault_point(cfg, stage, outcome.iteration, where="kill_flow_after")
     state = "done" if result.executed else "skipped (committed)"
     _emit(f"  {label} {stage:<9} {state} in {wall:.2f}s")
-    return result
+    return result, future
 
 
 @dataclass
@@ -166,6 +171,7 @@ def iteration_flow(cfg: RunConfig, iteration: int, prompts: Manifest, models: Mo
     out = IterationOutcome(iteration)
     label = f"[iter {iteration:>3}]"
     held: dict = {"prompts": prompts, **vars(models)}
+    made_by: dict[str, PrefectFuture] = {}  # an input made in this iteration -> the task that made it
     ahead = None
     for spec in SPECS:
         if spec.phase == "prepare" or (spec.phase == "train" and iteration == 0):
@@ -180,9 +186,12 @@ def iteration_flow(cfg: RunConfig, iteration: int, prompts: Manifest, models: Mo
             continue  # not selected (dynamic sampling off), or a role this run does not have (no critic)
         # Generation samples with the behaviour policy (the trained one unless pipelined).
         given = {**held, "policy": models.behaviour} if spec.samples else held
-        result = _run_stage(out, label, cfg, spec.name, iteration, *(given.get(name) for name in spec.inputs))
+        after = list({id(f): f for name in spec.inputs if (f := made_by.get(name)) is not None}.values())
+        args = (given.get(name) for name in spec.inputs)
+        result, future = _run_stage(out, label, cfg, spec.name, iteration, *args, wait_for=after)
         for name in spec.provides:
             held[name] = _output(spec, result)
+            made_by[name] = future
         if spec.name == "rollout" and cfg.trainer.async_staleness and iteration < last:
             ahead = stages.submit_stage(cfg, "rollout", iteration + 1, prompts, models.policy)
     return out
@@ -271,7 +280,9 @@ def _run_iterations(cfg: RunConfig, store: ArtifactStore, first: int, last: int,
     rm_worker = open_reward_model(cfg) if cfg.reward_model.enable and cfg.reward_model.model.path else None  # noqa: F841 (held: the actor lives as long)
     status = "FAILED"
     try:
-        prep = stages.submit_stage(cfg, "data_prep").result()
+        prep_task = stages.submit_stage(cfg, "data_prep")
+        prep = prep_task.result()
+        after: list = [prep_task]  # the flow graph: iteration 0 after data prep and SFT, each iteration after the last
         if prep.executed or 0 not in logged:  # prompt counts, and those dropped as over data.max_prompt_length
             tracker.log_metrics(0, prep.metrics)
         dropped = prep.metrics.get("data/train_dropped_overlong", 0) + prep.metrics.get("data/test_dropped_overlong", 0)
@@ -281,7 +292,9 @@ def _run_iterations(cfg: RunConfig, store: ArtifactStore, first: int, last: int,
         sft = None
         if cfg.model.path is None:
             _emit("  [kit] SFT warm start of the tiny model (reused when already committed) ...")
-            sft = stages.submit_stage(cfg, "sft").result()
+            sft_task = stages.submit_stage(cfg, "sft", wait_for=after)
+            sft = sft_task.result()
+            after.append(sft_task)
             _emit(f"  [kit] SFT checkpoint {sft.manifest.artifact_id[:8]}: held-out accuracy {sft.metrics['sft/test_accuracy']:.3f}")
         models = models_before(cfg, store, first, initial_policy(cfg, sft))
         history: list[dict] = []
@@ -292,7 +305,8 @@ def _run_iterations(cfg: RunConfig, store: ArtifactStore, first: int, last: int,
             # No heartbeats for an iteration's subflow: Prefect's heartbeat thread sleeps in 1 s steps and a
             # flow's end waits for it (the 1-second quantum of iteration walls); the run's own flow keeps its.
             with temporary_settings(updates={"flows.heartbeat_frequency": None}):
-                outcome = one_iteration(cfg, it, prep.manifest, models, last)
+                outcome = one_iteration(cfg, it, prep.manifest, models, last, wait_for=after)
+            after = [outcome]  # a subflow's return value stands for its flow run
             if "update" in outcome.results:
                 r = outcome.results
                 models = Models(

@@ -435,9 +435,11 @@ class ArtifactStore:
         meta: dict | None = None,
         version: str = MAIN,
         artifact_id: str | None = None,
+        before_manifest: Callable[[], None] | None = None,
     ) -> Manifest:
         """Write an artifact's files, then its manifest with a conditional create (exactly once).
 
+        ``before_manifest`` runs between the two (the failure drill's kill point inside a commit).
         Raises CommitConflict when another writer's manifest appears before ours.
         """
         folder = self._dir(run, iteration, stage, version)
@@ -472,6 +474,8 @@ class ArtifactStore:
                 self._rm(p)
         # 2. Data files, hashed as written.
         files = {rel: writer() for rel, writer in sorted(plan.items())}
+        if before_manifest is not None:
+            before_manifest()
         # 3. The manifest, last and exclusively.
         m = m.model_copy(update={"files": files})
         key = _hmac_key()

@@ -465,6 +465,8 @@ class DrillConfig(_Section):
 
     kill_at: list[str] = Field(default_factory=list)  # stage tasks, after computing, before committing
     kill_flow_after: list[str] = Field(default_factory=list)  # the flow process, after a stage returns
+    # whichever process commits the stage's artifact, after its data files and before its manifest
+    kill_in_commit: list[str] = Field(default_factory=list)
     # role worker processes: inside the call that trains ("update:<k>" rank 0, "update@rank1:<k>", ...), or
     # inside a role's call of a stage ("<stage>@<role>:<k>", role rollout | actor | ref | critic)
     kill_worker_at: list[str] = Field(default_factory=list)

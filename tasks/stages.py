@@ -96,7 +96,8 @@ def run_stage(
     if out.commit_in_worker is not None:
         manifest = out.commit_in_worker(commit, out.tables)
     else:
-        manifest = store.commit(**commit, tables=out.tables, blobs=out.blobs)
+        drill = functools.partial(fault_point, cfg, stage, iteration, where="kill_in_commit")
+        manifest = store.commit(**commit, tables=out.tables, blobs=out.blobs, before_manifest=drill)
     return StageResult(manifest, executed=True, seconds=seconds, metrics=out.metrics)
 
 

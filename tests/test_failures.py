@@ -1,5 +1,5 @@
-"""Killed workers: a SIGKILLed stage process is retried to byte-identical artifacts; a killed
-flow, rerun, executes no committed stage again."""
+"""Killed workers: a SIGKILLed stage process (before or inside its commit) is retried to byte-identical
+artifacts; a killed flow, rerun, executes no committed stage again."""
 
 from __future__ import annotations
 
@@ -53,12 +53,14 @@ def test_sigkill_of_each_stage_process_is_retried_to_identical_artifacts(referen
 
     markers = tmp_path / "markers"
     markers.mkdir()
-    # every stage of iteration 1 is killed once, after computing and before committing
+    # every stage of iteration 1 is killed once, after computing and before committing; in iteration 2 a stage
+    # task and the policy worker are killed inside their commits, between the data files and the manifest
     kill_at = "[" + ",".join(f"'{s}:1'" for s in STAGES) + "]"
-    killed = _cfg(tmp_path / "killed", "r", f"drill.kill_at={kill_at}", f"drill.markers={markers}")
+    in_commit = "drill.kill_in_commit=['advantage:2','update:2']"
+    killed = _cfg(tmp_path / "killed", "r", f"drill.kill_at={kill_at}", in_commit, f"drill.markers={markers}")
     result = train(config=killed)
     fired = sorted(p.name for p in markers.iterdir())
-    assert fired == sorted(f"kill_at-{s}-1" for s in STAGES)
+    assert fired == sorted([*(f"kill_at-{s}-1" for s in STAGES), "kill_in_commit-advantage-2", "kill_in_commit-update-2"])
     assert [h["iteration"] for h in result["history"]] == [0, 1, 2]
     assert _checksums(store_for(killed), "r", 2) == _checksums(reference, "r", 2)
     store = store_for(killed)

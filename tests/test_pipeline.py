@@ -6,7 +6,7 @@ import pytest
 
 from schemas.config import ConfigError, load_config
 from schemas.stages import STAGE_FILES, spec
-from tests_support import stage_states, tiny_overrides
+from tests_support import flow_graph, stage_states, tiny_overrides
 
 pytestmark = pytest.mark.slow
 
@@ -97,6 +97,18 @@ def test_rerun_executes_nothing_then_only_after_a_deleted_artifact(first_run):
     again = stage_states(again_state)
     assert {("it-iter-2", s) for s in ("rollout", "reward", "advantage", "update", "eval")} <= set(again)
     assert {state.name for state in again.values()} == {"Cached"} and all(s.is_completed() for s in again.values())
+    # The flow graph: SFT after data prep, iterations chained in order, each stage after the stages whose output it reads.
+    graph = flow_graph(again_state)
+    top = "it iterations 1-2"
+    assert graph[f"{top}/sft"] == {f"{top}/data_prep"}
+    assert graph["it-iter-0"] == {f"{top}/data_prep", f"{top}/sft"}
+    assert graph["it-iter-1"] == {"it-iter-0", f"{top}/data_prep"}  # and the prompts it reads
+    assert graph["it-iter-2"] == {"it-iter-1", f"{top}/data_prep"}
+    for it in (1, 2):
+        up = {s: {f"it-iter-{it}/{u}" for u in ups} for s, ups in (
+            ("rollout", ()), ("reward", ("rollout",)), ("advantage", ("rollout", "reward")), ("update", ("advantage",)), ("eval", ("update",)),
+        )}  # fmt: skip
+        assert {s: graph[f"it-iter-{it}/{s}"] for s in up} == up
     store = store_for(cfg)
     for stage in ("rollout", "reward", "advantage", "update"):
         assert again[("it-iter-1", stage)].state_details.cache_key == store.manifest("it", 1, stage).key

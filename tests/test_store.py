@@ -87,6 +87,21 @@ def test_files_without_manifest_are_invisible_and_overwritten(store: ArtifactSto
     assert not (folder / "stray.bin").exists()  # garbage not part of the new artifact is swept
 
 
+def test_a_commit_stopped_before_its_manifest_is_invisible_and_redone(store: ArtifactStore) -> None:
+    class Stopped(Exception):
+        pass
+
+    def stop() -> None:  # where the kill drill's SIGKILL lands: every data file written, no manifest
+        assert sorted(os.listdir(store.artifact_dir(RUN, 1, "rollout"))) == ["rollouts.parquet"]
+        raise Stopped
+
+    with pytest.raises(Stopped):
+        commit(store, before_manifest=stop)
+    assert store.manifest(RUN, 1, "rollout") is None and store.iterations(RUN) == []
+    m = commit(store)
+    assert store.read_table(m, "rollouts").equals(table())
+
+
 def test_flipped_byte_is_refused(store: ArtifactStore) -> None:
     m = commit(store)
     path = Path(store.uri(m, "rollouts.parquet"))

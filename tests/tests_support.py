@@ -56,3 +56,25 @@ def stage_states(flow_state) -> dict:
         runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=list(names))))
     # A task run is named <task>-<suffix>; the stage tasks are named after their stage.
     return {(names[r.flow_run_id], r.name.rsplit("-", 1)[0]): r.state for r in runs if r.name.rsplit("-", 1)[0] in TASKS}
+
+
+def flow_graph(flow_state) -> dict[str, set[str]]:
+    """A training flow run's graph as the Prefect UI draws it, read from the API: each node (a stage task as
+    ``<flow run name>/<stage>``, an iteration subflow by its name) -> the nodes it waits for."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, FlowRunFilterParentFlowRunId
+
+    with get_client(sync_client=True) as client:
+        top = client.read_flow_run(flow_state.state_details.flow_run_id)
+        children = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[top.id]))
+        )
+        flows = {r.id: r.name for r in [top, *children]}
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=list(flows))))
+    subflow = {c.parent_task_run_id: c.name for c in children}  # the parent's stand-in task run of each subflow
+    node = {r.id: subflow.get(r.id) or f"{flows[r.flow_run_id]}/{r.name.rsplit('-', 1)[0]}" for r in runs}
+
+    def upstream(inp) -> str:
+        return flows[inp.id] if inp.input_type == "flow_run" else node[inp.id]
+
+    return {node[r.id]: {upstream(i) for given in r.task_inputs.values() for i in given} for r in runs}

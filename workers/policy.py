@@ -11,6 +11,7 @@ Checkpoints are Hugging Face safetensors folders plus a pickle-free trainer stat
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import re
 import shutil
@@ -271,9 +272,15 @@ class PolicyWorker:
         ``commit_json`` holds ``ArtifactStore.commit``'s keyword arguments (run, iteration, stage, key, ...).
         """
         staged = self.staged.pop(role, None)
+        if (role == "policy" and not self.pending) or (role == "critic" and staged is None):
+            # A call repeated on a restarted worker (Ray's ActorUnavailableError: it may have run) would
+            # commit no weights under the update's name: refused, so the stage's retry trains again.
+            raise RuntimeError(f"worker holds no trained {role} to commit (restarted since its update)")
         dirs = {} if staged is None else {p.name: str(p) for p in sorted(staged.iterdir())}
         try:
-            manifest = self.store.commit(**commit_json, tables=tables, dirs=dirs)
+            at = (commit_json["stage"], commit_json["iteration"])
+            drill = functools.partial(fault_point, self.cfg, *at, where="kill_in_commit")
+            manifest = self.store.commit(**commit_json, tables=tables, dirs=dirs, before_manifest=drill)
         finally:
             if staged is not None:
                 shutil.rmtree(staged, ignore_errors=True)
