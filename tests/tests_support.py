@@ -39,39 +39,38 @@ def weights_moved(a: dict, b: dict) -> bool:
     return any((a[k] - b[k]).abs().max() > 0 for k in a)
 
 
-def stage_states(flow_state) -> dict:
-    """(flow run name, stage) -> the final state of each stage task run of a training flow run (the state a
-    ``train(..., return_state=True)`` call returns) and of its iteration subflows, read from the Prefect API."""
+def _flow_runs(flow_state) -> tuple[list, list]:
+    """A training flow run (the state ``train(..., return_state=True)`` returns) and its iteration subflows,
+    then the task runs of all of them, read from the Prefect API."""
     from prefect import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, FlowRunFilterParentFlowRunId
-
-    from tasks.stages import TASKS
 
     with get_client(sync_client=True) as client:
         top = client.read_flow_run(flow_state.state_details.flow_run_id)
         children = client.read_flow_runs(
             flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[top.id]))
         )
-        names = {r.id: r.name for r in [top, *children]}
-        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=list(names))))
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[top.id, *(c.id for c in children)])))
+    return [top, *children], runs
+
+
+def stage_states(flow_state) -> dict:
+    """(flow run name, stage) -> the final state of each stage task run of a training flow run and of its
+    iteration subflows."""
+    from tasks.stages import TASKS
+
+    flows, runs = _flow_runs(flow_state)
+    names = {r.id: r.name for r in flows}
     # A task run is named <task>-<suffix>; the stage tasks are named after their stage.
     return {(names[r.flow_run_id], r.name.rsplit("-", 1)[0]): r.state for r in runs if r.name.rsplit("-", 1)[0] in TASKS}
 
 
 def flow_graph(flow_state) -> dict[str, set[str]]:
-    """A training flow run's graph as the Prefect UI draws it, read from the API: each node (a stage task as
+    """A training flow run's graph as the Prefect UI draws it: each node (a stage task as
     ``<flow run name>/<stage>``, an iteration subflow by its name) -> the nodes it waits for."""
-    from prefect import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, FlowRunFilterParentFlowRunId
-
-    with get_client(sync_client=True) as client:
-        top = client.read_flow_run(flow_state.state_details.flow_run_id)
-        children = client.read_flow_runs(
-            flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[top.id]))
-        )
-        flows = {r.id: r.name for r in [top, *children]}
-        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=list(flows))))
-    subflow = {c.parent_task_run_id: c.name for c in children}  # the parent's stand-in task run of each subflow
+    flow_runs, runs = _flow_runs(flow_state)
+    flows = {r.id: r.name for r in flow_runs}
+    subflow = {c.parent_task_run_id: c.name for c in flow_runs[1:]}  # the parent's stand-in task run of each subflow
     node = {r.id: subflow.get(r.id) or f"{flows[r.flow_run_id]}/{r.name.rsplit('-', 1)[0]}" for r in runs}
 
     def upstream(inp) -> str:
