@@ -305,7 +305,9 @@ def _run_iterations(cfg: RunConfig, store: ArtifactStore, first: int, last: int,
             # No heartbeats for an iteration's subflow: Prefect's heartbeat thread sleeps in 1 s steps and a
             # flow's end waits for it (the 1-second quantum of iteration walls); the run's own flow keeps its.
             with temporary_settings(updates={"flows.heartbeat_frequency": None}):
-                outcome = one_iteration(cfg, it, prep.manifest, models, last, wait_for=after)
+                # A copy of the prompts' manifest: Prefect would link data prep's own result to every iteration
+                # (a fan-out from data prep); the graph chains the iterations instead.
+                outcome = one_iteration(cfg, it, prep.manifest.model_copy(deep=True), models, last, wait_for=after)
             after = [outcome]  # a subflow's return value stands for its flow run
             if "update" in outcome.results:
                 r = outcome.results
