@@ -18,6 +18,25 @@ from schemas.stages import REPLAYABLE
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
 
 
+class PrefectLost(RuntimeError):
+    """The command's Prefect server stopped answering while it ran."""
+
+
+@contextmanager
+def _lost_if_down(url: str):
+    """A failure while the Prefect server at ``url`` no longer answers is said as that."""
+    from flows.checks import InputError, check_prefect_api
+
+    try:
+        yield url
+    except Exception as err:
+        try:
+            check_prefect_api(url)
+        except InputError:
+            raise PrefectLost(f"the Prefect server {url} stopped answering during the run") from err
+        raise
+
+
 @contextmanager
 def prefect_api():
     """The Prefect API of this command: ``PREFECT_API_URL`` if set, else the server that runs on the local
@@ -29,13 +48,15 @@ def prefect_api():
     if mlflow_url and not os.environ.get("MLFLOW_TRACKING_URI"):
         os.environ["MLFLOW_TRACKING_URI"] = mlflow_url
     if os.environ.get("PREFECT_API_URL"):
-        yield os.environ["PREFECT_API_URL"]
+        with _lost_if_down(os.environ["PREFECT_API_URL"]) as url:
+            yield url
         return
     os.environ["PREFECT_HOME"] = str(home.prefect_home())
     url = home.running_service(home.PREFECT_SERVICE)
     if url:
         os.environ["PREFECT_API_URL"] = url
-        yield url
+        with _lost_if_down(url):
+            yield url
         return
     from infra.prefect_server import start_prefect_server
 
@@ -43,7 +64,8 @@ def prefect_api():
     server = start_prefect_server(home.prefect_home())
     os.environ["PREFECT_API_URL"] = server.url
     try:
-        yield server.url
+        with _lost_if_down(server.url):
+            yield server.url
     finally:
         from prefect.logging.handlers import APILogHandler
 
@@ -307,11 +329,11 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     return (ConfigError, InputError, DatasetError, RewardFailure, FileNotFoundError, StoreError, RunLocked, TrackingUnavailable)
 
 
-def main(argv: list[str] | None = None) -> int:
-    apply_defaults()
+def build_parser() -> _Parser:
+    """The command line: every subcommand, its arguments, choices and defaults."""
     parser = _Parser(prog="rlstage", description="RL post-training as Prefect stages on Ray")
     parser.add_argument(
-        "-v", "--verbose", action="store_true", help="print tracebacks (also RLSTAGE_DEBUG=1)"
+        "-v", "--verbose", action="store_true", help="print each stage as it ends, and tracebacks (also RLSTAGE_DEBUG=1)"
     )
     parser.add_argument("--version", action="version", version=f"rlstage {_version()}")
     # Every subcommand's help shows its defaults.
@@ -373,12 +395,20 @@ def main(argv: list[str] | None = None) -> int:
 
     for p in sub.choices.values():  # "rlstage train --verbose" works as well as "rlstage --verbose train"
         p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    apply_defaults()
+    args = build_parser().parse_args(argv)
     verbose = args.verbose or os.environ.get("RLSTAGE_DEBUG", "") not in ("", "0")
+    if verbose:  # stage detail as lines (flows/terminal.py), in this process and the flow runs it starts
+        os.environ["RLSTAGE_VERBOSE"] = "1"
     user_errors = _user_errors()
     _stop_on_signals()
     if not verbose:
         _hide_prefect_tracebacks()
+        logging.raiseExceptions = False  # a log handler's failure (Prefect's, once its server is gone) is not the command's
     try:
         return args.fn(args)
     except KeyboardInterrupt as err:
@@ -391,6 +421,9 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(err, user_errors):
             print(f"rlstage: {_one_line(err)}", file=sys.stderr)
             return 2
+        if isinstance(err, PrefectLost):  # the run stops; the next invocation reuses its committed stages
+            print(f"rlstage: {err}; committed stages are kept, rerun the command to continue", file=sys.stderr)
+            return 3
         hint = "" if verbose else " (--verbose or RLSTAGE_DEBUG=1 prints the traceback)"
         print(f"rlstage: internal error: {type(err).__name__}: {_one_line(err)}{hint}", file=sys.stderr)
         return 1

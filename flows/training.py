@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 
+import ray
 from prefect import flow, get_client, get_run_logger
 from prefect.context import FlowRunContext, get_run_context
 from prefect.futures import PrefectFuture
@@ -21,9 +21,11 @@ from prefect_ray import RayTaskRunner
 
 from engines.preflight import preflight
 from flows.checks import check_inputs, check_run_config, record_run_config
+from flows.terminal import TERMINAL, verbose
 from infra.drill import fault_point
 from infra.env import apply_defaults
 from infra.lease import run_lease
+from infra.progress import open_board
 from infra.ray_runtime import RAY_NAMESPACE, ensure_ray
 from infra.store import ArtifactStore
 from infra.story import artifact_key
@@ -32,9 +34,10 @@ from schemas.config import ConfigError, RunConfig, build_config, load_config, me
 from schemas.manifest import Manifest, PolicyRef
 from schemas.stages import SPECS, StageSpec
 from tasks import stages
-from tasks.kit import initial_policy  # also registers the sft stage's task
+from tasks.kit import initial_policy, kit_run_name  # also registers the sft stage's task
 from tasks.runtime import policy_ref_from, store_for
 from workers.group import check_placement, critic_init_ref, open_group
+from workers.policy import MODEL_DIR
 from workers.reward_model import open_reward_model
 
 
@@ -85,9 +88,16 @@ _progress.addHandler(APILogHandler())
 
 
 def _emit(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
+    """A summary line: on the terminal and in the flow run's logs."""
+    TERMINAL.line(line)
     if FlowRunContext.get() is not None:
         _progress.info(line.strip())
+
+
+def _detail(line: str) -> None:
+    """Stage detail: a line under --verbose only."""
+    if verbose():
+        TERMINAL.line(line)
 
 
 def _name_flow_run(name: str) -> None:
@@ -103,7 +113,7 @@ def _run_stage(
 ) -> tuple[stages.StageResult, PrefectFuture]:
     """Run one stage task to its end; ``wait_for`` (the tasks that produced its inputs) draws the flow graph's edges."""
     t0 = time.perf_counter()
-    _emit(f"  {label} {stage:<9} ...")
+    TERMINAL.status(f"  {label} {stage:<9} ...")
     future = stages.submit_stage(cfg, stage, *args, wait_for=wait_for)
     result = future.result()
     wall = time.perf_counter() - t0
@@ -111,7 +121,7 @@ def _run_stage(
     outcome.wall_s[stage] = wall
     fault_point(cfg, stage, outcome.iteration, where="kill_flow_after")
     state = "done" if result.executed else "skipped (committed)"
-    _emit(f"  {label} {stage:<9} {state} in {wall:.2f}s")
+    _detail(f"  {label} {stage:<9} {state} in {wall:.2f}s")
     return result, future
 
 
@@ -169,7 +179,7 @@ def iteration_flow(cfg: RunConfig, iteration: int, prompts: Manifest, models: Mo
     role computes advantages and trains, and iteration k+1 finds it committed.
     """
     out = IterationOutcome(iteration)
-    label = f"[iter {iteration:>3}]"
+    label = f"[iter {iteration:>3}/{last}]"
     held: dict = {"prompts": prompts, **vars(models)}
     made_by: dict[str, PrefectFuture] = {}  # an input made in this iteration -> the task that made it
     ahead = None
@@ -277,6 +287,7 @@ def _run_iterations(cfg: RunConfig, store: ArtifactStore, first: int, last: int,
     # The driver owns the policy worker: a non-detached actor dies with its last handle, so this
     # one keeps it alive for the run while stage tasks look it up by name.
     group = open_group(cfg)
+    board = open_board() if TERMINAL.live else None  # SFT's steps on a terminal's status line
     rm_worker = open_reward_model(cfg) if cfg.reward_model.enable and cfg.reward_model.model.path else None  # noqa: F841 (held: the actor lives as long)
     status = "FAILED"
     try:
@@ -285,6 +296,7 @@ def _run_iterations(cfg: RunConfig, store: ArtifactStore, first: int, last: int,
         after: list = [prep_task]  # the flow graph: iteration 0 after data prep and SFT, each iteration after the last
         if prep.executed or 0 not in logged:  # prompt counts, and those dropped as over data.max_prompt_length
             tracker.log_metrics(0, prep.metrics)
+        tracker.log_prompts(store, prep.manifest)
         dropped = prep.metrics.get("data/train_dropped_overlong", 0) + prep.metrics.get("data/test_dropped_overlong", 0)
         if dropped:
             _emit(f"  data prep: {dropped:.0f} prompt(s) over data.max_prompt_length={cfg.data.max_prompt_length} tokens dropped")
@@ -292,9 +304,13 @@ def _run_iterations(cfg: RunConfig, store: ArtifactStore, first: int, last: int,
         sft = None
         if cfg.model.path is None:
             _emit("  [kit] SFT warm start of the tiny model (reused when already committed) ...")
+            TERMINAL.status("  [kit] SFT", read_note=_board_reader(board, kit_run_name(cfg)))
             sft_task = stages.submit_stage(cfg, "sft", wait_for=after)
             sft = sft_task.result()
+            TERMINAL.status(None)
             after.append(sft_task)
+            if sft.executed or 0 not in logged:
+                tracker.log_metrics(0, sft.metrics)
             _emit(f"  [kit] SFT checkpoint {sft.manifest.artifact_id[:8]}: held-out accuracy {sft.metrics['sft/test_accuracy']:.3f}")
         models = models_before(cfg, store, first, initial_policy(cfg, sft))
         history: list[dict] = []
@@ -319,13 +335,17 @@ def _run_iterations(cfg: RunConfig, store: ArtifactStore, first: int, last: int,
                     models.policy if cfg.trainer.async_staleness else None,
                 )
             metrics = {**outcome.metrics(), PROGRESS: float(it)}
+            # The policy this invocation ends with, as an MLflow logged model with its iteration's metrics.
+            update = outcome.results["update"].manifest if it == last and "update" in outcome.results else None
+            model_id = tracker.log_policy(store, update, MODEL_DIR) if update is not None else None
             if outcome.executed or it not in logged:
-                tracker.log_metrics(it, metrics)
+                tracker.log_metrics(it, metrics, model_id=model_id)
             if "rollout" in outcome.results and outcome.results["rollout"].executed:
                 _log_rollout_sample(cfg, tracker, it, outcome)
             history.append({"iteration": it, "executed": outcome.executed, **metrics})
             _publish_iteration(cfg, store, tracker, outcome, metrics, history)
             executed += [f"iter-{it}/{s}" for s in outcome.executed]
+            TERMINAL.status(None)
             acc = metrics.get("val/accuracy")
             score = metrics.get("critic/score/mean")
             _emit(
@@ -344,8 +364,15 @@ def _run_iterations(cfg: RunConfig, store: ArtifactStore, first: int, last: int,
             "executed": executed,
         }
     finally:
+        TERMINAL.status(None)
         tracker.finish(status)
         group.release()
+
+
+def _board_reader(board, key: str):
+    if board is None:
+        return None
+    return lambda: ray.get(board.take.remote(key), timeout=2.0)
 
 
 def _publish_iteration(

@@ -90,6 +90,8 @@ print_env() {
   echo "export RLSTAGE_HOME=$RLSTAGE_HOME"
   echo "export PREFECT_API_URL=$(prefect_url)"
   echo "export MLFLOW_TRACKING_URI=$(mlflow_url)"
+  # The venv's commands (prefect, rlstage, mlflow) by name; a PATH that has them already is left alone.
+  case ":$PATH:" in *":$VENV/bin:"*) ;; *) echo "export PATH=\"$VENV/bin:\$PATH\"" ;; esac
 }
 
 cmd_up() {

@@ -2,18 +2,25 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
 import sys
+import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+
 from infra.env import apply_defaults
 from infra.home import mlflow_uri
-from infra.store import store_identity
+from infra.store import ArtifactStore, store_identity
+from schemas.artifacts import PROMPTS
 from schemas.config import RunConfig
+from schemas.manifest import Manifest
 
 # A new SQLite store announces its table creation at INFO on every first run: noise in the command's output.
 logging.getLogger("mlflow.store.db.utils").setLevel(logging.WARNING)
@@ -26,6 +33,8 @@ RESULT_TAG = "rlstage.result"  # a replay's or an extra evaluation's nested run:
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 EXPERIMENT_KIND = "custom_model_development"  # shown as "Machine learning": the runs table
 CONFIG_ARTIFACT = "config/resolved.yaml"
+CHECKPOINT_TAG = "rlstage.checkpoint"  # a logged model's policy: the update artifact's id
+DIGEST_CHARS = 32  # MLflow's dataset digest column holds 36 characters: a sha256's first 32 hex digits
 REPO_ROOT = Path(__file__).resolve().parent.parent
 _BAD_METRIC_CHARS = re.compile(r"[^\w.\- :/]")
 
@@ -36,13 +45,17 @@ def tracking_uri_for(cfg: RunConfig) -> str:
     return cfg.tracking.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or mlflow_uri()
 
 
+def _is_server(uri: str) -> bool:
+    return uri.startswith(("http://", "https://"))
+
+
 class TrackingUnavailable(RuntimeError):
     """The MLflow tracking server does not answer."""
 
 
 def check_reachable(uri: str, timeout_s: float = 5.0) -> None:
     """Fail fast, with one line, when an HTTP tracking server does not answer (MLflow would retry for minutes)."""
-    if not uri.startswith(("http://", "https://")):
+    if not _is_server(uri):
         return
     import urllib.request
 
@@ -86,6 +99,33 @@ def source_tags(root: Path = REPO_ROOT) -> dict[str, str]:
     return tags
 
 
+def mlflow_schema(schema: pa.Schema):
+    """An Arrow schema as MLflow's (a dataset's schema in the UI)."""
+    from mlflow.types.schema import Array, ColSpec, Object, Property, Schema
+
+    def kind(t: pa.DataType):
+        if pa.types.is_list(t) or pa.types.is_large_list(t):
+            return Array(kind(t.value_type))
+        if pa.types.is_struct(t):
+            return Object([Property(f.name, kind(f.type)) for f in t])
+        if pa.types.is_integer(t):
+            return "long" if t.bit_width > 32 else "integer"
+        if pa.types.is_floating(t):
+            return "double" if t.bit_width > 32 else "float"
+        return "boolean" if pa.types.is_boolean(t) else "binary" if pa.types.is_binary(t) else "string"
+
+    return Schema([ColSpec(kind(f.type), f.name) for f in schema])
+
+
+def _dataset_source(uri: str):
+    """MLflow's dataset source for a store URI (a local path or s3://...)."""
+    from mlflow.data.dataset_source_registry import resolve_dataset_source
+
+    with warnings.catch_warnings():  # the local source is registered twice: a warning on every resolve
+        warnings.simplefilter("ignore")
+        return resolve_dataset_source(uri)
+
+
 def metric_name(name: str) -> str:
     """verl's metric names, made legal for MLflow ('@' is not allowed: mean@4 -> mean_at_4)."""
     return _BAD_METRIC_CHARS.sub("_", name.replace("@", "_at_"))
@@ -96,7 +136,9 @@ def _experiment_id(client, cfg: RunConfig) -> str:
     exp = client.get_experiment_by_name(cfg.tracking.experiment)
     if exp is None:
         location = None
-        if "://" not in cfg.store.root:
+        # A tracking server's artifacts go to its own destination (--artifacts-destination); a local
+        # store's beside the run's artifacts.
+        if "://" not in cfg.store.root and not _is_server(client.tracking_uri):
             location = (Path(cfg.store.root).expanduser().resolve() / "mlflow-artifacts").as_uri()
         return client.create_experiment(
             cfg.tracking.experiment, artifact_location=location, tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND}
@@ -159,6 +201,7 @@ class Tracker:
             Path(self.uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
         self.offline = False  # the server stopped answering mid-run
         self.unsent: dict[int, dict[str, float]] = {}  # step -> metrics not yet sent
+        self.models: dict[int, str] = {}  # step -> the logged model its metrics describe
         # No mlflow.set_tracking_uri: it exports MLFLOW_TRACKING_URI, which later runs of this process (and
         # the processes it starts) would take for their own tracking URI.
         self.client = MlflowClient(self.uri)
@@ -208,11 +251,15 @@ class Tracker:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        batch = [Metric(metric_name(k), float(v), now, step) for k, v in sorted(metrics.items())]
+        model = self.models.get(step)
+        batch = [Metric(metric_name(k), float(v), now, step, model_id=model) for k, v in sorted(metrics.items())]
         for i in range(0, len(batch), 500):
             self.client.log_batch(self.run_id, metrics=batch[i : i + 500])
 
-    def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
+    def log_metrics(self, step: int, metrics: dict[str, float], model_id: str | None = None) -> None:
+        """Metrics at ``step``; with ``model_id`` they are the logged model's as well (its page shows them)."""
+        if model_id:
+            self.models[step] = model_id
         self.unsent[step] = {**self.unsent.get(step, {}), **metrics}
         self._flush()
 
@@ -232,6 +279,63 @@ class Tracker:
 
     def log_text(self, text: str, artifact_file: str) -> None:
         self._send(lambda: self.client.log_text(self.run_id, text, artifact_file))
+
+    # ------------------------------------------------------------ the run's inputs and its outcome
+    def log_prompts(self, store: ArtifactStore, prompts: Manifest) -> None:
+        """The run's prompts as MLflow dataset inputs: the committed train and test Parquet files, by
+        reference (their store URI, checksum and schema). MLflow keeps one input per dataset and digest, so a
+        continuation logs nothing new."""
+        from mlflow.data.meta_dataset import MetaDataset
+        from mlflow.entities import DatasetInput, InputTag
+        from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
+
+        inputs = []
+        schema = mlflow_schema(PROMPTS)  # the prompts' contract: every committed prompts file has it
+        for name, context in (("train.parquet", "training"), ("test.parquet", "evaluation")):
+            dataset = MetaDataset(
+                _dataset_source(store.uri(prompts, name)),
+                name=f"{prompts.run}/{name.removesuffix('.parquet')}",
+                digest=prompts.files[name].sha256[:DIGEST_CHARS],
+                schema=schema,
+            )
+            inputs.append(DatasetInput(dataset._to_mlflow_entity(), tags=[InputTag(MLFLOW_DATASET_CONTEXT, context)]))
+        self._send(lambda: self.client.log_inputs(self.run_id, datasets=inputs))
+
+    def log_policy(self, store: ArtifactStore, update: Manifest, folder: str) -> str | None:
+        """The policy committed by ``update`` (its Hugging Face ``folder``) as an MLflow logged model that points
+        at the checkpoint in the store (a ``checkpoint.json`` of file URIs and checksums: no second copy of the
+        weights). Logged once per checkpoint; returns the model's id, for its iteration's metrics (None for an
+        update between checkpoints, or while the server is away)."""
+        weights = {name: e for name, e in sorted(update.files.items()) if name.startswith(folder + "/")}
+        ids: list[str] = []
+        if weights:
+            self._send(lambda: ids.append(self._policy_model(store, update, weights)))
+        return ids[0] if ids else None
+
+    def _policy_model(self, store: ArtifactStore, update: Manifest, weights: dict) -> str:
+        tag = f"tags.`{CHECKPOINT_TAG}` = '{update.artifact_id}'"
+        found = self.client.search_logged_models([self.experiment_id], filter_string=tag)
+        if found:
+            return found[0].model_id
+        pointer = {
+            "artifact": store.artifact_dir(update.run, update.iteration, update.stage, update.version),
+            "iteration": update.iteration,
+            "files": {name: {"uri": store.uri(update, name), "sha256": e.sha256, "bytes": e.bytes} for name, e in weights.items()},
+        }
+        model = self.client.create_logged_model(
+            self.experiment_id,
+            name=f"{update.run}-policy",
+            source_run_id=self.run_id,
+            tags={CHECKPOINT_TAG: update.artifact_id},
+            params={"iteration": str(update.iteration), "checkpoint": pointer["artifact"]},
+            model_type="policy",
+        )
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "checkpoint.json"
+            path.write_text(json.dumps(pointer, indent=2))
+            self.client.log_model_artifact(model.model_id, str(path))
+        self.client.finalize_logged_model(model.model_id, "READY")
+        return model.model_id
 
     def finish(self, status: str = "FINISHED") -> None:
         self._flush()

@@ -18,6 +18,7 @@ from engines.rollout import HFRolloutEngine, SamplingParams
 from engines.sft import sft_train, sft_train_ids
 from engines.tinykit import build_char_tokenizer, build_tiny_llama, save_model_dir
 from engines.tools import CALCULATOR_PATHS, load_tools, resolve_template
+from infra.progress import Poster
 from schemas.config import RunConfig
 from schemas.manifest import PolicyRef
 from schemas.stages import ConfigView, view_hash
@@ -99,10 +100,16 @@ def sft_warm_start(cfg: ConfigView) -> StageResult:
                 return acc
             return greedy_accuracy(model, tok, *(probe if rows is not None else (prompts, answers)), ds)
 
-        def should_stop(step: int, _loss: float) -> bool:
+        post = Poster(kit_run_name(cfg))  # the step on the terminal's status line (infra/progress.py)
+        probe_acc: list[float] = []
+
+        def should_stop(step: int, loss: float) -> bool:
+            shown = f", held-out accuracy {probe_acc[-1]:.2f}" if probe_acc else ""
+            post(f"step {step}/{s.steps}, loss {loss:.3f}{shown}")
             if s.target_accuracy is None or step % s.eval_every:
                 return False
-            return accuracy(test_rows[: s.eval_size]) >= s.target_accuracy
+            probe_acc.append(accuracy(test_rows[: s.eval_size]))
+            return probe_acc[-1] >= s.target_accuracy
 
         train_kw = {"steps": s.steps, "batch_size": s.batch_size, "lr": s.lr, "seed": s.seed, "should_stop": should_stop}
         if agent:

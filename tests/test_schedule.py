@@ -4,7 +4,7 @@
 that fails (Prefect 3.8.8 on SQLAlchemy 2.1 raised on every loop and created no run). Here the
 nightly deployment of prefect.yaml is deployed as written (its 02:00 UTC cron) plus an interval
 schedule of a few seconds; a process worker runs the first scheduled run, which must continue the
-stored run by one iteration: no gap, no repeat, the same MLflow run.
+stored run (started with ``rlstage train``) by one iteration: no gap, no repeat, the same MLflow run.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from datetime import UTC, datetime, timedelta
@@ -22,6 +23,7 @@ from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId,
 from test_deployments import (  # the deployment test's process helpers, not copied
     POOL,
     PREFECT,
+    REPO,
     RUN,
     Stack,
     _cli,
@@ -102,13 +104,14 @@ def test_nightly_schedule_fires_and_continues_the_run(tmp_path, monkeypatch):
                 start_new_session=True,
             )
 
-        # -- a stored run to continue: the train deployment, one iteration ----------------------
-        _ok(_cli(env, "deploy", "-n", "train", "--no-prompt"), "prefect deploy -n train")
+        # -- a stored run to continue: started with the CLI, one iteration (the schedule continues it:
+        # one MLflow run across the two paths, checked at the end) ------------------------------
         params = _train_params(stack)
-        params["overrides"].append("trainer.iterations=1")
-        with SyncPrefectClient(api=server.url) as client:
-            train = client.read_deployment_by_name("rlstage-train/train")
-            _wait_final(client, client.create_flow_run_from_deployment(train.id, parameters=params).id, stack)
+        cli = subprocess.run(
+            [str(Path(sys.executable).with_name("rlstage")), "train", "-c", params["config_path"], *params["overrides"], "trainer.iterations=1"],
+            cwd=REPO, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
+        )  # fmt: skip
+        _ok(cli, "rlstage train")
         store = ArtifactStore(str(stack.store))
         assert store.manifest(RUN, 1, "update") is not None and store.manifest(RUN, 2, "update") is None
 

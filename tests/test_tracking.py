@@ -7,6 +7,7 @@ import os
 os.environ["MLFLOW_DISABLE_TELEMETRY"] = "true"  # before mlflow is imported anywhere in this process
 
 import subprocess
+from pathlib import Path
 
 import pytest
 import yaml
@@ -121,3 +122,51 @@ def test_a_result_for_an_unreachable_server_fails_fast(tmp_path):
     cfg = load_config(None, [f"store.root={tmp_path}", f"tracking.tracking_uri=http://127.0.0.1:{port}", "run_name=tr"])
     with pytest.raises(TrackingUnavailable, match=f"127.0.0.1:{port} is unreachable"):
         log_result(cfg, "n", "r", {}, 1, {}, {})
+
+
+def test_prompts_are_dataset_inputs_and_a_checkpoint_is_a_logged_model_by_reference(tmp_path):
+    import json
+
+    import pyarrow as pa
+
+    from infra.store import ArtifactStore
+    from schemas.artifacts import PROMPTS
+
+    cfg = _cfg(tmp_path)
+    store = ArtifactStore(str(tmp_path / "store"))
+    rows = {f.name: [None] * 2 for f in PROMPTS}
+    rows.update(prompt_id=["a", "b"], prompt=["1+1=", "2+2="], ground_truth=["2", "4"])
+    table = pa.Table.from_pydict(rows, schema=PROMPTS)
+    commit = {"key": "k", "config_hash": "c", "code_version": "v", "inputs": {}}
+    prompts = store.commit("tr", None, "data_prep", tables={"train.parquet": table, "test.parquet": table.slice(1)}, **commit)
+    between = store.commit("tr", 1, "update", tables={"metrics.parquet": pa.table({"x": [1.0]})}, **commit)
+    update = store.commit(
+        "tr", 2, "update", tables={"metrics.parquet": pa.table({"x": [1.0]})}, blobs={"model/model.safetensors": b"w" * 10}, **commit
+    )
+
+    tracker = Tracker(cfg)
+    for _ in range(2):  # a continuation logs nothing twice
+        tracker.log_prompts(store, prompts)
+        model_id = tracker.log_policy(store, update, "model")
+    assert tracker.log_policy(store, between, "model") is None  # no weights in it: nothing to point at
+    tracker.log_metrics(2, {"val/accuracy": 0.75}, model_id=model_id)
+    tracker.finish()
+
+    client = MlflowClient(tracker.uri)
+    inputs = client.get_run(tracker.run_id).inputs.dataset_inputs
+    got = {i.tags[0].value: i.dataset for i in inputs}
+    assert sorted(got) == ["evaluation", "training"] and len(inputs) == 2
+    assert got["training"].name == "tr/train" and prompts.files["train.parquet"].sha256.startswith(got["training"].digest)
+    assert json.loads(got["training"].source)["uri"] == store.uri(prompts, "train.parquet")
+    assert [c["name"] for c in json.loads(got["evaluation"].schema)["mlflow_colspec"]] == PROMPTS.names
+
+    models = client.search_logged_models([tracker.experiment_id])
+    assert [m.model_id for m in models] == [model_id] and models[0].source_run_id == tracker.run_id
+    assert models[0].params == {"iteration": "2", "checkpoint": store.artifact_dir("tr", 2, "update")}
+    assert [(m.key, m.value, m.step) for m in client.get_logged_model(model_id).metrics] == [("val/accuracy", 0.75, 2)]
+    from mlflow.artifacts import download_artifacts
+
+    local = download_artifacts(f"{models[0].artifact_location}/checkpoint.json", dst_path=str(tmp_path / "m"), tracking_uri=tracker.uri)
+    files = json.loads(Path(local).read_text())["files"]
+    entry = update.files["model/model.safetensors"]
+    assert files == {"model/model.safetensors": {"uri": store.uri(update, "model/model.safetensors"), "sha256": entry.sha256, "bytes": 10}}

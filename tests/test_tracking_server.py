@@ -40,6 +40,7 @@ def test_a_tracking_server_lost_mid_run_is_caught_up_from_the_store(prefect_api,
     from flows.nightly import nightly
     from flows.training import PROGRESS, train
     from infra.env import free_port
+    from tasks.kit import kit_run_name
     from tasks.runtime import store_for
 
     server = MlflowServer(tmp_path, free_port())
@@ -82,9 +83,25 @@ def test_a_tracking_server_lost_mid_run_is_caught_up_from_the_store(prefect_api,
         assert back["mlflow_run_id"] == again["mlflow_run_id"] == run_id
         progress = sorted(m.step for m in client.get_metric_history(run_id, PROGRESS))
         pg = sorted((m.step, m.value) for m in client.get_metric_history(run_id, "actor/pg_loss"))
+        sft = [(m.step, m.value) for m in client.get_metric_history(run_id, "sft/test_accuracy")]
+        run = client.get_run(run_id)
+        models = {m.params["iteration"]: m for m in client.search_logged_models([run.info.experiment_id])}
+        model_metrics = {(m.key, m.step) for m in client.get_logged_model(models["4"].model_id).metrics} if "4" in models else set()
     finally:
         if server.proc.poll() is None:
             server.kill()
     assert progress == [0, 1, 2, 3, 4], progress
     assert [s for s, _ in pg] == [1, 2, 3, 4]  # each iteration's point once
     assert dict(pg)[2] == pytest.approx(store.manifest("away", 2, "update").meta["metrics"]["actor/pg_loss"])
+    # SFT's metrics at step 0; the prompts as dataset inputs, by reference to the store's files.
+    assert [s for s, _ in sft] == [0] and sft[0][1] == pytest.approx(store.manifest(kit_run_name(cfg(1)), None, "sft").meta["metrics"]["sft/test_accuracy"])
+    prompts = store.manifest("away", None, "data_prep")
+    assert {i.dataset.digest for i in run.inputs.dataset_inputs} == {prompts.files[f].sha256[:32] for f in ("train.parquet", "test.parquet")}
+    # Each invocation's final policy is a logged model pointing at its update artifact (not iteration 3's:
+    # it ended while the server was away), with the metrics of its iteration.
+    assert sorted(models) == ["1", "4"], sorted(models)
+    assert models["4"].params["checkpoint"] == store.artifact_dir("away", 4, "update")
+    assert {("actor/pg_loss", 4), ("val/accuracy", 4)} <= model_metrics, model_metrics
+    # Artifacts went to the server's --artifacts-destination, not beside the store.
+    assert run.info.artifact_uri.startswith("mlflow-artifacts:"), run.info.artifact_uri
+    assert list((tmp_path / "artifacts").rglob("resolved.yaml")) and not (tmp_path / "store" / "mlflow-artifacts").exists()

@@ -1,0 +1,93 @@
+"""The README's commands, as written: each `rlstage` line parses with the CLI's own parser and its config
+and overrides validate; each `prefect deployment run` names a deployment of prefect.yaml and parameters
+its flow takes, with a config that loads; each `infra/stack.sh` and `scripts/` command exists. Running
+them is the fresh-clone check (the closing notes); this catches a README that drifted from the code."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+import yaml
+
+from flows.cli import build_parser
+from schemas.config import load_config, parse_overrides
+from schemas.stages import REPLAYABLE
+
+REPO = Path(__file__).resolve().parent.parent
+FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
+
+
+def _commands() -> list[list[str]]:
+    """Shell command lines of the README's bash blocks: continuations joined, comments and prompts dropped."""
+    out = []
+    for lang, body in FENCE.findall((REPO / "README.md").read_text()):
+        if lang not in ("bash", "sh", ""):
+            continue
+        for line in body.replace("\\\n", " ").splitlines():
+            words = shlex.split(line, comments=True)
+            if words and not line.lstrip().startswith("#"):
+                out.append(words)
+    return out
+
+
+COMMANDS = _commands()
+
+
+def _of(program: str) -> list[list[str]]:
+    return [c for c in COMMANDS if c[0] == program]
+
+
+def test_the_readme_has_the_commands_a_user_runs():
+    assert ["bash", "scripts/demo.sh"] in COMMANDS and ["bash", "scripts/test.sh"] in COMMANDS
+    assert len(_of(".venv/bin/rlstage")) >= 6 and len(_of("prefect")) >= 2 and len(_of("infra/stack.sh")) >= 3
+
+
+@pytest.mark.parametrize("words", _of(".venv/bin/rlstage"), ids=lambda w: " ".join(w[1:3]))
+def test_each_rlstage_command_parses_and_its_settings_validate(words):
+    args = build_parser().parse_args(words[1:])  # a usage error exits (one line, status 2): the test fails
+    overrides = getattr(args, "overrides", [])
+    if args.cmd in ("train", "data-prep", "demo"):
+        config = args.config if args.config is None else str(REPO / args.config)
+        load_config(config, overrides)  # an unknown key or a bad value raises, naming the field
+    elif args.cmd in ("replay", "eval"):
+        load_config(None, overrides)  # changed settings on a stored config: the same fields
+    if args.cmd == "replay":
+        assert args.stage in REPLAYABLE, args.stage
+
+
+@pytest.mark.parametrize("words", _of("prefect"), ids=lambda w: w[3])
+def test_each_deployment_run_names_a_deployment_and_parameters_of_its_flow(words):
+    assert words[1:3] == ["deployment", "run"], words
+    flow_name, deployment = words[3].split("/")
+    declared = {d["name"]: d for d in yaml.safe_load((REPO / "prefect.yaml").read_text())["deployments"]}
+    assert deployment in declared, sorted(declared)
+    module, attr = declared[deployment]["entrypoint"].split(":")
+    flow = getattr(importlib.import_module(module), attr)
+    assert flow.name == flow_name
+    params = {}
+    for i, w in enumerate(words):
+        if w in ("-p", "--param"):
+            key, value = words[i + 1].split("=", 1)
+            try:
+                params[key] = json.loads(value)
+            except json.JSONDecodeError:
+                params[key] = value  # Prefect takes a value that is not JSON as a string
+    assert set(params) <= set(inspect.signature(flow.fn).parameters), params
+    if "config_path" in params:
+        load_config(str(REPO / params["config_path"]), params.get("overrides", []))
+    else:
+        parse_overrides(params.get("overrides", []))
+
+
+def test_stack_and_script_commands_exist():
+    usage = re.search(r"usage: \$0 ([\w|]+)", (REPO / "infra/stack.sh").read_text()).group(1).split("|")
+    for words in _of("infra/stack.sh"):
+        assert words[1] in usage, words
+    for words in _of("bash"):
+        assert (REPO / words[1]).is_file(), words
