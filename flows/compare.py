@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from infra.env import apply_defaults
+from infra.home import mlflow_uri
 from infra.tracking import RUN_NAME_TAG, metric_name
 
 # Which way is "best" per metric: "max", "min_abs" (KL estimators: closest to 0; k1-style ones can go
@@ -344,8 +345,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("runs", nargs="+", metavar="RUN", help="run names (the rlstage.run_name tag)")
     parser.add_argument(
         "--tracking-uri",
-        default=os.environ.get("MLFLOW_TRACKING_URI"),
-        help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI)",
+        default=os.environ.get("MLFLOW_TRACKING_URI") or mlflow_uri(),
+        help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else the local home's store that runs log to)",
     )
     parser.add_argument("--experiment", default="rlstage", help="MLflow experiment (default: rlstage)")
     parser.add_argument("--png", default=None, help="also write plots of the runs to this PNG")
@@ -363,12 +364,6 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print(format_table(rows))
         return 0
-    if not args.tracking_uri:
-        print(
-            "rlstage compare: no tracking URI (pass --tracking-uri or set MLFLOW_TRACKING_URI)",
-            file=sys.stderr,
-        )
-        return 2
     from mlflow.exceptions import MlflowException
 
     try:

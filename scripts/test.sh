@@ -5,8 +5,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export PYTHONUNBUFFERED=1
 .venv/bin/ruff check .
-# Three workers by default (RLSTAGE_TEST_WORKERS) on two cores: half of a test's time is spent waiting on
-# servers and processes it started (CPU busy 46% of the wall with two workers); a module stays on one
-# worker, the longest first (tests/conftest.py).
-.venv/bin/python -m pytest -q -p no:cacheprovider -n "${RLSTAGE_TEST_WORKERS:-3}" --dist loadfile \
+# Two workers by default (RLSTAGE_TEST_WORKERS): much of a test's time is spent starting servers and
+# engines on one core; a module stays on one worker, the longest first (tests/conftest.py).
+.venv/bin/python -m pytest -q -p no:cacheprovider -n "${RLSTAGE_TEST_WORKERS:-2}" --dist loadfile \
     --no-loadscope-reorder --durations=25 "$@"

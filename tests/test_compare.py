@@ -205,10 +205,14 @@ def test_cli_unreachable_server(capsys) -> None:
     assert "\n" not in err
 
 
-def test_cli_tracking_uri_from_env(store: str, monkeypatch, capsys) -> None:
+def test_cli_tracking_uri_from_env_else_the_home(store: str, monkeypatch, capsys, tmp_path) -> None:
     monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
     assert main(["run-b"]) == 0
     assert "run-b" in capsys.readouterr().out
+    # Without it, the local home's store (where every command logs by default): here there is none yet.
     monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    monkeypatch.setenv("RLSTAGE_HOME", str(tmp_path / "home"))
     assert main(["run-b"]) == 2
-    assert "no tracking URI" in capsys.readouterr().err
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"rlstage compare: no MLflow database at {tmp_path / 'home' / 'mlflow' / 'mlflow.db'}"), err
+    assert "\n" not in err
