@@ -404,6 +404,8 @@ def main(argv: list[str] | None = None) -> int:
     verbose = args.verbose or os.environ.get("RLSTAGE_DEBUG", "") not in ("", "0")
     if verbose:  # stage detail as lines (flows/terminal.py), in this process and the flow runs it starts
         os.environ["RLSTAGE_VERBOSE"] = "1"
+    else:  # Prefect's INFO lines ("Beginning subflow run ...") go to the run's logs in the UI, not the terminal
+        os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")
     user_errors = _user_errors()
     _stop_on_signals()
     if not verbose:

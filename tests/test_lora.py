@@ -143,7 +143,7 @@ LEARNS = [
     "kit.digits=1", "kit.train_size=70", "kit.test_size=30", "kit.hidden_size=64", "kit.num_layers=2",
     "kit.num_heads=2", "kit.intermediate_size=128", "sft.steps=300", "sft.target_accuracy=0.3", "sft.lr=3e-3",
     "data.prompts_per_iteration=64", "rollout.n=8", "rollout.batch_size=512", "actor.ppo_mini_batch_size=64",
-    "actor.micro_batch_size=64", "actor.optim.lr=2e-3", "trainer.iterations=8", "actor.use_kl_loss=true",
+    "actor.micro_batch_size=64", "actor.optim.lr=5e-3", "trainer.iterations=12", "actor.use_kl_loss=true",
     "tracking.rollout_sample_rows=4",
 ]  # fmt: skip
 
@@ -176,7 +176,9 @@ def test_lora_grpo_run_learns_and_stores_only_adapters(prefect_api, tmp_path: Pa
     assert exp1.column("ref_log_probs").to_pylist() == exp1.column("old_log_probs").to_pylist()
     assert exp2.column("ref_log_probs").to_pylist() != exp2.column("old_log_probs").to_pylist()
     reward = {h["iteration"]: h["critic/score/mean"] for h in result["history"] if "critic/score/mean" in h}
-    assert sum(reward[it] for it in (6, 7, 8)) / 3 > reward[1] + 0.05, reward
+    # Means of three iterations: one iteration's train reward moves by ~0.02 from run to run on CPU.
+    first, last = (sum(reward[it] for it in its) / 3 for its in ((1, 2, 3), (10, 11, 12)))
+    assert last > first + 0.04, reward
     # The merged export: the base's untargeted weights unchanged, the targeted ones moved by the adapters.
     assert main(["export", "lora", "--store", cfg.store.root, "-o", str(tmp_path / "export")]) == 0
     merged = load_file(tmp_path / "export" / "model.safetensors")
