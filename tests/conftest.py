@@ -28,7 +28,7 @@ MODULE_SECONDS = {
     "test_disk_full": 132, "test_actor_deepspeed": 118, "test_tracking_server": 90, "test_agent_pipeline": 85,
     "test_trust": 79, "test_checkpoint": 75, "test_bad_input": 66, "test_pipeline": 60, "test_registry": 58,
     "test_chat": 54, "test_rollout_vllm": 43, "test_store_s3": 42, "test_agent_loop": 30, "test_explore": 29,
-    "test_reward_model": 25, "test_lora": 60, "test_dynamic_sampling": 68, "test_ui": 160,
+    "test_reward_model": 25, "test_lora": 60, "test_dynamic_sampling": 68, "test_ui": 95,
 }  # fmt: skip
 
 
