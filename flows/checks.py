@@ -13,8 +13,8 @@ from pathlib import Path
 
 from infra.store import ArtifactStore
 from schemas.config import ConfigError, RunConfig, stored_config_from
-from schemas.manifest import Manifest
-from schemas.stages import EXECUTION, REPLAYABLE, STAGES, covers, view_paths
+from schemas.manifest import Manifest, unsafe_checkpoint_file
+from schemas.stages import EXECUTION, REPLAYABLE, STAGES, covers, kit_run_name, view_paths
 
 # Fields that may differ between invocations of one run: where and how it executes, and how long
 # (unless a stage's view holds the length: a decaying schedule derives its steps from it).
@@ -129,6 +129,39 @@ def check_eval(store: ArtifactStore, run: str, iteration: int | None) -> int:
         raise ConfigError(f"config error: iteration: run {run!r} has policies for 0..{last}, got {iteration}")
     need(store, run, None, "data_prep")
     return iteration
+
+
+def continuation_end(cfg: RunConfig, done: int, iterations: int) -> int:
+    """The last iteration a continuation by ``iterations`` after ``done`` runs to. A run whose stages read its
+    length (a decaying lr derives its steps from ``trainer.iterations``) continues only up to that planned
+    length: past it, every earlier step's lr would have been another."""
+    if not any(covers("trainer.iterations", view_paths(cfg, s)) for s in STAGES):
+        return done + iterations
+    if done >= cfg.trainer.iterations:
+        raise ConfigError(
+            f"config error: run {cfg.run_name!r} has run all its trainer.iterations={cfg.trainer.iterations}, over which "
+            "its lr decays; a run to continue past its length keeps a constant lr (actor.optim.lr_schedule=constant) "
+            "or a fixed actor.optim.total_steps"
+        )
+    return min(done + iterations, cfg.trainer.iterations)
+
+
+def check_checkpoints(store: ArtifactStore, run: str, iteration: int | None) -> None:
+    """Refuse, before anything starts, a committed checkpoint there whose loading could run code (the
+    workers refuse it too when they load: this makes it one line before any flow run)."""
+    for stage in STAGES:
+        m = store.manifest(run, iteration, stage)
+        if m is not None and (reason := unsafe_checkpoint_file(m, store.artifact_dir(run, iteration, stage))):
+            raise ConfigError(f"config error: {reason}")
+
+
+def check_policy(store: ArtifactStore, cfg: RunConfig, iteration: int) -> None:
+    """The checkpoints of the policy after ``iteration``; 0 is the run's start, the kit's SFT (shared by every run
+    with the same SFT settings) unless ``model.path`` names a folder (checked as an input)."""
+    if iteration:
+        check_checkpoints(store, cfg.run_name, iteration)
+    elif cfg.model.path is None:
+        check_checkpoints(store, kit_run_name(cfg), None)
 
 
 # ---------------------------------------------------------------- inputs

@@ -90,7 +90,7 @@ def _check_services() -> None:
 def _check_new_run(cfg, tracking: bool = True) -> None:
     """Inputs, store and services of a train / data-prep command, checked before any flow run."""
     from engines.preflight import preflight
-    from flows.checks import check_inputs, check_run_config
+    from flows.checks import check_inputs, check_policy, check_run_config, last_completed_iteration
     from infra.store import ArtifactStore
 
     check_inputs(cfg)
@@ -98,6 +98,7 @@ def _check_new_run(cfg, tracking: bool = True) -> None:
     store = ArtifactStore(cfg.store.root, cfg.store.storage_options, cfg.store.retries)
     store.check_writable()
     check_run_config(store, cfg)
+    check_policy(store, cfg, last_completed_iteration(store, cfg.run_name))  # what the run would start from
     if tracking:
         from infra.tracking import check_reachable, tracking_uri_for
 
@@ -125,13 +126,24 @@ def cmd_demo(args) -> int:
 
 
 def cmd_nightly(args) -> int:
-    from flows.checks import check_inputs, stored_config
+    from flows.checks import (
+        check_inputs,
+        check_policy,
+        continuation_end,
+        last_completed_iteration,
+        stored_config,
+    )
     from infra.store import ArtifactStore
     from schemas.config import ConfigError
 
     if args.iterations < 1:
         raise ConfigError(f"config error: --iterations: must be >= 1, got {args.iterations}")
-    check_inputs(stored_config(ArtifactStore(args.store), args.run))
+    store = ArtifactStore(args.store)
+    cfg = stored_config(store, args.run)
+    check_inputs(cfg)
+    done = last_completed_iteration(store, args.run)
+    continuation_end(cfg, done, args.iterations)
+    check_policy(store, cfg, done)
     _check_services()
     with prefect_api():
         from flows.nightly import nightly
@@ -158,10 +170,10 @@ def cmd_replay(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from flows.checks import check_eval, stored_config_with
+    from flows.checks import check_eval, check_policy, stored_config_with
 
-    store, _ = stored_config_with(args.store, args.run, args.overrides, "an evaluation")
-    check_eval(store, args.run, args.iteration)
+    store, cfg = stored_config_with(args.store, args.run, args.overrides, "an evaluation")
+    check_policy(store, cfg, check_eval(store, args.run, args.iteration))
     _check_services()
     with prefect_api():
         from flows.evaluate import evaluate_run

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prefect import flow
 
-from flows.checks import _diff, _identity, last_completed_iteration, stored_config
+from flows.checks import _diff, _identity, continuation_end, last_completed_iteration, stored_config
 from flows.training import resolve_config, run_training
 from infra.store import ArtifactStore
 from schemas.config import ConfigError, RunConfig, code_settings
@@ -37,10 +37,12 @@ def nightly(
     config_path: str | None = None,
     overrides: list[str] | None = None,
 ) -> dict:
-    """Continue ``run_name`` by ``iterations``: no gap, no repeat, the same MLflow run."""
+    """Continue ``run_name`` by ``iterations`` (up to its planned length when its lr decays over it): no gap,
+    no repeat, the same MLflow run."""
     if iterations < 1:
         raise ConfigError(f"config error: iterations: must be >= 1, got {iterations}")
     cfg = continuation_config(run_name, store_root, config_path, overrides)
     done = last_completed_iteration(ArtifactStore(store_root), run_name)
-    cfg = cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"iterations": done + iterations})})
+    end = continuation_end(cfg, done, iterations)
+    cfg = cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"iterations": end})})
     return run_training(cfg, first=done + 1)

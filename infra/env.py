@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+from pathlib import Path
 
 LOOPBACK_DEFAULTS = {
     "DO_NOT_TRACK": "true",
@@ -40,6 +41,9 @@ def pid_alive(pid: int) -> bool:
 def apply_defaults() -> None:
     for k, v in LOOPBACK_DEFAULTS.items():
         os.environ.setdefault(k, v)
+    # With no NVIDIA device DeepSpeed warns at every import that it "was unable to detect" one: name the CPU.
+    if not any(Path("/dev").glob("nvidia[0-9]*")):
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
 def free_port(prefer: int = 0, strict: bool = False, host: str = "127.0.0.1") -> int:

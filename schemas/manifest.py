@@ -35,6 +35,28 @@ class Manifest(BaseModel):
     signature: str | None = None
 
 
+# A checkpoint artifact: a Hugging Face folder plus the trainer's state (engines/checkpoint.py's files).
+MODEL_DIR = "model"
+STATE_DIR = "trainer_state"
+LEGACY_STATE = "actor_state.pt"  # the pickled format of earlier versions: never loaded
+# What a checkpoint folder may hold: weights as safetensors, configs, tokenizers and templates as text.
+# Anything else (pickled .bin/.pt, Python files a remote-code model would import) is refused unread.
+SAFE_SUFFIXES = (".safetensors", ".json", ".txt", ".jinja", ".model", ".md")
+
+
+def unsafe_checkpoint_file(manifest: Manifest, where: str) -> str | None:
+    """Why loading this artifact's checkpoint could run code (one line naming the file), or None when it cannot."""
+    for name in sorted(manifest.files):
+        if name == LEGACY_STATE:
+            return (
+                f"checkpoint {where} holds a pickled {LEGACY_STATE} (an earlier format, unsafe to load); "
+                "replay its update to store it anew"
+            )
+        if not name.endswith(SAFE_SUFFIXES) and name.startswith((MODEL_DIR + "/", STATE_DIR + "/")):
+            return f"checkpoint {where} holds {name}, a file type that is never loaded (not safetensors/JSON/text)"
+    return None
+
+
 class PolicyRef(BaseModel):
     """Which policy a stage runs with: a committed checkpoint in the store or a local HF directory."""
 

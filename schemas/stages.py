@@ -284,3 +284,8 @@ def view_hash(cfg: RunConfig | ConfigView, stage: str) -> str:
     when ``cfg`` is that stage's view)."""
     own = isinstance(cfg, ConfigView) and cfg._stage == stage and not cfg._prefix
     return whole_config(cfg).stage_hash(*(cfg._paths if own else view_paths(cfg, stage)))
+
+
+def kit_run_name(cfg: RunConfig | ConfigView) -> str:
+    """The kit's own run, shared by every run with the same SFT view (kit, sft, and the agent for multiply)."""
+    return f"kit-{view_hash(cfg, 'sft')}"

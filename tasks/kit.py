@@ -21,14 +21,9 @@ from engines.tools import CALCULATOR_PATHS, load_tools, resolve_template
 from infra.progress import Poster
 from schemas.config import RunConfig
 from schemas.manifest import PolicyRef
-from schemas.stages import ConfigView, view_hash
+from schemas.stages import ConfigView, kit_run_name
 from tasks.runtime import policy_ref_from
 from tasks.stages import StageOutput, StageResult, run_stage, stage_task
-
-
-def kit_run_name(cfg: RunConfig | ConfigView) -> str:
-    """The kit's own run, shared by every run with the same SFT view (kit, sft, and the agent for multiply)."""
-    return f"kit-{view_hash(cfg, 'sft')}"
 
 
 def greedy_accuracy(model, tokenizer, prompts: list[str], answers: list[str], data_source: str) -> float:

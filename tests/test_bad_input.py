@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import struct
 import subprocess
@@ -37,6 +38,16 @@ def _model_dir(root: Path, name: str, config: bytes | None = b"{}", files: dict[
     for fname, data in (files or {}).items():
         (d / fname).write_bytes(data)
     return str(d)
+
+
+class _Payload:
+    """Unpickling this creates the marker file: what a crafted checkpoint would do."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
 
 
 def _world(w: Path) -> dict[str, str]:
@@ -102,6 +113,22 @@ def _world(w: Path) -> dict[str, str]:
         doc = json.loads(path.read_text())
         edit(doc["config"])
         path.write_text(json.dumps(doc))
+    # Checkpoints a writer of the store planted pickles in (each with a matching manifest): a run's iteration 1,
+    # which a resume or an eval would load, and the kit's SFT, which a new run with the default settings shares.
+    from schemas.stages import kit_run_name
+
+    pickled = {"model/model.safetensors": _safetensors(), "model/config.json": b"{}"}
+    record_run_config(store, RunConfig(run_name="pickled"))
+    store.commit("pickled", None, "data_prep", tables={"train.parquet": pa.table({"x": [1]}), "test.parquet": pa.table({"x": [1]})}, **kw)
+    payload = pickle.dumps(_Payload(p["marker"]))
+    store.commit("pickled", 1, "update", blobs={**pickled, "actor_state.pt": payload}, **kw)
+    kit = kit_run_name(RunConfig(run_name="fresh"))
+    store.commit(kit, None, "sft", blobs={**pickled, "model/pytorch_model.bin": payload}, **kw)
+    # A run that has run its length, over which its lr decays.
+    from schemas.config import load_config
+
+    record_run_config(store, load_config(None, ["run_name=done", "trainer.iterations=1", "actor.optim.lr_schedule=linear"]))
+    store.commit("done", 1, "update", blobs=pickled, **kw)
     (w / "store" / "broken").mkdir()
     (w / "store" / "broken" / "run.json").write_text("{half a document")
     return p
@@ -183,11 +210,16 @@ CASES: list[tuple[str, list[str], dict[str, str], str]] = [
     ("eval iteration missing", ["eval", "good", "-i", "3", "--store", "{store}"], {}, r"iteration: run 'good' has policies for 0\.\.0, got 3"),
     ("nightly run missing", ["nightly", "nope", "--store", "{store}"], {}, r"run 'nope' does not exist under"),
     ("nightly zero iterations", ["nightly", "good", "-k", "0", "--store", "{store}"], {}, r"--iterations: must be >= 1, got 0"),
+    ("nightly past a decaying run's length", ["nightly", "done", "--store", "{store}"], {}, r"run 'done' has run all its trainer\.iterations=1, over which its lr decays"),
     ("run.json not JSON", ["eval", "broken", "--store", "{store}"], {}, r"broken/run\.json is not valid JSON"),
-    # ---- a stored config naming code (the attack): refused, and the marker never appears
+    # ---- stored bytes or a stored config naming code (the attacks): refused, and the marker never appears
     ("stored reward fn: replay", ["replay", "evil", "1", "reward", "--store", "{store}"], {}, r"reward\.function: '.*evil_reward\.py:score' comes from the stored config .*RLSTAGE_ALLOWED_CALLABLES"),
     ("stored reward fn: eval", ["eval", "evil", "--store", "{store}"], {}, r"reward\.function: '.*evil_reward\.py:score' comes from the stored config"),
     ("stored reward fn: nightly", ["nightly", "evil", "--store", "{store}"], {}, r"reward\.function: '.*evil_reward\.py:score' comes from the stored config"),
+    ("pickle in a resumed checkpoint", ["train", "run_name=pickled", "store.root={store}", "trainer.iterations=2"], {}, r"checkpoint .*/pickled/iter-0+1/update holds a pickled actor_state\.pt \(an earlier format, unsafe to load\)"),
+    ("pickle in a nightly's checkpoint", ["nightly", "pickled", "--store", "{store}"], {}, r"checkpoint .*/pickled/iter-0+1/update holds a pickled actor_state\.pt"),
+    ("pickle in an evaluated checkpoint", ["eval", "pickled", "-i", "1", "--store", "{store}"], {}, r"checkpoint .*/pickled/iter-0+1/update holds a pickled actor_state\.pt"),
+    ("pickle in the shared SFT kit", ["train", "run_name=fresh", "store.root={store}"], {}, r"checkpoint .*/kit-\w+/.*sft holds model/pytorch_model\.bin, a file type that is never loaded"),
     ("stored tool: replay", ["replay", "eviltool", "1", "rollout", "--store", "{store}"], {}, r"agent\.tools\.0\.callable: 'evil_tool:score' comes from the stored config"),
 ]  # fmt: skip
 

@@ -51,6 +51,20 @@ def test_nightly_continues_without_gap_or_repeat(ops_run):
     assert sorted(steps) == [1, 2, 3]
 
 
+def test_a_run_whose_lr_decays_over_its_length_continues_only_up_to_it():
+    from flows.checks import continuation_end
+
+    constant = load_config(None, ["run_name=c", "trainer.iterations=4"])
+    assert continuation_end(constant, 4, 3) == 7  # nothing reads the length: any continuation
+    fixed = load_config(None, ["run_name=c", "trainer.iterations=4", "actor.optim.lr_schedule=linear", "actor.optim.total_steps=99"])
+    assert continuation_end(fixed, 4, 3) == 7  # the schedule's length is its own
+    decaying = load_config(None, ["run_name=d", "trainer.iterations=4", "actor.optim.lr_schedule=cosine"])
+    assert continuation_end(decaying, 1, 2) == 3
+    assert continuation_end(decaying, 3, 5) == 4  # up to the planned length, where the lr reaches its end
+    with pytest.raises(ConfigError, match=r"run 'd' has run all its trainer\.iterations=4, over which its lr decays"):
+        continuation_end(decaying, 4, 1)
+
+
 def test_nightly_refuses_a_conflicting_config(ops_run):
     from flows.nightly import nightly
 

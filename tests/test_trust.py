@@ -288,8 +288,26 @@ def _processes_with_env(entry: str) -> list[int]:
     return found
 
 
+def test_sigint_and_sigterm_take_the_same_way_out() -> None:
+    """SIGINT is stopped as SIGTERM is (the end-to-end run below sends SIGTERM), and its exit says which."""
+    from flows.cli import Stopped, _stop_on_signals
+
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        _stop_on_signals()
+        handler = signal.getsignal(signal.SIGINT)
+        assert handler is signal.getsignal(signal.SIGTERM)
+        with pytest.raises(Stopped) as stopped:
+            handler(signal.SIGINT, None)
+        assert stopped.value.signum == signal.SIGINT
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_DFL  # a second Ctrl-C forces
+    finally:
+        for sig, h in saved.items():
+            signal.signal(sig, h)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("signum", [signal.SIGTERM])
 def test_a_signal_stops_the_prefect_server_and_ray_that_train_started(prefect_api, tmp_path: Path, signum: int) -> None:
     from tests_support import moving_overrides, tiny_overrides
 
@@ -322,8 +340,8 @@ def test_a_signal_stops_the_prefect_server_and_ray_that_train_started(prefect_ap
     finally:
         if proc.poll() is None:
             proc.kill()
-    # The stopped run's rerun reusing what it committed and training on: tests/test_ui.py (a lost Prefect
-    # server), test_disk_full.py (a full store), test_failures.py (a killed flow).
+    # The stopped run's rerun reusing what it committed and training on: test_disk_full.py (a full store, through
+    # the CLI), test_failures.py (a killed flow).
 
 
 def test_a_failed_batch_is_not_retried_but_a_lost_worker_is() -> None:

@@ -92,10 +92,10 @@ def test_a_world_size_that_does_not_split_the_mini_batch_is_one_line():
         load_config(None, [*tiny_overrides(), "ray.trainer_world_size=2"])
 
 
-def _checksums(store, run: str, iterations: int) -> dict[str, str]:
+def _checksums(store, run: str, iterations: int, extra: tuple[str, ...] = ()) -> dict[str, str]:
     out = {}
     for it in range(1, iterations + 1):
-        for stage in ("rollout", "reward", "advantage", "update", "eval"):
+        for stage in ("rollout", "reward", "advantage", "update", "eval", *extra):
             m = store.manifest(run, it, stage)
             assert m is not None, f"{stage} of iteration {it} not committed"
             out.update({f"{it}/{stage}/{name}": e.sha256 for name, e in m.files.items()})
@@ -128,8 +128,9 @@ def test_killed_trainer_ranks_are_rebuilt_to_identical_artifacts(prefect_api, tm
 
 def test_killed_role_workers_are_rebuilt_to_identical_artifacts(prefect_api, tmp_path):
     """SIGKILL of the rollout actor (placed apart) while it generates rollout 1 and eval 2, and of rank 0 while
-    it serves the reference (advantage 1), the critic (advantage 2) and the old log-probs (advantage 2): each
-    stage's retry rebuilds the role from the store, and every artifact equals an uninterrupted run's."""
+    it serves the reference (advantage 1), the critic (advantage 2) and the old log-probs (advantage 2), and
+    inside the critic's commit (iteration 1, between its files and its manifest): each stage's retry rebuilds
+    the role from the store, and every artifact equals an uninterrupted run's."""
     from flows.training import train
     from tasks.runtime import store_for
 
@@ -143,15 +144,18 @@ def test_killed_role_workers_are_rebuilt_to_identical_artifacts(prefect_api, tmp
     markers = tmp_path / "markers"
     markers.mkdir()
     points = ["rollout@rollout:1", "advantage@ref:1", "advantage@critic:2", "advantage@actor:2", "eval@rollout:2"]
-    killed = _cfg(tmp_path / "killed", "roles", *roles, f"drill.kill_worker_at={points}", f"drill.markers={markers}")
+    in_commit = "drill.kill_in_commit=['critic:1']"
+    killed = _cfg(tmp_path / "killed", "roles", *roles, f"drill.kill_worker_at={points}", in_commit, f"drill.markers={markers}")
     result = train(config=killed)
-    assert sorted(p.name for p in markers.iterdir()) == sorted(f"kill_worker_at-{p.replace(':', '-')}" for p in points)
+    fired = [f"kill_worker_at-{p.replace(':', '-')}" for p in points] + ["kill_in_commit-critic-1"]
+    assert sorted(p.name for p in markers.iterdir()) == sorted(fired)
     assert [h["iteration"] for h in result["history"]] == [0, 1, 2]
     store, ref_store = store_for(killed), store_for(reference)
     # A rollout actor's fresh load may round a log-prob by an ulp (see the placement test below): floats
-    # of rollouts and experience within 1e-5, everything else byte for byte.
+    # of rollouts and experience within 1e-5, everything else byte for byte (the critic's checkpoints too).
     floats = ("rollouts.parquet", "experience.parquet")
-    got, want = _checksums(store, "roles", 2), _checksums(ref_store, "roles", 2)
+    got, want = _checksums(store, "roles", 2, ("critic",)), _checksums(ref_store, "roles", 2, ("critic",))
+    assert any("/critic/" in k for k in got)
     assert {k: v for k, v in got.items() if not k.endswith(floats)} == {k: v for k, v in want.items() if not k.endswith(floats)}
     for k in (1, 2):
         a, b = (s_.read_table(s_.manifest("roles", k, "rollout"), "rollouts.parquet") for s_ in (store, ref_store))

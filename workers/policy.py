@@ -33,30 +33,16 @@ from infra.drill import WorkerDrill, fault_point, hold_point
 from infra.env import pid_alive
 from infra.store import ArtifactStore
 from schemas.config import ConfigError, RunConfig
-from schemas.manifest import Manifest, PolicyRef
+from schemas.manifest import MODEL_DIR, STATE_DIR, Manifest, PolicyRef, unsafe_checkpoint_file
 
 ROLES = ("policy", "ref", "critic")
 CRITIC_INIT = "critic-init:"  # a critic version made from a policy checkpoint plus a fresh value head
-MODEL_DIR = "model"  # the Hugging Face folder inside a checkpoint artifact
-STATE_DIR = "trainer_state"  # engines.checkpoint's files inside a checkpoint artifact
-LEGACY_STATE = "actor_state.pt"  # the pickled format of earlier versions: never loaded
-
-
-# What a checkpoint folder may hold: weights as safetensors, configs, tokenizers and templates as text.
-# Anything else (pickled .bin/.pt, Python files a remote-code model would import) is refused unread.
-SAFE_SUFFIXES = (".safetensors", ".json", ".txt", ".jinja", ".model", ".md")
 
 
 def check_loadable(manifest: Manifest, where: str) -> None:
     """Refuse a checkpoint holding a file whose loading could run code (one line naming it)."""
-    for name in sorted(manifest.files):
-        if name == LEGACY_STATE:
-            raise ConfigError(
-                f"checkpoint {where} holds a pickled {LEGACY_STATE} (an earlier format, unsafe to load); "
-                "replay its update to store it anew"
-            )
-        if not name.endswith(SAFE_SUFFIXES) and name.startswith((MODEL_DIR + "/", STATE_DIR + "/")):
-            raise ConfigError(f"checkpoint {where} holds {name}, a file type that is never loaded (not safetensors/JSON/text)")
+    if reason := unsafe_checkpoint_file(manifest, where):
+        raise ConfigError(reason)
 
 
 def iteration_seed(seed: int, iteration: int) -> int:
