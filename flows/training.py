@@ -321,9 +321,10 @@ def _run_iterations(cfg: RunConfig, store: ArtifactStore, first: int, last: int,
             # No heartbeats for an iteration's subflow: Prefect's heartbeat thread sleeps in 1 s steps and a
             # flow's end waits for it (the 1-second quantum of iteration walls); the run's own flow keeps its.
             with temporary_settings(updates={"flows.heartbeat_frequency": None}):
-                # A copy of the prompts' manifest: Prefect would link data prep's own result to every iteration
-                # (a fan-out from data prep); the graph chains the iterations instead.
-                outcome = one_iteration(cfg, it, prep.manifest.model_copy(deep=True), models, last, wait_for=after)
+                # The prompts' manifest rebuilt from JSON: Prefect links inputs to results by object id, and a
+                # deep copy keeps data prep's immutable values, drawing a fan-out from data prep to every iteration.
+                prompts = Manifest.model_validate_json(prep.manifest.model_dump_json())
+                outcome = one_iteration(cfg, it, prompts, models, last, wait_for=after)
             after = [outcome]  # a subflow's return value stands for its flow run
             if "update" in outcome.results:
                 r = outcome.results

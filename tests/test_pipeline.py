@@ -25,7 +25,11 @@ def first_run(prefect_api, tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("pipeline")
     cfg = _cfg(tmp)
-    return cfg, train(config=cfg)
+    state = train(config=cfg, return_state=True)
+    # Where data prep executed, its result's values are in the prompts every iteration gets: still a chain.
+    graph = flow_graph(state)
+    assert graph["it-iter-1"] == {"it-iter-0"} and graph["it-iter-2"] == {"it-iter-1"}
+    return cfg, state.result()
 
 
 def test_two_iterations_commit_every_artifact(first_run):
