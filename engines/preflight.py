@@ -11,7 +11,6 @@ import importlib.util
 import json
 from pathlib import Path
 
-from engines.reward_model import check_reward_model_path, check_server
 from engines.rewards import check_reward_fn
 from engines.tools import ToolConfigError, check_agent_template, check_parameters_schema, resolve_callable
 from schemas.config import ConfigError, RunConfig
@@ -93,6 +92,9 @@ def check_reward_model(cfg: RunConfig) -> None:
     rm = cfg.reward_model
     if not rm.enable:
         return
+    # Imported here: it imports torch, which a command without a reward model need not pay for.
+    from engines.reward_model import check_reward_model_path, check_server
+
     if rm.model.path is not None:
         problem = check_reward_model_path(rm.model.path)
         if problem is not None:

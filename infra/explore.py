@@ -19,7 +19,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import polars as pl
-import pyarrow.dataset as ds
 
 from infra.store import MAIN, ArtifactStore, StoreError
 from schemas.manifest import Manifest
@@ -85,6 +84,8 @@ class Experience:
         return [m for m in found if m is not None]
 
     def _scan(self, m: Manifest) -> pl.LazyFrame:
+        import pyarrow.dataset as ds  # here: the CLI's parser imports this module for its query names
+
         uri = self.store.uri(m, STAGE_FILES[m.stage])
         dataset = ds.dataset(self.store.fs._strip_protocol(uri), format="parquet", filesystem=self.store.fs)
         rows = m.files[STAGE_FILES[m.stage]].rows

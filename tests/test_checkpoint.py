@@ -31,21 +31,20 @@ def test_resume_between_checkpoints_matches_an_uninterrupted_run(prefect_api, tm
     from flows.training import train
     from tasks.runtime import store_for
 
-    reference = train(config=_cfg(tmp_path / "ref", 3))
+    reference = train(config=_cfg(tmp_path / "ref", 2))
     # Stopped after iteration 1, between checkpoints: the policy worker dies with the flow.
     train(config=_cfg(tmp_path / "res", 1))
-    store = store_for(_cfg(tmp_path / "res", 3))
+    store = store_for(_cfg(tmp_path / "res", 2))
     first = store.manifest("ck", 1, "update")
     assert first.meta["between_checkpoints"] and "trainer_state/trainer_state.json" not in first.files
-    resumed = train(config=_cfg(tmp_path / "res", 3))
+    resumed = train(config=_cfg(tmp_path / "res", 2))
     # iteration 2 rebuilt the policy of iteration 1 from its stored experience, not by rerunning the stage
     assert "iter-1/update" not in resumed["executed"] and "iter-2/rollout" in resumed["executed"]
-    assert _checksums(store, 3) == _checksums(store_for(_cfg(tmp_path / "ref", 3)), 3)
+    assert _checksums(store, 2) == _checksums(store_for(_cfg(tmp_path / "ref", 2)), 2)
     losses = [h.get("actor/pg_loss") for h in resumed["history"] if h["iteration"] > 1]
     assert losses == [h.get("actor/pg_loss") for h in reference["history"] if h["iteration"] > 1]
     assert all(h["actor/grad_norm"] > 0 for h in resumed["history"] if h["iteration"] > 1)  # the policy moved
     assert "trainer_state/trainer_state.json" in store.manifest("ck", 2, "update").files  # the k-th update is a checkpoint
-    assert "trainer_state/trainer_state.json" not in store.manifest("ck", 3, "update").files
 
     # A replay of iteration 2's rollout needs the policy of iteration 1: rebuilt, same checksums.
     assert replay(run_name="ck", iteration=2, stage="rollout", store_root=str(tmp_path / "res"))["identical"]

@@ -18,6 +18,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -155,7 +156,7 @@ def kill_leftovers(marker: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory) -> Iterator[Stack]:
+def stack(tmp_path_factory, migrated_prefect_home) -> Iterator[Stack]:
     from infra.prefect_server import start_prefect_server
 
     tmp = tmp_path_factory.mktemp("deployments")
@@ -169,7 +170,7 @@ def stack(tmp_path_factory) -> Iterator[Stack]:
             # (the nightly cron would otherwise queue runs; the schedule itself is checked below).
             mp.delenv("PREFECT_API_URL", raising=False)
             mp.setenv("PREFECT_SERVER_SERVICES_SCHEDULER_ENABLED", "false")
-            server = start_prefect_server(tmp / "prefect-home")
+            server = start_prefect_server(migrated_prefect_home(tmp / "prefect-home"))
         env = _stack_env(server.url, server.home, ray_tmp)
         _ok(_cli(env, "work-pool", "create", POOL, "--type", "process"), "prefect work-pool create")
         worker_log = tmp / "worker.log"
@@ -338,12 +339,18 @@ def test_eval_and_data_prep_deployments(deployed: Stack):
     store = ArtifactStore(str(stack.store))
     params = _train_params(stack)
     params["overrides"] = [*params["overrides"][1:], "run_name=prepared"]
-    run_deployment(stack, "rlstage-data-prep/data-prep", params)
+    # Both at once: the worker runs each in a process of its own, and they touch different runs.
+    with ThreadPoolExecutor(2) as pool:
+        runs = [
+            pool.submit(run_deployment, stack, "rlstage-data-prep/data-prep", params),
+            pool.submit(run_deployment, stack, "rlstage-eval/eval", {"run_name": RUN, "store_root": str(stack.store)}),
+        ]
+        for run in runs:
+            run.result()
     prompts = store.manifest("prepared", None, "data_prep")
     assert prompts is not None and store.read_table(prompts, "test.parquet").num_rows > 0
     assert store.manifest("prepared", 1, "rollout") is None  # data prep only
 
-    run_deployment(stack, "rlstage-eval/eval", {"run_name": RUN, "store_root": str(stack.store)})
     last = max(it for it in store.iterations(RUN) if store.manifest(RUN, it, "update") is not None)
     siblings = [v for v in store.versions(RUN, last, "eval") if v.startswith("eval-")]
     assert len(siblings) == 1, siblings

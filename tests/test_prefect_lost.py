@@ -52,7 +52,7 @@ def test_a_failure_while_the_server_answers_is_the_failure_itself():
 
 
 @pytest.mark.slow
-def test_a_server_killed_mid_run_is_one_line_and_the_rerun_continues(prefect_api, tmp_path):
+def test_a_server_killed_mid_run_is_one_line_and_the_rerun_continues(migrated_prefect_home, tmp_path):
     """Through the CLI, on its own server: SIGKILL the server once the SFT is committed; the command stops with
     the line (exit 3, no traceback, no half-written artifact) and the same command then trains on from the SFT."""
     from safetensors.torch import load
@@ -61,6 +61,7 @@ def test_a_server_killed_mid_run_is_one_line_and_the_rerun_continues(prefect_api
     from schemas.config import load_config
     from schemas.stages import kit_run_name
 
+    migrated_prefect_home(tmp_path / ".rlstage" / "prefect")  # the command's home
     env = {
         k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API", "PREFECT_HOME", "RLSTAGE_"))
     }

@@ -78,7 +78,7 @@ def _wait_final(client, run_id, stack: Stack):
     assert state.type.value == "COMPLETED", f"{state}\nworker log:\n{_tail(stack.worker_log)}"
 
 
-def test_nightly_schedule_fires_and_continues_the_run(tmp_path, monkeypatch):
+def test_nightly_schedule_fires_and_continues_the_run(tmp_path, monkeypatch, migrated_prefect_home):
     from prefect.client.orchestration import SyncPrefectClient
 
     from infra.prefect_server import start_prefect_server
@@ -88,7 +88,7 @@ def test_nightly_schedule_fires_and_continues_the_run(tmp_path, monkeypatch):
     monkeypatch.delenv("PREFECT_API_URL", raising=False)
     for k, v in SCHEDULER_ENV.items():
         monkeypatch.setenv(k, v)
-    server = start_prefect_server(tmp_path / "prefect-home")
+    server = start_prefect_server(migrated_prefect_home(tmp_path / "prefect-home"))
     worker = None
     try:
         env = {**_stack_env(server.url, server.home, ray_tmp), "PREFECT_WORKER_PREFETCH_SECONDS": "2"}

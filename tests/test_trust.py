@@ -308,8 +308,10 @@ def test_sigint_and_sigterm_take_the_same_way_out() -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGTERM])
-def test_a_signal_stops_the_prefect_server_and_ray_that_train_started(prefect_api, tmp_path: Path, signum: int) -> None:
+def test_a_signal_stops_the_prefect_server_and_ray_that_train_started(migrated_prefect_home, tmp_path: Path, signum: int) -> None:
     from tests_support import moving_overrides, tiny_overrides
+
+    migrated_prefect_home(tmp_path / ".rlstage" / "prefect")  # the command's home
 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API", "PREFECT_HOME", "RLSTAGE_"))}
     env["PYTHONPATH"] = str(Path(__file__).resolve().parent.parent)

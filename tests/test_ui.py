@@ -27,8 +27,9 @@ RUN = "seen"
 
 
 @pytest.fixture(scope="module")
-def ui(tmp_path_factory):
+def ui(tmp_path_factory, migrated_prefect_home):
     tmp = tmp_path_factory.mktemp("ui")
+    migrated_prefect_home(tmp / "home" / "prefect")
     drop = ("PREFECT_API_URL", "PREFECT_HOME", "MLFLOW_TRACKING_URI", "RLSTAGE_", "PREFECT_LOGGING_TO_API")
     env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
     env.update(RLSTAGE_HOME=str(tmp / "home"), PYTHONPATH=str(REPO))
