@@ -156,11 +156,12 @@ def check_checkpoints(store: ArtifactStore, run: str, iteration: int | None) -> 
 
 
 def check_policy(store: ArtifactStore, cfg: RunConfig, iteration: int) -> None:
-    """The checkpoints of the policy after ``iteration``; 0 is the run's start, the kit's SFT (shared by every run
-    with the same SFT settings) unless ``model.path`` names a folder (checked as an input)."""
+    """The checkpoints a command would load: the policy after ``iteration``, and the run's start (its reference
+    policy too), the kit's SFT shared by every run with the same SFT settings, unless ``model.path`` names a folder
+    (checked as an input)."""
     if iteration:
         check_checkpoints(store, cfg.run_name, iteration)
-    elif cfg.model.path is None:
+    if cfg.model.path is None:
         check_checkpoints(store, kit_run_name(cfg), None)
 
 

@@ -122,6 +122,8 @@ def _world(w: Path) -> dict[str, str]:
     store.commit("pickled", None, "data_prep", tables={"train.parquet": pa.table({"x": [1]}), "test.parquet": pa.table({"x": [1]})}, **kw)
     payload = pickle.dumps(_Payload(p["marker"]))
     store.commit("pickled", 1, "update", blobs={**pickled, "actor_state.pt": payload}, **kw)
+    record_run_config(store, RunConfig(run_name="resumed"))  # its own checkpoint clean; its reference is the kit
+    store.commit("resumed", 1, "update", blobs=pickled, **kw)
     kit = kit_run_name(RunConfig(run_name="fresh"))
     store.commit(kit, None, "sft", blobs={**pickled, "model/pytorch_model.bin": payload}, **kw)
     # A run that has run its length, over which its lr decays.
@@ -220,6 +222,7 @@ CASES: list[tuple[str, list[str], dict[str, str], str]] = [
     ("pickle in a nightly's checkpoint", ["nightly", "pickled", "--store", "{store}"], {}, r"checkpoint .*/pickled/iter-0+1/update holds a pickled actor_state\.pt"),
     ("pickle in an evaluated checkpoint", ["eval", "pickled", "-i", "1", "--store", "{store}"], {}, r"checkpoint .*/pickled/iter-0+1/update holds a pickled actor_state\.pt"),
     ("pickle in the shared SFT kit", ["train", "run_name=fresh", "store.root={store}"], {}, r"checkpoint .*/kit-\w+/.*sft holds model/pytorch_model\.bin, a file type that is never loaded"),
+    ("pickle in a resumed run's reference", ["train", "run_name=resumed", "store.root={store}", "trainer.iterations=2"], {}, r"checkpoint .*/kit-\w+/.*sft holds model/pytorch_model\.bin"),
     ("stored tool: replay", ["replay", "eviltool", "1", "rollout", "--store", "{store}"], {}, r"agent\.tools\.0\.callable: 'evil_tool:score' comes from the stored config"),
 ]  # fmt: skip
 
