@@ -29,10 +29,15 @@ class InputError(ValueError):
 # ---------------------------------------------------------------- the run's config
 
 
+def stage_reads(cfg: RunConfig, path: str) -> bool:
+    """Whether some stage's config view holds ``path`` (its output then depends on it)."""
+    return any(covers(path, view_paths(cfg, s)) for s in STAGES)
+
+
 def _identity(cfg: RunConfig) -> dict:
     dump = cfg.model_dump(mode="json")
     for path in RUN_MUTABLE:
-        if any(covers(path, view_paths(cfg, s)) for s in STAGES):
+        if stage_reads(cfg, path):
             continue
         node = dump
         *parents, leaf = path.split(".")
@@ -135,7 +140,7 @@ def continuation_end(cfg: RunConfig, done: int, iterations: int) -> int:
     """The last iteration a continuation by ``iterations`` after ``done`` runs to. A run whose stages read its
     length (a decaying lr derives its steps from ``trainer.iterations``) continues only up to that planned
     length: past it, every earlier step's lr would have been another."""
-    if not any(covers("trainer.iterations", view_paths(cfg, s)) for s in STAGES):
+    if not stage_reads(cfg, "trainer.iterations"):
         return done + iterations
     if done >= cfg.trainer.iterations:
         raise ConfigError(

@@ -87,10 +87,10 @@ def _check_services() -> None:
         check_prefect_api(os.environ["PREFECT_API_URL"])
 
 
-def _check_new_run(cfg, tracking: bool = True) -> None:
-    """Inputs, store and services of a train / data-prep command, checked before any flow run."""
+def _check_new_run(cfg, tracking: bool = True):
+    """Inputs, store and services of a train / data-prep command, checked before any flow run; returns the store."""
     from engines.preflight import preflight
-    from flows.checks import check_inputs, check_policy, check_run_config, last_completed_iteration
+    from flows.checks import check_inputs, check_run_config
     from infra.store import ArtifactStore
 
     check_inputs(cfg)
@@ -98,17 +98,20 @@ def _check_new_run(cfg, tracking: bool = True) -> None:
     store = ArtifactStore(cfg.store.root, cfg.store.storage_options, cfg.store.retries)
     store.check_writable()
     check_run_config(store, cfg)
-    check_policy(store, cfg, last_completed_iteration(store, cfg.run_name))  # what the run would start from
     if tracking:
         from infra.tracking import check_reachable, tracking_uri_for
 
         check_reachable(tracking_uri_for(cfg))
     _check_services()
+    return store
 
 
 def cmd_train(args) -> int:
+    from flows.checks import check_policy, last_completed_iteration
+
     cfg = _load(args)
-    _check_new_run(cfg)
+    store = _check_new_run(cfg)
+    check_policy(store, cfg, last_completed_iteration(store, cfg.run_name))  # what the run would start from
     with prefect_api():
         from flows.training import train
 
