@@ -38,13 +38,27 @@ class TorchActor(MiniBatchTrainer):
     def compute_log_probs(
         self, prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]], temperature: float
     ) -> list[list[float]]:
+        return self._no_grad_pass(prompt_ids, response_ids, temperature, False)[0]
+
+    @torch.no_grad()
+    def compute_log_probs_and_sum_pi_squared(
+        self, prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]], temperature: float
+    ) -> tuple[list[list[float]], list[list[float]]]:
+        """Log-probs and, per token, the sum over the vocabulary of pi^2 (verl's ``calculate_sum_pi_squared``),
+        from one forward."""
+        return self._no_grad_pass(prompt_ids, response_ids, temperature, True)
+
+    def _no_grad_pass(self, prompt_ids, response_ids, temperature: float, sum_pi_squared: bool) -> tuple[list, list]:
         self.model.eval()
-        out: list[list[float] | None] = [None] * len(prompt_ids)
+        logps: list = [None] * len(prompt_ids)
+        sq: list = [None] * len(prompt_ids)
         for ids, inputs in self._no_grad_chunks(prompt_ids, response_ids):
-            logp, _ = response_log_probs(self.model, inputs, temperature)
+            logp, s2 = response_log_probs(self.model, inputs, temperature, with_sum_pi_squared=sum_pi_squared)
             for row, i in enumerate(ids):
-                out[i] = logp[row, : len(response_ids[i])].tolist()
-        return out
+                logps[i] = logp[row, : len(response_ids[i])].tolist()
+                if s2 is not None:
+                    sq[i] = s2[row, : len(response_ids[i])].tolist()
+        return logps, sq
 
     def update(self, batch: dict[str, list], temperature: float, seed: int) -> dict[str, float]:
         """PPO epochs over shuffled mini-batches; one optimizer step per mini-batch.

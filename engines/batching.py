@@ -139,10 +139,23 @@ def response_logits(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> 
     return out.logits[:, P - 1 : P + R - 1, :]
 
 
+def sum_pi_squared_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """``sum_v pi_v^2`` per position, as verl's ``calculate_sum_pi_squared_from_logits``: computed in log space,
+    ``exp(logsumexp(2 z) - 2 logsumexp(z))``, from the temperature-scaled logits the log-probs come from."""
+    return torch.exp(torch.logsumexp(2 * logits, dim=-1) - 2 * torch.logsumexp(logits, dim=-1))
+
+
 def response_log_probs(
-    model: torch.nn.Module, inputs: dict[str, torch.Tensor], temperature: float, with_entropy: bool = False
+    model: torch.nn.Module,
+    inputs: dict[str, torch.Tensor],
+    temperature: float,
+    with_entropy: bool = False,
+    with_sum_pi_squared: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs of the response tokens under ``model`` at ``temperature`` (as the sampler saw them)."""
+    """Log-probs of the response tokens under ``model`` at ``temperature`` (as the sampler saw them), and
+    per token the entropy (``with_entropy``) or the sum of pi^2 over the vocabulary (``with_sum_pi_squared``)."""
+    if with_entropy and with_sum_pi_squared:
+        raise ValueError("response_log_probs gives one per-token statistic: the entropy or the sum of pi^2")
     logits = response_logits(model, inputs).float()
     if temperature > 0:
         logits = logits / temperature
@@ -153,6 +166,8 @@ def response_log_probs(
         P, R = inputs["prompt_width"], inputs["response_width"]
         targets = inputs["input_ids"][:, P : P + R]
     logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    if with_sum_pi_squared:
+        return logp, sum_pi_squared_from_logits(logits)
     entropy = None
     if with_entropy:
         entropy = -(logp_all.exp() * logp_all).sum(-1)

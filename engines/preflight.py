@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from pathlib import Path
 
 from engines.rewards import check_reward_fn
@@ -100,6 +101,9 @@ def check_reward_model(cfg: RunConfig) -> None:
         if problem is not None:
             raise ConfigError(f"config error: reward_model.model.path: {problem}")
     if rm.server.url is not None:
+        key = rm.server.api_key_env
+        if key is not None and not os.environ.get(key):
+            raise ConfigError(f"config error: reward_model.server.api_key_env: the environment variable {key} is not set")
         problem = check_server(rm.server.url, rm.server.timeout_s)
         if problem is not None:
             raise ConfigError(f"config error: reward_model.server.url: {problem}")

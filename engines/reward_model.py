@@ -1,17 +1,21 @@
 """Learned rewards: a Hugging Face sequence-classification model, or a scorer behind a loopback HTTP endpoint.
 
 The model scores prompt + response on the last non-pad token (verl's ``reward_model`` convention: one
-logit, ``num_labels=1``), batched by count or by a token budget with ``engines/batching.py``. The HTTP
+logit, ``num_labels=1``), batched by count or by a token budget with ``engines/batching.py``. The plain HTTP
 backend sends ``{"prompts": [...], "responses": [...]}`` and reads ``{"scores": [...]}``; a request that
-fails or times out errors only its own samples, a null score errors only its sample.
+fails or times out errors only its own samples, a null score errors only its sample. The judge backend asks
+an OpenAI-style chat-completions endpoint, one greedy request per sample, and reads the first number of the
+reply; a failed request or a reply without a number errors only its sample.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import socket
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -123,6 +127,17 @@ def _post(url: str, prompts: list[str], responses: list[str], timeout_s: float) 
     return scores
 
 
+# What a failed request can raise: the samples it carried get the error, the others are unaffected.
+_REQUEST_ERRORS = (urllib.error.URLError, OSError, ValueError, KeyError, IndexError, TypeError)
+
+
+def _request_error(err: BaseException, timeout_s: float) -> str:
+    reason = getattr(err, "reason", None) if isinstance(err, urllib.error.URLError) else None
+    if isinstance(err, TimeoutError) or isinstance(reason, TimeoutError):
+        return f"timeout: reward server took over {timeout_s:g}s"
+    return f"reward server: {type(err).__name__}: {err}"
+
+
 def score_server(url: str, prompts: list[str], responses: list[str], *, timeout_s: float, batch_size: int) -> list[RMScore]:
     """Each sample's score from the server; a failed request errors its samples, a non-number score its sample."""
     out: list[RMScore] = []
@@ -130,20 +145,63 @@ def score_server(url: str, prompts: list[str], responses: list[str], *, timeout_
         p, r = prompts[u : u + batch_size], responses[u : u + batch_size]
         try:
             scores = _post(url, p, r, timeout_s)
-        except TimeoutError:
-            out += [RMScore(0.0, f"timeout: reward server took over {timeout_s:g}s")] * len(p)
-            continue
-        except (urllib.error.URLError, OSError, ValueError, KeyError) as err:
-            reason = getattr(err, "reason", None) if isinstance(err, urllib.error.URLError) else None
-            if isinstance(reason, TimeoutError):
-                out += [RMScore(0.0, f"timeout: reward server took over {timeout_s:g}s")] * len(p)
-            else:
-                out += [RMScore(0.0, f"reward server: {type(err).__name__}: {err}")] * len(p)
+        except _REQUEST_ERRORS as err:
+            out += [RMScore(0.0, _request_error(err, timeout_s))] * len(p)
             continue
         for s in scores:
             ok = isinstance(s, (int, float)) and not isinstance(s, bool)
             out.append(RMScore(float(s)) if ok else RMScore(0.0, f"reward server returned a non-number score {s!r}"))
     return out
+
+
+_NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?")
+
+
+@dataclass(frozen=True)
+class Judge:
+    """An OpenAI-style chat-completions endpoint asked to score each sample (``reward_model.server``)."""
+
+    url: str  # the endpoint itself, e.g. http://127.0.0.1:8000/v1/chat/completions
+    model: str
+    judge_prompt: str  # {prompt} and {response} are filled in (by replacement: other braces stay as written)
+    score_scale: float
+    max_tokens: int
+    timeout_s: float
+    concurrency: int
+    api_key: str | None = None
+
+    def _ask(self, prompt: str, response: str) -> str:
+        content = self.judge_prompt.replace("{prompt}", prompt).replace("{response}", response)
+        body = {
+            "model": self.model,
+            "messages": [{"role": "user", "content": content}],
+            "temperature": 0.0,  # a judge's verdict should not be sampled
+            "max_tokens": self.max_tokens,
+        }
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        req = urllib.request.Request(self.url, data=json.dumps(body).encode(), headers=headers, method="POST")
+        with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+            reply = json.loads(resp.read())["choices"][0]["message"]["content"]
+        if not isinstance(reply, str):
+            raise ValueError(f"the judge's message content is {type(reply).__name__}, not text")
+        return reply
+
+    def score_one(self, prompt: str, response: str) -> RMScore:
+        try:
+            reply = self._ask(prompt, response)
+        except _REQUEST_ERRORS as err:
+            return RMScore(0.0, _request_error(err, self.timeout_s))
+        number = _NUMBER.search(reply)
+        if number is None:
+            return RMScore(0.0, f"judge reply has no number: {reply[:80]!r}")
+        return RMScore(float(number.group()) / self.score_scale)
+
+    def scores(self, prompts: list[str], responses: list[str]) -> list[RMScore]:
+        """Each sample's score, ``concurrency`` requests at a time, in the samples' order."""
+        with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
+            return list(pool.map(self.score_one, prompts, responses))
 
 
 # ---------------------------------------------------------------- a tiny reward model for the kit

@@ -32,8 +32,7 @@ NEEDS_GROUPS = {
     "grpo", "grpo_vectorized", "rloo", "rloo_vectorized", "reinforce_plus_plus_baseline", "opo", "gpg",
     "grpo_passk", "gdpo", "optimal_token_baseline", "tir_optimal_token_baseline",
 }  # fmt: skip
-# Estimators that need the old policy's sum over the vocabulary of pi^2 per token, which the old-log-prob
-# pass does not compute: usable as engine functions, refused in a run.
+# Estimators that need the old policy's sum over the vocabulary of pi^2 per token (actor.calculate_sum_pi_squared).
 NEEDS_SUM_PI_SQUARED = {"optimal_token_baseline", "tir_optimal_token_baseline"}
 
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
@@ -144,6 +143,9 @@ class DataConfig(_Section):
     train_path: str | None = None
     test_path: str | None = None
     prompts_per_iteration: int = Field(64, ge=1)
+    # verl's data.gen_batch_size: prompts per generation round of dynamic sampling (None: prompts_per_iteration);
+    # the kept groups are trimmed to prompts_per_iteration (verl's train_batch_size).
+    gen_batch_size: int | None = Field(None, ge=1)
     eval_size: int | None = Field(None, ge=1)  # held-out prompts per eval (None: all)
     max_prompt_length: int = Field(256, ge=1)
     shuffle_seed: int = 0
@@ -207,11 +209,37 @@ class RewardModelPathConfig(_Section):
     path: str | None = None  # a Hugging Face sequence-classification folder (num_labels=1), loaded by its worker
 
 
+DEFAULT_JUDGE_PROMPT = (
+    "Score the response to the task below from 0 to 10, where 10 means fully correct. "
+    "Reply with the number only.\n\nTask: {prompt}\n\nResponse: {response}"
+)
+
+
 class RewardServerConfig(_Section):
-    # A loopback HTTP scorer: POST {"prompts": [...], "responses": [...]} -> {"scores": [...]}.
+    """A scorer over HTTP. ``api: plain``: POST {"prompts": [...], "responses": [...]} -> {"scores": [...]},
+    ``batch_size`` samples per request. ``api: openai_chat``: a generative judge behind an OpenAI-style
+    chat-completions endpoint (vLLM's, SGLang's, a hosted one), one request per sample, the first number
+    of the reply divided by ``score_scale`` as the score."""
+
     url: str | None = None
+    api: Literal["plain", "openai_chat"] = "plain"
     timeout_s: float = Field(10.0, gt=0)  # per request; a timed-out or failed request errors its samples only
-    batch_size: int = Field(32, ge=1)  # samples per request
+    batch_size: int = Field(32, ge=1)  # plain: samples per request
+    model: str | None = None  # openai_chat: the judge's model name (required)
+    judge_prompt: str = DEFAULT_JUDGE_PROMPT  # openai_chat: the user message; {prompt} and {response} are filled in
+    score_scale: float = Field(10.0, gt=0)  # openai_chat: the reply's number / score_scale is the score
+    max_tokens: int = Field(16, ge=1)  # openai_chat: the judge's reply length (greedy: temperature 0)
+    concurrency: int = Field(8, ge=1)  # openai_chat: requests in flight at once
+    # The environment variable holding a bearer token: the name only, since the config is stored with the run.
+    api_key_env: str | None = None
+
+    @model_validator(mode="after")
+    def _judge(self) -> RewardServerConfig:
+        if self.api == "openai_chat" and not self.model:
+            raise ValueError("reward_model.server.api=openai_chat needs reward_model.server.model (the judge's model name)")
+        if "{response}" not in self.judge_prompt:
+            raise ValueError("reward_model.server.judge_prompt must contain {response} (and usually {prompt})")
+        return self
 
 
 class RewardModelConfig(_Section):
@@ -341,6 +369,8 @@ class ActorConfig(_Section):
     kl_loss_coef: float = Field(0.001, ge=0)
     kl_loss_type: KLType = "low_var_kl"
     shuffle: bool = True
+    # The old-log-prob pass also returns sum_v pi_v^2 per token (optimal_token_baseline needs it), as verl's.
+    calculate_sum_pi_squared: bool = False
 
 
 class CriticConfig(_Section):
@@ -509,10 +539,10 @@ class RunConfig(_Section):
             raise ValueError(f"algorithm.adv_estimator={est} needs a critic, which is not configured (critic.enable)")
         if est in NEEDS_GROUPS and self.rollout.n < 2:
             raise ValueError(f"rollout.n={self.rollout.n}: algorithm.adv_estimator={est} needs groups of n >= 2")
-        if est in NEEDS_SUM_PI_SQUARED:
+        if est in NEEDS_SUM_PI_SQUARED and not self.actor.calculate_sum_pi_squared:
             raise ValueError(
-                f"algorithm.adv_estimator={est} needs the old policy's sum of pi^2 over the vocabulary per token, "
-                "which the pipeline's old-log-prob pass does not compute"
+                f"algorithm.adv_estimator={est} needs the old policy's sum of pi^2 over the vocabulary per token: "
+                "set actor.calculate_sum_pi_squared=true (verl's name) so the old-log-prob pass returns it"
             )
         fg = self.algorithm.filter_groups
         if fg.enable and fg.max_num_gen_batches == 0:
@@ -529,6 +559,13 @@ class RunConfig(_Section):
             raise ValueError(
                 "algorithm.filter_groups.metric=seq_final_reward with algorithm.use_kl_in_reward: the KL penalty is "
                 "applied after the filter (advantage stage); filter on seq_reward"
+            )
+        gen = self.data.gen_batch_size
+        if gen is not None and gen != self.data.prompts_per_iteration and not fg.enable:
+            raise ValueError(
+                f"data.gen_batch_size={gen} differs from data.prompts_per_iteration={self.data.prompts_per_iteration} "
+                "without algorithm.filter_groups.enable: every generated prompt is trained on, so set "
+                "data.prompts_per_iteration instead"
             )
         if self.actor.policy_loss == "dro" and self.actor.dro_beta is None:
             raise ValueError("actor.policy_loss=dro needs actor.dro_beta (> 0)")

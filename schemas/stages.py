@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from schemas.config import RunConfig
+from schemas.config import NEEDS_SUM_PI_SQUARED, RunConfig
 
 # Where and how a run executes, never what a stage computes: readable by every stage, never hashed.
 EXECUTION = ("run_name", "store", "ray", "tracking", "drill")
@@ -93,7 +93,7 @@ def _reward_extra(v: ConfigView) -> tuple[str, ...]:
 
 
 _ROLLOUT = (
-    "data.prompts_per_iteration", "data.shuffle_seed", "rollout.n", "rollout.temperature", *_SAMPLING, *_ENGINE,
+    "data.prompts_per_iteration", "data.gen_batch_size", "data.shuffle_seed", "rollout.n", "rollout.temperature", *_SAMPLING, *_ENGINE,
     "algorithm.adv_estimator", "agent.enable", *_WORKER,
 )  # fmt: skip
 _REWARD = ("reward", "reward_model.enable")
@@ -160,7 +160,9 @@ SPECS: tuple[StageSpec, ...] = (
             "algorithm", "rollout.temperature", "rollout.max_logprob_gap", "rollout.engine", "critic.enable",
             *_ACTOR_PASS, *_WORKER,
         ),  # fmt: skip
-        reads_if=lambda v: _CRITIC_PASS if v.critic.enable else (),
+        # optimal_token_baseline needs sum pi^2 from the old-log-prob pass (config load requires the flag)
+        reads_if=lambda v: (_CRITIC_PASS if v.critic.enable else ())
+        + (("actor.calculate_sum_pi_squared",) if v.algorithm.adv_estimator in NEEDS_SUM_PI_SQUARED else ()),
         inputs=("rollouts", "rewards", "policy", "ref", "critic", "prev_experience"),
         optional=("ref", "critic", "prev_experience"),
         output="experience",

@@ -10,6 +10,7 @@ it reads only what its cache key hashes. Retries and Ray resources come from
 from __future__ import annotations
 
 import functools
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,7 +32,7 @@ from engines.cursor import extra_prompt_batch, prompt_batch
 from engines.tools import agent_tokenizer
 from infra.drill import fault_point
 from schemas import artifacts as A
-from schemas.config import RunConfig
+from schemas.config import NEEDS_SUM_PI_SQUARED, RunConfig
 from schemas.manifest import Manifest, PolicyRef
 from schemas.stages import ConfigView, spec, stage_view, view_hash, whole_config
 from tasks.runtime import code_version, stage_key, store_for
@@ -186,13 +187,18 @@ def _sampling(cfg: ConfigView, iteration: int, n: int | None = None, greedy: boo
 
 
 # ---------------------------------------------------------------- rollout
+def prompts_per_round(cfg: ConfigView) -> int:
+    """Prompts a generation round draws: verl's data.gen_batch_size, by default the trained batch's prompts."""
+    return cfg.data.gen_batch_size or cfg.data.prompts_per_iteration
+
+
 @stage_task("rollout")
 def rollout(
     cfg: ConfigView, iteration: int, prompts: Manifest, policy: PolicyRef, version: str = "main", meta: dict | None = None
 ) -> StageResult:
     def produce() -> StageOutput:
         train = _read(cfg, prompts, "train.parquet")
-        rows = prompt_batch(train.num_rows, iteration, cfg.data.prompts_per_iteration, cfg.data.shuffle_seed)
+        rows = prompt_batch(train.num_rows, iteration, prompts_per_round(cfg), cfg.data.shuffle_seed)
         return generate_round(cfg, iteration, train.take(rows).to_pylist(), policy, version)
 
     inputs = {"prompts": prompts.artifact_id, "policy": policy.version}
@@ -211,7 +217,7 @@ def generate_round(
         # ReMax's baseline: one greedy answer per prompt, scored like the samples (sample_index -1).
         greedy, _ = _complete(cfg, group, policy.version, batch, _sampling(cfg, iteration, n=1, greedy=True, round_=round_))
         comps += [{**c, "sample_index": -1} for c in greedy]
-    table = _rollouts_table(batch, comps, iteration, round_, cfg.data.prompts_per_iteration)
+    table = _rollouts_table(batch, comps, iteration, round_, prompts_per_round(cfg))
     lengths = np.array(table.column("response_length").to_pylist())
     clipped = np.array([f == "length" for f in table.column("finish_reason").to_pylist()])
     # Multi-turn: turns, tool calls and their failures, model vs tool time (the stage's own lengths win).
@@ -287,8 +293,16 @@ def rm_scores(cfg: ConfigView, prompts: list[str], responses: list[str]) -> list
     """The reward model's score of each sample: the model's worker, or the configured HTTP server."""
     rm = cfg.reward_model
     if rm.server.url is not None:
-        got = reward_model.score_server(rm.server.url, prompts, responses, timeout_s=rm.server.timeout_s, batch_size=rm.server.batch_size)
-        results = [rewards.RewardResult(g.score, "reward_model.server", g.error) for g in got]
+        srv = rm.server
+        if srv.api == "openai_chat":
+            got = reward_model.Judge(
+                srv.url, srv.model, srv.judge_prompt, srv.score_scale, srv.max_tokens, srv.timeout_s, srv.concurrency,
+                api_key=os.environ.get(srv.api_key_env) if srv.api_key_env else None,
+            ).scores(prompts, responses)  # fmt: skip
+        else:
+            got = reward_model.score_server(srv.url, prompts, responses, timeout_s=srv.timeout_s, batch_size=srv.batch_size)
+        source = "reward_model.judge" if srv.api == "openai_chat" else "reward_model.server"
+        results = [rewards.RewardResult(g.score, source, g.error) for g in got]
         rewards.check_failures(results, cfg.reward.stop_failure_share)
         return results
     from workers.reward_model import open_reward_model
@@ -383,9 +397,9 @@ def filter_groups(
     meta: dict | None = None,
 ) -> StageResult:
     """Drop the groups without signal from the rollout and reward stages' round, generate and score further
-    rounds of prompts until ``data.prompts_per_iteration`` groups have signal, and commit the trimmed batch
+    rounds of ``data.gen_batch_size`` prompts until ``data.prompts_per_iteration`` groups have signal, and commit the trimmed batch
     (which the later stages read in place of the rollouts and rewards) with every round's groups and verdicts."""
-    fg, per_round = cfg.algorithm.filter_groups, cfg.data.prompts_per_iteration
+    fg, per_round = cfg.algorithm.filter_groups, prompts_per_round(cfg)
 
     def produce() -> StageOutput:
         train = _read(cfg, prompts, "train.parquet")
@@ -399,7 +413,7 @@ def filter_groups(
             return dynamic_sampling.GenRound(table, score_round(cfg, table).tables["rewards.parquet"])
 
         first = dynamic_sampling.GenRound(_read(cfg, rollouts, "rollouts.parquet"), _read(cfg, rewards_m, "rewards.parquet"))
-        sel = dynamic_sampling.select_groups(first, extra_round, per_round, fg.max_num_gen_batches, fg.metric)
+        sel = dynamic_sampling.select_groups(first, extra_round, cfg.data.prompts_per_iteration, fg.max_num_gen_batches, fg.metric)
         extra = sel.rounds[1:]
         return StageOutput(
             tables={
@@ -418,6 +432,23 @@ def filter_groups(
 
 
 # ---------------------------------------------------------------- advantage
+def _otb_is_weights(cfg: ConfigView, old: torch.Tensor, rollout_lp: list, mask: torch.Tensor) -> torch.Tensor | None:
+    """The rollout-correction IS weights that the optimal token baseline folds in (as verl's driver computes them
+    before the advantage, decoupled mode only); None for every other estimator."""
+    rc = cfg.algorithm.rollout_correction
+    if cfg.algorithm.adv_estimator not in NEEDS_SUM_PI_SQUARED or rc.rollout_is is None or rc.bypass_mode:
+        return None
+    weights, _ = algos.rollout_correction(
+        old,
+        _padded(rollout_lp, old.shape[1]),
+        mask,
+        rollout_is=rc.rollout_is,
+        rollout_is_threshold=rc.rollout_is_threshold,
+        rollout_is_batch_normalize=rc.rollout_is_batch_normalize,
+    )
+    return weights
+
+
 BYPASS_CHECK_ROWS = 8  # rows whose old log-probs are still recomputed under bypass, for the gap guard
 
 
@@ -475,7 +506,13 @@ def advantage(
         hold_policy(group, cfg, policy)
         temp = cfg.rollout.temperature
         rollout_lp = ro.column("rollout_log_probs").to_pylist()
-        if a.rollout_correction.bypass_mode:
+        sum_pi_sq = None
+        if a.adv_estimator in NEEDS_SUM_PI_SQUARED and cfg.actor.calculate_sum_pi_squared:
+            # sum pi^2 needs every row's forward, which gives the old log-probs too (under bypass as well: the
+            # update still trains against the rollout's, and the gap guard below sees every row)
+            checked = list(range(len(prompt_ids)))
+            old, sum_pi_sq = group.call("log_probs_and_sum_pi_squared", policy.version, prompt_ids, response_ids, temp)
+        elif a.rollout_correction.bypass_mode:
             # verl's bypass: the sampler held exactly the trained weights, so its log-probs are the old ones;
             # a sample of rows is still recomputed so that a stale weight sync fails the guard below.
             checked = list(range(0, len(prompt_ids), max(1, len(prompt_ids) // BYPASS_CHECK_ROWS)))
@@ -524,6 +561,9 @@ def advantage(
             gamma=a.gamma,
             lam=a.lam,
             norm_adv_by_std_in_grpo=a.norm_adv_by_std_in_grpo,
+            old_log_probs=old_t,
+            sum_pi_squared=None if sum_pi_sq is None else _padded(sum_pi_sq, width),
+            rollout_is_weights=_otb_is_weights(cfg, old_t, rollout_lp, mask),
         )
         roll_lp = _padded(rollout_lp, width)
         list_type = A.EXPERIENCE.field("ref_log_probs").type

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import sqlite3
@@ -18,6 +19,7 @@ os.environ.setdefault("PREFECT_LOGGING_TO_API_ENABLED", "false")
 # The local home (infra/home.py: default MLflow store, Prefect home of the CLI) of this test process, never the
 # user's: runs are told apart there by their store (a tmp folder per test), as in a real home.
 os.environ["RLSTAGE_HOME"] = tempfile.mkdtemp(prefix="rlstage-home-")
+atexit.register(shutil.rmtree, os.environ["RLSTAGE_HOME"], ignore_errors=True)  # one per process: none left in /tmp
 REPO = Path(__file__).resolve().parent.parent
 GSM8K = REPO.parent / "shared" / "data" / "gsm8k"
 _PREFECT_DB = Path(os.environ["RLSTAGE_HOME"]) / "prefect-template.db"  # filled by the session's server
@@ -27,9 +29,9 @@ _PREFECT_DB = Path(os.environ["RLSTAGE_HOME"]) / "prefect-template.db"  # filled
 # the workers longest first (LPT), so that no long module starts last and runs alone at the end.
 MODULE_SECONDS = {
     "test_workers": 480, "test_real_model": 221, "test_estimator_runs": 204, "test_failures": 167,
-    "test_schedule": 151, "test_operations": 149, "test_pipeline_vllm": 147, "test_deployments": 90,
+    "test_schedule": 151, "test_operations": 149, "test_pipeline_vllm": 125, "test_deployments": 90,
     "test_disk_full": 132, "test_actor_deepspeed": 118, "test_tracking_server": 90, "test_agent_pipeline": 85,
-    "test_trust": 55, "test_checkpoint": 60, "test_bad_input": 35, "test_pipeline": 60, "test_registry": 58,
+    "test_trust": 30, "test_checkpoint": 60, "test_bad_input": 35, "test_pipeline": 60, "test_registry": 58,
     "test_chat": 54, "test_rollout_vllm": 43, "test_store_s3": 42, "test_agent_loop": 30, "test_explore": 29,
     "test_reward_model": 25, "test_lora": 60, "test_dynamic_sampling": 68, "test_ui": 95, "test_prefect_lost": 90,
 }  # fmt: skip

@@ -842,7 +842,7 @@ def test_config_refuses_bad_settings_in_one_line():
         "rollout_is_threshold": (["algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.rollout_is_threshold='2_0.5'"], "IcePop band needs low < high"),
         "passk": (["algorithm.adv_estimator=grpo_passk", "rollout.n=1"], "needs groups of n >= 2"),
         "dro": (["actor.policy_loss=dro"], "needs actor.dro_beta"),
-        "otb": (["algorithm.adv_estimator=optimal_token_baseline"], "sum of pi\\^2"),
+        "otb": (["algorithm.adv_estimator=optimal_token_baseline"], "set actor.calculate_sum_pi_squared=true"),
         "bypass": (["actor.policy_loss=bypass_mode"], "bypass_mode=true"),
         "bypass_other": (["algorithm.rollout_correction.bypass_mode=true", "actor.policy_loss=gspo"], "leave actor.policy_loss"),
         "actor_copy": (["actor.rollout_correction.rollout_is=token"], "set it there"),

@@ -124,6 +124,34 @@ def test_packed_values_and_actor_passes_equal_padded(tok, weights):
             assert max((abs(a - b) for gi, wi in zip(g, w, strict=True) for a, b in zip(gi, wi, strict=True))) < 1e-5
 
 
+def test_sum_pi_squared_is_the_softmax_squared_at_the_temperature_in_every_batching(tok, weights):
+    """verl's calculate_sum_pi_squared (optimal_token_baseline's input): sum over the vocabulary of pi^2 at the
+    sampling temperature, computed in log space; the engine pass gives it with the same log-probs, padded,
+    packed or by token budget."""
+    from engines.batching import response_logits
+
+    model = new_model(tok, weights).eval()
+    batch = make_batch(tok, 9, seed=3)
+    P, R = batch["prompt_ids"], batch["response_ids"]
+    inputs = build_inputs(P, R, tok.pad_token_id)
+    with torch.no_grad():
+        pi = torch.softmax(response_logits(model, inputs).float() / 0.7, dim=-1)
+        logp, s2 = response_log_probs(model, inputs, 0.7, with_sum_pi_squared=True)
+    torch.testing.assert_close(s2, (pi * pi).sum(-1), atol=1e-6, rtol=1e-5)
+    assert bool(((s2 > 0) & (s2 <= 1 + 1e-6)).all())
+    hotter = response_log_probs(model, inputs, 2.0, with_sum_pi_squared=True)[1]
+    assert bool((hotter < s2).all())  # a flatter distribution: less mass in its squares
+    want_lp = TorchActor(model, ActorConfig(), tok.pad_token_id, 10).compute_log_probs(P, R, 0.7)
+    for packing, budget in ((False, None), (True, 40), (False, 40)):
+        cfg = ActorConfig(micro_batch_size=2, ppo_mini_batch_size=2, packing=packing, micro_batch_tokens=budget)
+        lp, sq = TorchActor(model, cfg, tok.pad_token_id, 10).compute_log_probs_and_sum_pi_squared(P, R, 0.7)
+        for i, r in enumerate(R):
+            assert lp[i] == pytest.approx(want_lp[i], abs=1e-5)
+            assert sq[i] == pytest.approx(s2[i, : len(r)].tolist(), abs=1e-5)
+    with pytest.raises(ValueError, match="one per-token statistic"):
+        response_log_probs(model, inputs, 0.7, with_entropy=True, with_sum_pi_squared=True)
+
+
 def test_packing_refuses_an_unknown_attention_implementation(tok, weights):
     model = new_model(tok, weights)
     model.config._attn_implementation = "paged_attention"

@@ -1,13 +1,22 @@
-"""The pipeline with ``rollout.engine=vllm``: vLLM runs inside the policy worker (a Ray actor),
-takes the trained weights after every update, and its log-probs agree with the trainer's."""
+"""The pipeline with ``rollout.engine=vllm``, through the CLI: vLLM runs inside the policy worker (a Ray actor),
+takes the trained weights after every update, and its log-probs agree with the trainer's; a SIGTERM mid-run stops
+everything the command started (its Prefect server, Ray, the vLLM engines and their /dev/shm files), and the same
+command then continues the run."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import pytest
+from test_trust import _processes_with_env
 
 from engines.rollout_vllm import vllm_available
-from schemas.config import load_config
-from tests_support import tiny_overrides
+from tests_support import cli_env, start_cli_until, tiny_overrides, update_weights, weights_moved
 
 pytestmark = [
     pytest.mark.slow,
@@ -31,42 +40,93 @@ def _vllm_processes() -> list[str]:
     return names
 
 
-def test_two_iterations_with_vllm_rollouts(prefect_api, tmp_path):
-    from mlflow.tracking import MlflowClient
+def _shm_files(pids: list[int]) -> set[str]:
+    """The /dev/shm files these processes have mapped or open (unlinked ones excluded: they go with the process)."""
+    found: set[str] = set()
+    for pid in pids:
+        try:
+            for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+                path = line.split(maxsplit=5)[5] if len(line.split(maxsplit=5)) == 6 else ""
+                if path.startswith("/dev/shm/") and not path.endswith("(deleted)"):
+                    found.add(path)
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith("/dev/shm/") and not target.endswith("(deleted)"):
+                    found.add(target)
+        except OSError:  # gone meanwhile
+            pass
+    return found
 
-    from flows.training import train
-    from infra.tracking import tracking_uri_for
 
+def test_vllm_rollouts_sigterm_stops_all_it_started_and_the_rerun_continues(migrated_prefect_home, tmp_path):
     before = set(_vllm_processes())
-    cfg = load_config(
-        None,
-        [
-            f"store.root={tmp_path / 'store'}",
-            "run_name=vllm",
-            *tiny_overrides(),
-            # head_dim 32: vLLM's CPU attention has no head_dim-16 kernel
-            "kit.hidden_size=64",
-            "kit.num_heads=2",
-            "rollout.engine=vllm",
-            "rollout.vllm_kv_cache_bytes=134217728",
-            # large steps that move the weights even when every reward is 0 (an untrained tiny model):
-            # rollouts from stale, unsynced weights would show a clear gap (measured: the run fails)
-            "actor.optim.lr=1e-2",
-            "actor.entropy_coeff=0.1",
-            "rollout.max_logprob_gap=1e-3",
-        ],
-    )
-    result = train(config=cfg)
-    gaps = [h["rollout/logprob_gap"] for h in result["history"] if h["iteration"] >= 1]
-    print("rollout/logprob_gap per iteration:", gaps)
-    assert len(gaps) == 2 and all(0 <= g < 1e-4 for g in gaps), gaps  # fp32: ~1e-6
-    run = MlflowClient(tracking_uri_for(cfg)).get_run(result["mlflow_run_id"])
-    assert run.data.metrics["rollout/logprob_gap"] < 1e-4
-    assert run.data.params["rollout.engine"] == "vllm"
-    # the run killed its worker actor: no vLLM engine process outlives it
-    import time
+    overrides = [
+        f"store.root={tmp_path / 'store'}",
+        "run_name=vllm",
+        *tiny_overrides(),
+        # head_dim 32: vLLM's CPU attention has no head_dim-16 kernel
+        "kit.hidden_size=64",
+        "kit.num_heads=2",
+        "rollout.engine=vllm",
+        "rollout.vllm_kv_cache_bytes=134217728",
+        # large steps that move the weights even when every reward is 0 (an untrained tiny model):
+        # rollouts from stale, unsynced weights would show a clear gap (measured: the run fails)
+        "actor.optim.lr=1e-2",
+        "actor.entropy_coeff=0.1",
+        "rollout.max_logprob_gap=1e-3",
+    ]
+    cmd = [sys.executable, "-m", "flows.cli", "train", *overrides]
+    migrated_prefect_home(tmp_path / ".rlstage" / "prefect")  # the command's own home: it starts its server there
+    env = cli_env()
+    # until iteration 1 is committed: vLLM generated with the SFT weights, then the policy trained
+    proc = start_cli_until(cmd, tmp_path, env, "iteration   1:")
+    try:
+        home = f"PREFECT_HOME={(tmp_path / '.rlstage' / 'prefect').resolve()}"
+        started = _processes_with_env(home)  # the Prefect server, Ray's processes, the vLLM engine: the command's
+        shm = _shm_files(started)
+        cmdlines = b" ".join(Path(f"/proc/{p}/cmdline").read_bytes() for p in started if Path(f"/proc/{p}").exists())
+        assert b"prefect\0server\0start" in cmdlines and b"raylet" in cmdlines
+        assert set(_vllm_processes()) - before  # the rollout engine runs in processes of its own
+        assert any(Path(f).name.startswith("psm_") for f in shm), shm  # vLLM's message queues live in /dev/shm
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        rest = proc.stdout.read()
+        assert proc.wait(120) == 128 + signal.SIGTERM, rest
+        print(f"stopped in {time.monotonic() - t0:.1f} s")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "Traceback" not in rest
+    assert rest.strip().splitlines()[-1] == "rlstage: stopped by SIGTERM; rerun the command to continue"
+    for _ in range(150):  # processes that got their signal may take a moment to exit
+        left = [pid for pid in _processes_with_env(home) if pid in started]
+        if not left:
+            break
+        time.sleep(0.2)
+    assert left == [], [Path(f"/proc/{pid}/cmdline").read_bytes() for pid in left]
+    assert not [f for f in shm if Path(f).exists()], "shared memory left behind"
+    assert not set(_vllm_processes()) - before, _vllm_processes()
 
-    deadline = time.time() + 30
+    from infra.store import ArtifactStore
+
+    store = ArtifactStore(str(tmp_path / "store"))
+    stages = ("rollout", "reward", "advantage", "update", "eval")
+    first = {s: store.manifest("vllm", 1, s) for s in stages}
+    assert all(first.values()), first  # iteration 1 committed before the signal, nothing of it lost
+    first |= {f"2/{s}": m for s in stages if (m := store.manifest("vllm", 2, s)) is not None}  # what iteration 2 had
+
+    # The same command, on the session's server (the run lives in the store): it continues after iteration 1.
+    env["PREFECT_API_URL"] = os.environ["PREFECT_API_URL"]
+    rerun = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    kept = {k: store.manifest("vllm", *((2, k[2:]) if k.startswith("2/") else (1, k))) for k in first}
+    assert {k: m.artifact_id for k, m in kept.items()} == {k: m.artifact_id for k, m in first.items()}  # reused
+    assert weights_moved(update_weights(store, "vllm", 1), update_weights(store, "vllm", 2))
+    # vLLM's log-probs equal the trainer's recompute on both iterations: the restarted engine got iteration 1's weights
+    gaps = [store.manifest("vllm", it, "advantage").meta["metrics"]["rollout/logprob_gap"] for it in (1, 2)]
+    print("rollout/logprob_gap per iteration:", gaps)
+    assert all(0 <= g < 1e-4 for g in gaps), gaps  # fp32: ~1e-6
+    deadline = time.time() + 30  # the rerun released its worker: no vLLM engine process outlives it
     while set(_vllm_processes()) - before and time.time() < deadline:
         time.sleep(1)
     assert not set(_vllm_processes()) - before, _vllm_processes()

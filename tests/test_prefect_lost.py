@@ -18,7 +18,14 @@ from test_trust import _processes_with_env
 
 from flows.cli import PrefectLost, _lost_if_down
 from infra.env import free_port
-from tests_support import moving_overrides, tiny_overrides, update_weights, weights_moved
+from tests_support import (
+    cli_env,
+    moving_overrides,
+    start_cli_until,
+    tiny_overrides,
+    update_weights,
+    weights_moved,
+)
 
 
 class _Health(BaseHTTPRequestHandler):
@@ -62,10 +69,7 @@ def test_a_server_killed_mid_run_is_one_line_and_the_rerun_continues(migrated_pr
     from schemas.stages import kit_run_name
 
     migrated_prefect_home(tmp_path / ".rlstage" / "prefect")  # the command's home
-    env = {
-        k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API", "PREFECT_HOME", "RLSTAGE_"))
-    }
-    env.update(PYTHONPATH=str(Path(__file__).resolve().parent.parent), PREFECT_CLIENT_MAX_RETRIES="1")
+    env = cli_env(PREFECT_CLIENT_MAX_RETRIES="1")
     overrides = [
         *tiny_overrides(),
         *moving_overrides(),
@@ -74,17 +78,8 @@ def test_a_server_killed_mid_run_is_one_line_and_the_rerun_continues(migrated_pr
         "trainer.iterations=1",
     ]
     cmd = [sys.executable, "-m", "flows.cli", "train", *overrides]
-    proc = subprocess.Popen(
-        cmd, cwd=tmp_path, env=env, stderr=subprocess.STDOUT, stdout=subprocess.PIPE, text=True
-    )
+    proc = start_cli_until(cmd, tmp_path, env, "iteration   0:")  # the SFT checkpoint is committed and evaluated
     try:
-        lines = []
-        for line in proc.stdout:  # until the SFT checkpoint is committed and evaluated
-            lines.append(line)
-            if line.startswith("iteration   0:"):
-                break
-        else:
-            pytest.fail("train ended before its SFT:\n" + "".join(lines))
         home = f"PREFECT_HOME={(tmp_path / '.rlstage' / 'prefect').resolve()}"
         cmdlines = {p: Path(f"/proc/{p}/cmdline").read_bytes() for p in _processes_with_env(home)}
         servers = [p for p, cmdline in cmdlines.items() if b"prefect\0server\0start" in cmdline]

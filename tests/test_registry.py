@@ -47,6 +47,7 @@ BASES = {
     "scaled": [
         "data.train_path=train.jsonl", "data.test_path=test.jsonl", "reward.overlong_buffer.len=4", "actor.engine=deepspeed",
         "ray.rollout_placement=separate", "reward_model.enable=true", "reward_model.model.path=rm",
+        "reward_model.server.model=judge",  # so that reward_model.server.api=openai_chat is a valid change
         "algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=3", "model.lora_rank=4",
     ],  # fmt: skip
 }

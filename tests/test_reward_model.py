@@ -102,6 +102,69 @@ def test_server_scores_with_per_request_and_per_sample_isolation(server):
         rewards.check_failures(results, 0.4)
 
 
+class _Judge(_Scorer):
+    """An OpenAI-style chat-completions judge of sums: 'Score: 10' for the right answer, '0' for a wrong one;
+    'shrug' gets a reply without a number, 'crash' an HTTP 500, 'slow' an answer after 1.5 s."""
+
+    requests: list[dict] = []
+
+    def do_POST(self):  # noqa: N802 (http.server's name)
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        _Judge.requests.append({**body, "auth": self.headers.get("Authorization"), "path": self.path})
+        text = body["messages"][-1]["content"]
+        task = text.split("Task: ")[1].split("\n")[0]
+        response = text.split("Response: ")[1]
+        if response == "slow":
+            time.sleep(1.5)
+        if response == "crash":
+            self.send_error(500, "judge down")
+            return
+        a, b = task.rstrip("=").split("+")
+        reply = "I cannot tell" if response == "shrug" else ("Score: 10" if response == str(int(a) + int(b)) else "0")
+        out = json.dumps({"object": "chat.completion", "choices": [{"index": 0, "message": {"role": "assistant", "content": reply}, "finish_reason": "stop"}]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(out)))
+        self.end_headers()
+        self.wfile.write(out)
+
+
+def test_an_openai_style_judge_scores_each_sample_on_its_own(monkeypatch):
+    from engines.reward_model import Judge
+    from schemas.config import DEFAULT_JUDGE_PROMPT
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Judge)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{srv.server_address[1]}/v1/chat/completions"
+    _Judge.requests.clear()
+    try:
+        judge = Judge(url, "judge-1", DEFAULT_JUDGE_PROMPT, 10.0, 16, 0.5, concurrency=3, api_key="s3cret")
+        prompts = ["1+2=", "2+2=", "5+5=", "3+3=", "1+1=", "4+4="]
+        got = judge.scores(prompts, ["3", "5", "shrug", "crash", "slow", "8"])
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    assert [g.score for g in got[:2]] == [1.0, 0.0] and got[0].error is None and got[1].error is None  # 10 / score_scale
+    assert got[2].error == "judge reply has no number: 'I cannot tell'"
+    assert got[3].error is not None and "500" in got[3].error
+    assert got[4].error is not None and got[4].error.startswith("timeout")
+    assert got[5].score == 1.0 and got[5].error is None  # the samples around the failures still scored
+    first = next(r for r in _Judge.requests if "Task: 1+2=" in r["messages"][0]["content"])
+    assert first["model"] == "judge-1" and first["temperature"] == 0.0 and first["max_tokens"] == 16
+    assert first["auth"] == "Bearer s3cret" and first["path"] == "/v1/chat/completions"
+    assert first["messages"] == [{"role": "user", "content": DEFAULT_JUDGE_PROMPT.replace("{prompt}", "1+2=").replace("{response}", "3")}]
+    # the config that selects it, and its bad settings: one line naming the setting
+    with pytest.raises(ConfigError, match=r"api=openai_chat needs reward_model.server.model") as err:
+        build_config({"reward_model": {"enable": True, "server": {"url": url, "api": "openai_chat"}}})
+    assert "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match=r"judge_prompt must contain \{response\}"):
+        build_config({"reward_model": {"enable": True, "server": {"url": url, "api": "openai_chat", "model": "m", "judge_prompt": "rate it"}}})
+    monkeypatch.delenv("RLSTAGE_TEST_JUDGE_KEY", raising=False)
+    keyed = build_config({"reward_model": {"enable": True, "server": {"url": url, "api": "openai_chat", "model": "m", "api_key_env": "RLSTAGE_TEST_JUDGE_KEY"}}})
+    with pytest.raises(ConfigError, match="reward_model.server.api_key_env: the environment variable RLSTAGE_TEST_JUDGE_KEY is not set"):
+        check_reward_model(keyed)
+
+
 def test_combine_modes():
     rule, rm = [1.0, None, 0.0], [0.5, 0.25, -1.0]
     assert rewards.combine_scores("replace", rule, rm) == [0.5, 0.25, -1.0]

@@ -7,9 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -289,7 +286,8 @@ def _processes_with_env(entry: str) -> list[int]:
 
 
 def test_sigint_and_sigterm_take_the_same_way_out() -> None:
-    """SIGINT is stopped as SIGTERM is (the end-to-end run below sends SIGTERM), and its exit says which."""
+    """SIGINT is stopped as SIGTERM is (the end-to-end run, with vLLM engines: tests/test_pipeline_vllm.py), and its
+    exit says which."""
     from flows.cli import Stopped, _stop_on_signals
 
     saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -304,46 +302,6 @@ def test_sigint_and_sigterm_take_the_same_way_out() -> None:
     finally:
         for sig, h in saved.items():
             signal.signal(sig, h)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("signum", [signal.SIGTERM])
-def test_a_signal_stops_the_prefect_server_and_ray_that_train_started(migrated_prefect_home, tmp_path: Path, signum: int) -> None:
-    from tests_support import moving_overrides, tiny_overrides
-
-    migrated_prefect_home(tmp_path / ".rlstage" / "prefect")  # the command's home
-
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API", "PREFECT_HOME", "RLSTAGE_"))}
-    env["PYTHONPATH"] = str(Path(__file__).resolve().parent.parent)
-    store = tmp_path / "store"
-    cmd = [sys.executable, "-m", "flows.cli", "train", *tiny_overrides(), *moving_overrides(), "run_name=sig", f"store.root={store}"]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
-    lines = []
-    try:
-        for line in proc.stderr:  # until the run has started: its Prefect server and Ray are up
-            lines.append(line)
-            if line.startswith("rlstage: run 'sig'"):
-                break
-        else:
-            pytest.fail("train ended before the run started:\n" + "".join(lines))
-        home = f"PREFECT_HOME={(tmp_path / '.rlstage' / 'prefect').resolve()}"  # the one home, in the command's cwd
-        started = _processes_with_env(home)
-        assert len(started) >= 2  # the Prefect server and Ray's processes, all children of the command
-        proc.send_signal(signum)
-        rest = proc.stderr.read()
-        assert proc.wait(60) == 128 + signum
-        assert rest.strip().splitlines()[-1] == f"rlstage: stopped by {signal.Signals(signum).name}; rerun the command to continue"
-        for _ in range(100):  # processes that got their signal may take a moment to exit
-            left = [pid for pid in _processes_with_env(home) if pid in started]
-            if not left:
-                break
-            time.sleep(0.2)
-        assert left == [], [Path(f"/proc/{pid}/cmdline").read_bytes() for pid in left]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    # The stopped run's rerun reusing what it committed and training on: test_disk_full.py (a full store, through
-    # the CLI), test_failures.py (a killed flow).
 
 
 def test_a_failed_batch_is_not_retried_but_a_lost_worker_is() -> None:

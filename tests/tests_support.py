@@ -77,3 +77,30 @@ def flow_graph(flow_state) -> dict[str, set[str]]:
         return flows[inp.id] if inp.input_type == "flow_run" else node[inp.id]
 
     return {node[r.id]: {upstream(i) for given in r.task_inputs.values() for i in given} for r in runs}
+
+
+def cli_env(**extra: str) -> dict[str, str]:
+    """The environment of a CLI command run as a user would: no Prefect API, Prefect home or rlstage home of the
+    test session (the command uses its own, under its cwd), the source tree importable."""
+    import os
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API", "PREFECT_HOME", "RLSTAGE_"))}
+    return {**env, "PYTHONPATH": str(Path(__file__).resolve().parent.parent), **extra}
+
+
+def start_cli_until(cmd: list[str], cwd, env: dict[str, str], prefix: str):
+    """Start a CLI command (stdout and stderr merged) and read its output up to a line starting with ``prefix``;
+    the process, still running. Fails the test with the output when the command ends first."""
+    import subprocess
+
+    import pytest
+
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith(prefix):
+            return proc
+    proc.wait()
+    pytest.fail(f"the command ended before a line {prefix!r}:\n" + "".join(lines))

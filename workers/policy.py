@@ -377,6 +377,12 @@ class PolicyWorker:
         self.drill.point("actor")
         return self.actor.compute_log_probs(prompt_ids, response_ids, temperature)
 
+    def log_probs_and_sum_pi_squared(self, version: str, prompt_ids: list, response_ids: list, temperature: float) -> tuple:
+        """Old log-probs and the per-token sum of pi^2 (optimal_token_baseline's input) from one forward."""
+        self._require(version)
+        self.drill.point("actor")
+        return self.actor.compute_log_probs_and_sum_pi_squared(prompt_ids, response_ids, temperature)
+
     def ref_log_probs(self, version: str, prompt_ids: list, response_ids: list, temperature: float) -> list:
         self._require(version, "ref")
         self.drill.point("ref")
