@@ -22,7 +22,7 @@ _OTB = ["actor.calculate_sum_pi_squared=true"]  # the old-log-prob pass returns 
 # name -> (config of configs/, overrides)
 RUNS: dict[str, tuple[str, list[str]]] = {
     **{n: (n, []) for n in ("ppo_gae", "grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "remax")},
-    **{n: (n, []) for n in ("gspo", "sapo", "gmpo", "dapo", "rollout_corr")},
+    **{n: (n, []) for n in ("gspo", "sapo", "gmpo", "dapo", "rollout_corr", "lora")},
     "grpo_vectorized": ("grpo", ["algorithm.adv_estimator=grpo_vectorized"]),
     "rloo_vectorized": ("rloo", ["algorithm.adv_estimator=rloo_vectorized"]),
     "grpo_passk": ("grpo", ["algorithm.adv_estimator=grpo_passk"]),
