@@ -608,8 +608,6 @@ class RunConfig(_Section):
                     f"ray.trainer_world_size={world} must divide actor.ppo_mini_batch_size={self.actor.ppo_mini_batch_size}, "
                     f"which must divide the {samples} samples of an iteration (data.prompts_per_iteration x rollout.n)"
                 )
-        if self.model.lora_rank > 512 and self.rollout.engine == "vllm":
-            raise ValueError(f"model.lora_rank={self.model.lora_rank}: vLLM serves LoRA adapters of rank 512 at most")
         if self.model.lora and self.actor.engine == "deepspeed" and self.actor.zero_stage == 3:
             raise ValueError(
                 f"model.lora_rank={self.model.lora_rank} with actor.zero_stage=3: ZeRO-3 would shard the frozen base "
