@@ -295,13 +295,14 @@ def rm_scores(cfg: ConfigView, prompts: list[str], responses: list[str]) -> list
     if rm.server.url is not None:
         srv = rm.server
         if srv.api == "openai_chat":
+            source = "reward_model.judge"
             got = reward_model.Judge(
                 srv.url, srv.model, srv.judge_prompt, srv.score_scale, srv.max_tokens, srv.timeout_s, srv.concurrency,
                 api_key=os.environ.get(srv.api_key_env) if srv.api_key_env else None,
             ).scores(prompts, responses)  # fmt: skip
         else:
+            source = "reward_model.server"
             got = reward_model.score_server(srv.url, prompts, responses, timeout_s=srv.timeout_s, batch_size=srv.batch_size)
-        source = "reward_model.judge" if srv.api == "openai_chat" else "reward_model.server"
         results = [rewards.RewardResult(g.score, source, g.error) for g in got]
         rewards.check_failures(results, cfg.reward.stop_failure_share)
         return results

@@ -46,7 +46,8 @@ def _shm_files(pids: list[int]) -> set[str]:
     for pid in pids:
         try:
             for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
-                path = line.split(maxsplit=5)[5] if len(line.split(maxsplit=5)) == 6 else ""
+                fields = line.split(maxsplit=5)  # address, perms, offset, dev, inode[, path]
+                path = fields[5] if len(fields) == 6 else ""
                 if path.startswith("/dev/shm/") and not path.endswith("(deleted)"):
                     found.add(path)
             for fd in Path(f"/proc/{pid}/fd").iterdir():
