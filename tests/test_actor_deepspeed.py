@@ -206,6 +206,8 @@ def _dp_worker(rank: int, world: int, port: int, weights: dict, batch: dict, cfg
         save_file({f"w/{k}": v.clone() for k, v in state.items()}, out)  # clone: tied weights share storage
         with open(out + ".json", "w") as f:
             json.dump({"metrics": metrics, "owned": sum(owned)}, f)
+    # Both ranks tear gloo down together: a rank that left while its peer still wrote aborted (SIGABRT) in CI.
+    deepspeed.comm.barrier()
     actor.close()
     deepspeed.comm.destroy_process_group()
 

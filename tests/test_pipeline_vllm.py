@@ -83,6 +83,10 @@ def test_vllm_rollouts_sigterm_stops_all_it_started_and_the_rerun_continues(migr
     proc = start_cli_until(cmd, tmp_path, env, "iteration   1:")
     try:
         home = f"PREFECT_HOME={(tmp_path / '.rlstage' / 'prefect').resolve()}"
+        for _ in range(100):  # polled: once in five CI runs the engine's processes were not listed at the line
+            if set(_vllm_processes()) - before:
+                break
+            time.sleep(0.2)
         started = _processes_with_env(home)  # the Prefect server, Ray's processes, the vLLM engine: the command's
         shm = _shm_files(started)
         cmdlines = b" ".join(Path(f"/proc/{p}/cmdline").read_bytes() for p in started if Path(f"/proc/{p}").exists())
@@ -95,8 +99,12 @@ def test_vllm_rollouts_sigterm_stops_all_it_started_and_the_rerun_continues(migr
         assert proc.wait(120) == 128 + signal.SIGTERM, rest
         print(f"stopped in {time.monotonic() - t0:.1f} s")
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        if proc.poll() is None:  # failed before its signal: SIGTERM first, so that the engine frees its /dev/shm files
+            proc.terminate()
+            try:
+                proc.wait(120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
     assert "Traceback" not in rest
     assert rest.strip().splitlines()[-1] == "rlstage: stopped by SIGTERM; rerun the command to continue"
     for _ in range(150):  # processes that got their signal may take a moment to exit
