@@ -223,6 +223,23 @@ def labelled_pairs(prompts: list[str], answers: list[str], seed: int) -> tuple[l
     return p, r, y
 
 
+def answer_swaps(prompts: list[str], answers: list[str], k: int, seed: int) -> tuple[list[str], list[str], list[float]]:
+    """Each prompt with its true answer (label 1) and ``k`` true answers of other prompts (label 0), each as often.
+
+    Positives and negatives then draw responses from one distribution, so the response alone tells nothing
+    (otherwise a reward model learns which answers are common and a policy collapses onto them).
+    """
+    rng = torch.Generator().manual_seed(seed)
+    p, r, y = [], [], []
+    for prompt, answer in zip(prompts, answers, strict=True):
+        wrong = [a for a in answers if a != answer]
+        for _ in range(k if wrong else 0):
+            p += [prompt, prompt]
+            r += [answer, wrong[int(torch.randint(len(wrong), (1,), generator=rng))]]
+            y += [1.0, 0.0]
+    return p, r, y
+
+
 def train_reward_model(
     model: torch.nn.Module, tokenizer, prompts: list[str], responses: list[str], labels: list[float], *, steps: int, batch_size: int, lr: float, seed: int
 ) -> list[float]:
@@ -245,6 +262,54 @@ def train_reward_model(
         losses.append(loss.item())
     model.eval()
     return losses
+
+
+@dataclass(frozen=True)
+class Labelled:
+    """Samples for a reward model: prompt, response, 0/1 label, and the index of the prompt (its group)."""
+
+    prompts: list[str]
+    responses: list[str]
+    labels: list[float]
+    groups: list[int]
+
+
+def policy_samples(
+    model: torch.nn.Module, tokenizer, prompts: list[str], answers: list[str], data_source: str, *, n: int, max_new_tokens: int, seed: int
+) -> Labelled:
+    """``n`` sampled responses of the policy per prompt, labelled by the task's rule (1 when correct).
+
+    The policy's own samples are what RL will show the reward model; one-digit near misses alone leave it
+    blind to the rest of that distribution, which a policy trained on it then exploits.
+    """
+    from engines import rewards
+    from engines.rollout import HFRolloutEngine, SamplingParams
+
+    torch.manual_seed(seed)
+    comps = HFRolloutEngine(model, tokenizer, batch_size=1024).generate(
+        prompts, SamplingParams(n=n, temperature=1.0, max_new_tokens=max_new_tokens)
+    )
+    rows = [
+        {"response_text": c.text, "ground_truth": answers[c.prompt_index], "data_source": data_source, "extra_info": "{}"}
+        for c in comps
+    ]
+    labels = [r.score for r in rewards.score_batch(rows, timeout_s=5.0)]
+    return Labelled([prompts[c.prompt_index] for c in comps], [c.text for c in comps], labels, [c.prompt_index for c in comps])
+
+
+def ranking_accuracy(scores: list[float], labels: list[float], groups: list[int]) -> float:
+    """Within each prompt's group, the share of (correct, incorrect) pairs the scores order correctly:
+    what GRPO's group-normalised advantage reads of a reward model. NaN when no group is mixed."""
+    by_group: dict[int, list[tuple[float, float]]] = {}
+    for s, y, g in zip(scores, labels, groups, strict=True):
+        by_group.setdefault(g, []).append((s, y))
+    right = total = 0
+    for items in by_group.values():
+        pos = [s for s, y in items if y > 0.5]
+        neg = [s for s, y in items if y <= 0.5]
+        right += sum(a > b for a in pos for b in neg)
+        total += len(pos) * len(neg)
+    return right / total if total else float("nan")
 
 
 def classification_accuracy(scores: list[float], labels: list[float]) -> float:

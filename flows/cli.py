@@ -214,6 +214,28 @@ def cmd_data_prep(args) -> int:
     return 0
 
 
+def cmd_reward_model(args) -> int:
+    import json
+
+    from flows.checks import check_inputs
+    from flows.reward_kit import RMKitSettings, build_kit_reward_model, check_kit_reward_model
+    from infra.store import ArtifactStore
+    from schemas.config import load_config
+
+    # The config of the run the RM is for: its kit and SFT; its reward_model section names what is built here.
+    cfg = load_config(args.config, [*args.overrides, "reward_model.enable=false"])
+    settings = RMKitSettings(args.prompts, args.samples_per_prompt, args.steps, args.batch_size, args.lr, args.seed)
+    check_kit_reward_model(cfg, settings, args.out)
+    check_inputs(cfg)
+    ArtifactStore(cfg.store.root, cfg.store.storage_options, cfg.store.retries).check_writable()
+    _check_services()
+    with prefect_api():
+        result = build_kit_reward_model(out=str(args.out), settings=settings, config=cfg)
+    print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in result.items()}))
+    print(f"reward model -> {result['out']} (use: reward_model.enable=true reward_model.model.path={result['out']})")
+    return 0
+
+
 def cmd_compare(args) -> int:
     from flows.compare import main as compare_main
 
@@ -389,6 +411,17 @@ def build_parser() -> _Parser:
     p.add_argument("-c", "--config", type=Path, default=None, help="YAML config (default: built-in defaults)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.source=gsm8k")
     p.set_defaults(fn=cmd_data_prep)
+    p = sub.add_parser("reward-model", help="train a tiny reward model for the kit's task on its SFT policy's samples")
+    p.add_argument("-c", "--config", type=Path, default=None, help="YAML config of the run it is for (its kit and SFT)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. kit.digits=1")
+    p.add_argument("-o", "--out", type=Path, required=True, help="the folder to write (new or empty)")
+    p.add_argument("--prompts", type=int, default=4000, help="train prompts sampled")
+    p.add_argument("--samples-per-prompt", type=int, default=8, help="SFT samples per prompt, labelled by the rule")
+    p.add_argument("--steps", type=int, default=2000, help="optimizer steps")
+    p.add_argument("--batch-size", type=int, default=64, help="samples per step")
+    p.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate")
+    p.add_argument("--seed", type=int, default=0, help="sampling and batching seed")
+    p.set_defaults(fn=cmd_reward_model)
     p = sub.add_parser("compare", help="compare runs from MLflow: table + PNG of curves")
     p.add_argument("rest", nargs=argparse.REMAINDER, help="RUN [RUN ...] [--tracking-uri URI] [--png out.png]")
     p.set_defaults(fn=cmd_compare)

@@ -138,6 +138,36 @@ def test_update_matches_torch_actor(tok, weights, stage):
         actor.close()
 
 
+@pytest.mark.parametrize("stage", [0, 2])
+def test_lora_update_matches_torch_actor(tok, weights, stage):
+    """A peft LoRA policy under DeepSpeed: the adapters step as in the torch loop, the base stays put."""
+    from engines.lora import with_adapters
+    from schemas.config import ModelConfig
+
+    lora = ModelConfig(lora_rank=4, lora_alpha=8)
+    batch = make_batch(tok, 7, seed=4)
+    cfg = actor_cfg(stage)
+    torch.manual_seed(0)  # peft's A init: the same adapters on both sides
+    ref_model = with_adapters(new_model(tok, weights), lora)
+    torch.manual_seed(0)
+    ds_model = with_adapters(new_model(tok, weights), lora)
+    trainable = {n for n, p in ref_model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    ref_actor = TorchActor(ref_model, cfg.model_copy(update={"engine": "torch", "zero_stage": 0}), tok.pad_token_id, 20)
+    want = [ref_actor.update(batch, 0.9, s) for s in (21, 22)]
+    actor = DeepSpeedActor(ds_model, cfg, tok.pad_token_id, 20)
+    try:
+        for seed, w in zip((21, 22), want, strict=True):
+            assert_close_metrics(actor.update(batch, 0.9, seed), w)
+        got = actor.export_model()
+        assert_close_state(got, {k: v.detach() for k, v in ref_model.state_dict().items()})
+        base = {k.removeprefix("base_model.model.").replace(".base_layer", ""): v for k, v in got.items() if "lora_" not in k}
+        assert all(torch.equal(base[k], weights[k]) for k in weights)  # only adapters moved
+        assert any(got[k].abs().max() > 0 for k in got if "lora_B" in k)  # B left zero: the policy moved
+    finally:
+        actor.close()
+
+
 @pytest.mark.parametrize("stage", [0, 2, 3])
 def test_state_round_trip_resumes_exactly(tok, weights, stage):
     """Save after one update, resume in a new actor from the exported weights: the next update matches."""

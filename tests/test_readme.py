@@ -55,6 +55,8 @@ def test_each_rlstage_command_parses_and_its_settings_validate(words):
     if args.cmd in ("train", "data-prep", "demo"):
         config = args.config if args.config is None else str(REPO / args.config)
         load_config(config, overrides)  # an unknown key or a bad value raises, naming the field
+    elif args.cmd == "reward-model":  # the config of the run the RM is for, its RM itself not built yet
+        load_config(str(REPO / args.config), [*overrides, "reward_model.enable=false"])
     elif args.cmd in ("replay", "eval"):
         load_config(None, overrides)  # changed settings on a stored config: the same fields
     if args.cmd == "replay":

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import math
+import re
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,9 +17,11 @@ from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassifi
 from engines import datasets, rewards
 from engines.preflight import check_reward_model
 from engines.reward_model import (
+    answer_swaps,
     check_reward_model_path,
     classification_accuracy,
     labelled_pairs,
+    ranking_accuracy,
     score_server,
     score_texts,
     train_reward_model,
@@ -246,3 +251,69 @@ def test_pipeline_scores_with_the_reward_model_worker(prefect_api, tmp_path):
     for row, rm in zip(table, expected, strict=True):
         assert row["score_rm"] == pytest.approx(rm, abs=1e-4) and row["score_rule"] in (0.0, 1.0)
         assert row["score"] == pytest.approx(row["score_rule"] + row["score_rm"], abs=1e-4)
+
+
+def test_answer_swaps_balance_each_prompt_and_ranking_reads_groups():
+    p, r, y = answer_swaps(["a", "b", "c"], ["1", "2", "2"], k=3, seed=0)
+    assert len(p) == 18 and sum(y) == 9  # per prompt: its answer 3 times, 3 answers of other prompts
+    for prompt, response, label in zip(p, r, y, strict=True):
+        own = {"a": "1", "b": "2", "c": "2"}[prompt]
+        assert (response == own) == (label == 1.0)
+    # Pairs are only compared within a group: group 1 orders its pair wrongly, group 0 rightly, group 2 has no pair.
+    assert ranking_accuracy([0.9, 0.1, 0.2, 0.8, 5.0], [1, 0, 1, 0, 1], [0, 0, 1, 1, 2]) == 0.5
+    assert math.isnan(ranking_accuracy([1.0, 2.0], [1, 1], [0, 0]))  # no (correct, incorrect) pair
+
+
+# One-digit addition, where GRPO with the rule lifts the train reward from 0.24 to ~0.5 in 12 iterations
+# (4 epochs of mini-batches of 128, lr 1e-3).
+RM_LEARNS = [
+    "kit.digits=1", "kit.train_size=70", "kit.test_size=30", "kit.hidden_size=64", "kit.num_layers=2",
+    "kit.num_heads=2", "kit.intermediate_size=128", "sft.steps=300", "sft.target_accuracy=0.3", "sft.lr=3e-3",
+    "data.eval_size=30", "actor.optim.lr=1e-3", "actor.ppo_epochs=4", "actor.ppo_mini_batch_size=128",
+    "actor.micro_batch_size=128", "actor.use_kl_loss=false", "tracking.rollout_sample_rows=4",
+]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_run_on_the_reward_model_alone_learns_the_task(prefect_api, tmp_path, capsys):
+    """``rlstage reward-model`` builds the kit's RM; GRPO on its score alone raises the rule's reward.
+
+    Measured (seeds 0/1/2): the rule's train reward 0.24 -> 0.44/0.45/0.39 (means of iterations 10-12), the
+    RM's held-out within-group ranking accuracy 0.81.
+    """
+    from flows.cli import main
+    from flows.training import train
+    from schemas.config import load_config
+
+    config = str(Path(__file__).parent.parent / "configs" / "rm_tiny.yaml")
+    store = f"store.root={tmp_path / 'store'}"
+    args = ["--prompts", "70", "--samples-per-prompt", "16", "--steps", "1500"]
+    assert main(["reward-model", "-c", config, *RM_LEARNS, store, "-o", str(tmp_path / "rm"), *args]) == 0
+    built = json.loads(next(line for line in capsys.readouterr().out.splitlines() if line.startswith("{")))
+    assert built["heldout_ranking_accuracy"] > 0.65 and built["loss_last"] < built["loss_first"] / 2, built
+    cfg = load_config(config, [*RM_LEARNS, store, "run_name=rm-only", f"reward_model.model.path={tmp_path / 'rm'}"])
+    result = train(config=cfg)
+    rule = {h["iteration"]: h["reward/rule/mean"] for h in result["history"] if "reward/rule/mean" in h}
+    rm = {h["iteration"]: h["reward/rm/mean"] for h in result["history"] if "reward/rm/mean" in h}
+    assert sorted(rule) == list(range(1, 13)) and rm[12] > rm[1], (rule, rm)
+    first, last = (sum(rule[it] for it in its) / 3 for its in ((1, 2, 3), (10, 11, 12)))
+    assert last > first + 0.08, rule  # the weights moved, and towards correct answers, on the RM's word alone
+
+
+def test_bad_reward_model_build_settings_fail_in_one_line(tmp_path, capsys):
+    from flows.cli import main
+
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("kept")
+    store = f"store.root={tmp_path / 'store'}"
+    cases = [
+        (["-o", str(tmp_path / "full")], "--out .* exists and is not empty"),
+        (["-o", str(tmp_path / "new"), "--steps", "0"], "--steps: must be >= 1, got 0"),
+        (["-o", str(tmp_path / "new"), "--lr", "0"], "--lr: must be > 0"),
+        (["-o", str(tmp_path / "new"), "model.path=/some/model"], "trains on the kit's synthetic task"),
+    ]
+    for args, why in cases:
+        assert main(["reward-model", store, *args]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and re.search(why, err), err
+    assert (tmp_path / "full" / "x").read_text() == "kept" and not (tmp_path / "new").exists()
