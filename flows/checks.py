@@ -18,7 +18,7 @@ from schemas.stages import EXECUTION, REPLAYABLE, STAGES, covers, kit_run_name, 
 
 # Fields that may differ between invocations of one run: where and how it executes, and how long
 # (unless a stage's view holds the length: a decaying schedule derives its steps from it).
-RUN_MUTABLE = (*EXECUTION, "trainer.iterations")
+RUN_MUTABLE = (*EXECUTION, "trainer.iterations", "trainer.max_actor_ckpt_to_keep", "trainer.keep_checkpoint_every")
 FIXED = ("run_name", "store")  # a replay or an evaluation may not move the run
 
 

@@ -10,6 +10,7 @@ from transformers import AutoTokenizer
 from engines.lora import save_hf
 from flows.checks import check_eval, stored_config_with
 from flows.replay import stage_inputs
+from flows.retention import stored_checkpoints
 from schemas.config import ConfigError
 from workers.policy import fetch_model, load_policy_model
 
@@ -25,9 +26,15 @@ def export_policy(store_root: str, run: str, iteration: int | None, out: str | P
     if policy.path is None:
         manifest = store.manifest(policy.run, policy.iteration, policy.stage)
         if manifest is not None and manifest.meta.get("between_checkpoints"):
+            why = (
+                f"was pruned (trainer.max_actor_ckpt_to_keep={cfg.trainer.max_actor_ckpt_to_keep})"
+                if manifest.meta.get("pruned")
+                else f"lies between checkpoints (trainer.checkpoint_every={cfg.trainer.checkpoint_every})"
+            )
+            stored = ", ".join(map(str, stored_checkpoints(store, run))) or "none"
             raise ConfigError(
-                f"config error: iteration: the policy of iteration {iteration} lies between checkpoints "
-                f"(trainer.checkpoint_every={cfg.trainer.checkpoint_every}); export a checkpointed iteration"
+                f"config error: iteration: the policy of iteration {iteration} {why}; "
+                f"iterations with stored weights: {stored} (eval and replay rebuild the others)"
             )
     with tempfile.TemporaryDirectory(prefix="rlstage-export-") as tmp:
         folder = fetch_model(store, policy, Path(tmp) / "model")

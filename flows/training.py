@@ -21,6 +21,7 @@ from prefect_ray import RayTaskRunner
 
 from engines.preflight import preflight
 from flows.checks import check_inputs, check_run_config, record_run_config
+from flows.retention import prune_checkpoints
 from flows.terminal import TERMINAL, verbose
 from infra.drill import fault_point
 from infra.env import apply_defaults
@@ -345,6 +346,11 @@ def _run_iterations(cfg: RunConfig, store: ArtifactStore, first: int, last: int,
                 _log_rollout_sample(cfg, tracker, it, outcome)
             history.append({"iteration": it, "executed": outcome.executed, **metrics})
             _publish_iteration(cfg, store, tracker, outcome, metrics, history)
+            pruned = prune_checkpoints(cfg, store, it)  # after the iteration is whole: its policy is the newest kept
+            for m in pruned:
+                tracker.mark_pruned(m)  # its MLflow logged model points at files that are gone
+            if pruned:
+                _detail(f"  checkpoint retention: pruned the weights of iteration(s) {', '.join(str(m.iteration) for m in pruned)}")
             # The iteration's whole wall, bookkeeping included (timing_s/iteration sums the stages only);
             # in the returned history, not in MLflow, which was written before it ends.
             history[-1]["wall_s"] = time.perf_counter() - t0

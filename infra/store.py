@@ -657,6 +657,44 @@ class ArtifactStore:
                     os.unlink(tmp)
         return local_dir
 
+    def prune(self, manifest: Manifest, prefixes: tuple[str, ...], meta: dict) -> Manifest:
+        """Drop the files under ``prefixes`` from a committed artifact, keeping its id (what later stages name as
+        their input) and adding ``meta``. The smaller manifest replaces the old one first (atomically), then the
+        files go: a reader that opens the manifest afterwards is never shown a missing file."""
+        folder = self._mdir(manifest)
+        gone = sorted(rel for rel in manifest.files if rel.startswith(prefixes))
+        if not gone:
+            return manifest
+        m = manifest.model_copy(
+            update={
+                "files": {rel: e for rel, e in manifest.files.items() if rel not in gone},
+                "meta": {**manifest.meta, **meta},
+                _SIGNATURE: None,
+            }
+        )
+        key = _hmac_key()
+        if key is not None:
+            m = m.model_copy(update={_SIGNATURE: _sign(key, json.loads(m.model_dump_json(exclude={_SIGNATURE})))})
+        path = self._join(folder, MANIFEST)
+        data = m.model_dump_json(indent=2).encode()
+        if self._local:
+            self._io(self._uri(path), self._local_replace, path, data)
+        else:  # an object store's PUT replaces the whole object at once
+            self._write(path, data)
+        for rel in gone:
+            self._rm(self._join(folder, *rel.split("/")))
+        return m
+
+    @staticmethod
+    def _local_replace(path: str, data: bytes) -> None:
+        tmp = f"{path}.prune-{uuid.uuid4().hex}"  # a MANIFEST-prefixed temp: a concurrent commit never sweeps it
+        try:
+            ArtifactStore._local_write(tmp, data)
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
     # ------------------------------------------------------------------ delete / list
     def delete(self, run: str, iteration: int | None, stage: str, version: str = MAIN) -> None:
         """Uncommit (manifest first, so readers never see a half-deleted artifact), then remove files."""

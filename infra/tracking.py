@@ -34,6 +34,7 @@ EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 EXPERIMENT_KIND = "custom_model_development"  # shown as "Machine learning": the runs table
 CONFIG_ARTIFACT = "config/resolved.yaml"
 CHECKPOINT_TAG = "rlstage.checkpoint"  # a logged model's policy: the update artifact's id
+PRUNED_TAG = "rlstage.pruned"  # set on a logged model whose checkpoint retention pruned (trainer.max_actor_ckpt_to_keep)
 DIGEST_CHARS = 32  # MLflow's dataset digest column holds 36 characters: a sha256's first 32 hex digits
 REPO_ROOT = Path(__file__).resolve().parent.parent
 _BAD_METRIC_CHARS = re.compile(r"[^\w.\- :/]")
@@ -311,6 +312,16 @@ class Tracker:
         if weights:
             self._send(lambda: ids.append(self._policy_model(store, update, weights)))
         return ids[0] if ids else None
+
+    def mark_pruned(self, update: Manifest) -> None:
+        """Tag the logged model of a checkpoint that retention pruned (``rlstage.pruned``): its file URIs are gone."""
+
+        def mark() -> None:
+            tag = f"tags.`{CHECKPOINT_TAG}` = '{update.artifact_id}'"
+            for model in self.client.search_logged_models([self.experiment_id], filter_string=tag):
+                self.client.set_logged_model_tags(model.model_id, {PRUNED_TAG: "true"})
+
+        self._send(mark)
 
     def _policy_model(self, store: ArtifactStore, update: Manifest, weights: dict) -> str:
         tag = f"tags.`{CHECKPOINT_TAG}` = '{update.artifact_id}'"

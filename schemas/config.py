@@ -438,6 +438,11 @@ class TrainerConfig(_Section):
     # Policy weights + optimizer state are stored every k-th update; a policy in between is rebuilt
     # on demand (resume, replay, a restarted worker) by re-running its updates from stored experience.
     checkpoint_every: int = Field(1, ge=1)
+    # Retention (verl's max_actor_ckpt_to_keep): after each iteration only the newest k policy checkpoints keep
+    # their weights and optimizer state, plus every m-th iteration's (keep_checkpoint_every); a pruned policy is
+    # rebuilt on demand from the nearest kept one, as between checkpoints. None keeps every checkpoint.
+    max_actor_ckpt_to_keep: int | None = Field(None, ge=1)
+    keep_checkpoint_every: int | None = Field(None, ge=1)
     # Pipelined iterations: the rollout of iteration k+1 runs while update k trains, with the policy that
     # iteration k started from, so a rollout lags the trained policy by this many versions (0: synchronous).
     # Needs ray.rollout_placement=separate; pair it with algorithm.rollout_correction (off-policy weights).
@@ -608,6 +613,11 @@ class RunConfig(_Section):
                     f"ray.trainer_world_size={world} must divide actor.ppo_mini_batch_size={self.actor.ppo_mini_batch_size}, "
                     f"which must divide the {samples} samples of an iteration (data.prompts_per_iteration x rollout.n)"
                 )
+        if self.trainer.keep_checkpoint_every is not None and self.trainer.max_actor_ckpt_to_keep is None:
+            raise ValueError(
+                f"trainer.keep_checkpoint_every={self.trainer.keep_checkpoint_every} keeps extra checkpoints of a pruned "
+                "run, but nothing is pruned without trainer.max_actor_ckpt_to_keep (e.g. 2)"
+            )
         if self.model.lora and self.actor.engine == "deepspeed" and self.actor.zero_stage == 3:
             raise ValueError(
                 f"model.lora_rank={self.model.lora_rank} with actor.zero_stage=3: ZeRO-3 would shard the frozen base "

@@ -373,3 +373,17 @@ def test_prefix_siblings_are_untouched(store: ArtifactStore) -> None:
     assert store.versions(RUN, 1, "roll") == ["v2"]
     for m in keep:
         assert store.read_table(m, "rollouts").num_rows == 5
+
+
+def test_prune_drops_files_keeps_the_id_and_stays_signed(store: ArtifactStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    from infra.store import HMAC_KEY_ENV
+
+    monkeypatch.setenv(HMAC_KEY_ENV, "team-secret")
+    m = commit(store, stage="update", blobs={"model/w.safetensors": b"w" * 64, "trainer_state/s.json": b"{}"})
+    pruned = store.prune(m, ("model/", "trainer_state/"), {"pruned": True})
+    back = store.manifest(RUN, 1, "update")  # the signature is checked on read
+    assert back == pruned and back.artifact_id == m.artifact_id and back.meta["pruned"]
+    assert set(back.files) == {"rollouts.parquet"} and store.read_table(back, "rollouts.parquet").num_rows == 5
+    folder = Path(store.artifact_dir(RUN, 1, "update"))
+    assert sorted(p.name for p in folder.rglob("*") if p.is_file()) == ["_manifest.json", "rollouts.parquet"]
+    assert store.prune(back, ("model/",), {"again": True}) is back  # nothing left to drop: untouched

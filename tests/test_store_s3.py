@@ -311,3 +311,12 @@ def test_unreachable_endpoints_are_one_clear_error(prefect_api, tmp_path: Path) 
     )
     with pytest.raises(StoreError, match="cannot be written"):
         train(config=cfg)
+
+
+def test_prune_on_s3(store: ArtifactStore, s3) -> None:
+    m = commit(store, blobs={"model/w.safetensors": b"w" * 64})
+    store.prune(m, ("model/",), {"pruned": True})
+    back = store.manifest(RUN, 1, "rollout")
+    assert back.artifact_id == m.artifact_id and set(back.files) == {"rollouts.parquet"} and back.meta["pruned"]
+    keys = [o["Key"] for o in s3.list_objects_v2(Bucket=BUCKET, Prefix=key_of(store, store.root))["Contents"]]
+    assert not any("/model/" in k for k in keys) and store.read_table(back, "rollouts.parquet").num_rows == 4

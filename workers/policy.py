@@ -239,10 +239,14 @@ class PolicyWorker:
 
     def _rebuild(self, m: Manifest, update_hash: str | None) -> None:
         if update_hash is not None and m.config_hash != update_hash:
+            why = (
+                f"was pruned (trainer.max_actor_ckpt_to_keep={self.cfg.trainer.max_actor_ckpt_to_keep})"
+                if m.meta.get("pruned")
+                else f"lies between checkpoints (trainer.checkpoint_every={self.cfg.trainer.checkpoint_every})"
+            )
             raise ConfigError(
-                f"config error: the policy of iteration {m.iteration} lies between checkpoints "
-                f"(trainer.checkpoint_every={self.cfg.trainer.checkpoint_every}) and was trained with other actor "
-                "settings; replay from a checkpointed iteration or keep the actor settings"
+                f"config error: the policy of iteration {m.iteration} {why} and was trained with other actor "
+                "settings; replay from an iteration with stored weights or keep the actor settings"
             )
         previous = PolicyRef.model_validate(m.meta["policy_ref"])
         self.acquire(previous.model_dump(mode="json"), "policy", update_hash)

@@ -1,0 +1,58 @@
+"""Checkpoint retention: the newest ``trainer.max_actor_ckpt_to_keep`` policy checkpoints keep their weights and
+optimizer state, and so does every ``trainer.keep_checkpoint_every``-th iteration's; the others are pruned.
+
+A pruned update artifact keeps its id, metrics and inputs and is marked ``between_checkpoints``: whoever needs
+its policy (a resume, a replay, an eval) rebuilds it from the nearest kept checkpoint by re-running the updates
+from stored experience, exactly as for a policy between checkpoints (``trainer.checkpoint_every``).
+"""
+
+from __future__ import annotations
+
+from infra.store import ArtifactStore
+from schemas.config import RunConfig
+from schemas.manifest import MODEL_DIR, STATE_DIR, Manifest
+
+PRUNED = (MODEL_DIR + "/", STATE_DIR + "/")
+
+
+def kept_iterations(checkpointed: list[int], keep_last: int, keep_every: int | None) -> set[int]:
+    """Of the iterations holding a checkpoint, those retention keeps."""
+    newest = set(sorted(checkpointed)[-keep_last:]) if keep_last > 0 else set()
+    return newest | {it for it in checkpointed if keep_every and it % keep_every == 0}
+
+
+def prune_checkpoints(cfg: RunConfig, store: ArtifactStore, through: int) -> list[Manifest]:
+    """Prune the policy checkpoints of iterations up to ``through`` that retention does not keep; returns them.
+
+    Walks back from ``through`` and stops at the first pruned artifact: everything older was handled then.
+    """
+    t = cfg.trainer
+    if t.max_actor_ckpt_to_keep is None:
+        return []
+    # A pipelined rollout still samples with the policy its iteration started from: that one stays too.
+    keep_last = t.max_actor_ckpt_to_keep + t.async_staleness
+    held = {}
+    for it in range(through, 0, -1):
+        if it % t.checkpoint_every:
+            continue
+        m = store.manifest(cfg.run_name, it, "update")
+        if m is None:
+            continue
+        if m.meta.get("pruned"):
+            break
+        if not m.meta.get("between_checkpoints"):
+            held[it] = m
+    keep = kept_iterations(list(held), keep_last, t.keep_checkpoint_every)
+    return [
+        store.prune(held[it], PRUNED, {"between_checkpoints": True, "pruned": True}) for it in sorted(held) if it not in keep
+    ]
+
+
+def stored_checkpoints(store: ArtifactStore, run: str) -> list[int]:
+    """Iterations whose policy weights are stored (not rebuilt on demand), ascending."""
+    out = []
+    for it in store.iterations(run):
+        m = store.manifest(run, it, "update")
+        if m is not None and not m.meta.get("between_checkpoints"):
+            out.append(it)
+    return out
