@@ -22,7 +22,7 @@ from engines.batching import (
     response_log_probs,
 )
 
-__all__ = ["TorchActor", "lr_lambda"]
+__all__ = ["DataParallelTorchActor", "TorchActor", "lr_lambda"]
 
 # Loss-specific actor settings, handed to every policy loss by keyword (each takes the ones it uses).
 LOSS_SETTINGS = (
@@ -137,3 +137,66 @@ class TorchActor(MiniBatchTrainer):
             # token means (w_tok is 1.0 in fixed-count mode); a key with a "/" is logged as named (rollout_corr/...)
             metrics[k if "/" in k else f"actor/{k}"] = float(v) * w_tok
         return metrics
+
+
+class DataParallelTorchActor(TorchActor):
+    """``TorchActor`` on N ranks of a ``torch.distributed`` group (gloo on CPU, NCCL on CUDA), no DeepSpeed.
+
+    Every rank gets the whole batch and trains its slice of each global mini-batch (``MiniBatchTrainer``'s
+    layout, the same weights as ``DeepSpeedActor`` with ZeRO-0); before each step the gradients are averaged
+    with one all-reduce of a flat buffer, so every rank clips and steps identically and holds the same weights.
+    The group comes from the environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), started here if needed.
+    """
+
+    def __init__(self, model: torch.nn.Module, cfg, pad_id: int, total_steps: int) -> None:
+        dist = torch.distributed
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        super().__init__(model, cfg, pad_id, total_steps)
+        self.dp_size, self.dp_rank = dist.get_world_size(), dist.get_rank()
+        if cfg.ppo_mini_batch_size % self.dp_size:
+            raise ValueError(
+                f"actor.ppo_mini_batch_size={cfg.ppo_mini_batch_size} must be divisible by the data-parallel "
+                f"world size {self.dp_size}"
+            )
+        self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def _optimizer_step(self) -> float:
+        for p in self.params:  # a parameter no micro-batch of this rank reached still takes part in the sum
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grads = [p.grad for p in self.params]
+        flat = torch._utils._flatten_dense_tensors(grads)
+        torch.distributed.all_reduce(flat)
+        flat /= self.dp_size
+        for g, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True):
+            g.copy_(reduced)
+        return super()._optimizer_step()
+
+    def update(self, batch: dict[str, list], temperature: float, seed: int) -> dict[str, float]:
+        """``TorchActor.update`` on this rank's slices; metrics are the ranks' means."""
+        check_equal_shards(batch, self.dp_size)
+        return rank_mean(super().update(batch, temperature, seed), self.dp_size)
+
+    def close(self) -> None:
+        """Nothing to release: the process group stays (``torch.distributed.destroy_process_group()`` ends it)."""
+
+
+def check_equal_shards(batch: dict[str, list], world_size: int, device: str = "cpu") -> None:
+    """Every rank of the group got a batch of the same size (else they would step on different mini-batches)."""
+    n = len(batch["prompt_ids"])
+    if world_size > 1:
+        sizes = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(world_size)]
+        torch.distributed.all_gather(sizes, torch.tensor([n], device=device))
+        if len({int(s) for s in sizes}) != 1:
+            raise ValueError(f"data-parallel ranks got unequal batch shards: {[int(s) for s in sizes]}")
+
+
+def rank_mean(metrics: dict[str, float], world_size: int, device: str = "cpu") -> dict[str, float]:
+    """The mean of each metric over the group's ranks (the same keys on every rank: same config, same steps)."""
+    if world_size == 1:
+        return metrics
+    keys = sorted(metrics)
+    vals = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(vals)
+    return {k: float(v) / world_size for k, v in zip(keys, vals.tolist(), strict=True)}

@@ -33,7 +33,7 @@ from contextlib import nullcontext
 
 import torch
 
-from engines.actor import TorchActor
+from engines.actor import TorchActor, check_equal_shards, rank_mean
 from engines.batching import check_packing_supported, lr_lambda, trainable_parameters
 from engines.checkpoint import register_type
 from infra.env import free_port
@@ -213,24 +213,8 @@ class DeepSpeedActor(TorchActor):
         Same batch layout and metrics as ``TorchActor.update``; with several ranks, metrics are rank means.
         TorchActor's ``_micro_step`` calls ``.backward()``, which goes through the engine's hooks (see class doc).
         """
-        self._check_equal_shards(len(batch["prompt_ids"]))
-        return self._rank_mean(super().update(batch, temperature, seed))
-
-    def _check_equal_shards(self, n: int) -> None:
-        if self.world_size == 1:
-            return
-        sizes = [torch.zeros(1, dtype=torch.long, device=self.engine.device) for _ in range(self.world_size)]
-        torch.distributed.all_gather(sizes, torch.tensor([n], device=self.engine.device))
-        if len({int(s) for s in sizes}) != 1:
-            raise ValueError(f"data-parallel ranks got unequal batch shards: {[int(s) for s in sizes]}")
-
-    def _rank_mean(self, metrics: dict[str, float]) -> dict[str, float]:
-        if self.world_size == 1:
-            return metrics
-        keys = sorted(metrics)  # same keys on every rank: same config, same number of steps
-        vals = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=self.engine.device)
-        torch.distributed.all_reduce(vals)
-        return {k: float(v) / self.world_size for k, v in zip(keys, vals.tolist(), strict=True)}
+        check_equal_shards(batch, self.world_size, self.engine.device)
+        return rank_mean(super().update(batch, temperature, seed), self.world_size, self.engine.device)
 
     def state_dict(self) -> dict:
         """Optimizer (this rank's ZeRO partition and fp32 master weights) and scheduler state, as copies."""

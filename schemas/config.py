@@ -602,10 +602,11 @@ class RunConfig(_Section):
             )
         world = self.ray.trainer_world_size
         if world > 1:
-            if self.actor.engine != "deepspeed" or self.actor.zero_stage != 0:
+            if self.actor.engine == "deepspeed" and self.actor.zero_stage != 0:
                 raise ValueError(
-                    f"ray.trainer_world_size={world} trains with actor.engine=deepspeed and actor.zero_stage=0 "
-                    f"(got {self.actor.engine}, ZeRO-{self.actor.zero_stage}: sharded optimizer states are not checkpointed yet)"
+                    f"ray.trainer_world_size={world} trains with actor.engine=torch (an all-reduce per step) or "
+                    f"deepspeed with actor.zero_stage=0 (got ZeRO-{self.actor.zero_stage}: sharded optimizer states are "
+                    "not checkpointed yet)"
                 )
             samples = self.data.prompts_per_iteration * self.rollout.n
             if self.actor.ppo_mini_batch_size % world or samples % self.actor.ppo_mini_batch_size:

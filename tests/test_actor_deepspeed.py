@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from engines.actor import TorchActor
+from engines.actor import DataParallelTorchActor, TorchActor
 from engines.tinykit import build_char_tokenizer, build_tiny_llama
 from schemas.config import ActorConfig, KitConfig, OptimConfig
 
@@ -223,13 +223,14 @@ def _dp_worker(rank: int, world: int, port: int, weights: dict, batch: dict, cfg
     torch.set_num_threads(1)  # two processes on two cores
     deepspeed.utils.logger.setLevel("WARNING")
     tok = build_char_tokenizer()
-    actor = DeepSpeedActor(
-        new_model(tok, weights), ActorConfig.model_validate(cfg_json), tok.pad_token_id, 20
-    )
+    cfg = ActorConfig.model_validate(cfg_json)
+    engine = DeepSpeedActor if cfg.engine == "deepspeed" else DataParallelTorchActor
+    actor = engine(new_model(tok, weights), cfg, tok.pad_token_id, 20)
     metrics = actor.update(batch, 0.9, 7)
-    state = actor.export_model()
+    state = actor.export_model() if cfg.engine == "deepspeed" else {k: v.detach() for k, v in actor.model.state_dict().items()}
     # ZeRO-3: each rank holds only its half (padded) of every parameter.
-    owned = [p.ds_tensor.numel() for p in actor.engine.module.parameters() if hasattr(p, "ds_tensor")]
+    model = actor.engine.module if cfg.engine == "deepspeed" else actor.model
+    owned = [p.ds_tensor.numel() for p in model.parameters() if hasattr(p, "ds_tensor")]
     if rank == 0:
         from safetensors.torch import save_file
 
@@ -237,16 +238,22 @@ def _dp_worker(rank: int, world: int, port: int, weights: dict, batch: dict, cfg
         with open(out + ".json", "w") as f:
             json.dump({"metrics": metrics, "owned": sum(owned)}, f)
     # Both ranks tear gloo down together: a rank that left while its peer still wrote aborted (SIGABRT) in CI.
-    deepspeed.comm.barrier()
+    torch.distributed.barrier()
     actor.close()
-    deepspeed.comm.destroy_process_group()
+    if cfg.engine == "deepspeed":
+        deepspeed.comm.destroy_process_group()
+    else:
+        torch.distributed.destroy_process_group()
 
 
 @pytest.mark.parametrize(
-    "stage,budget,mode",
-    [(2, None, "token-mean"), (3, None, "token-mean"), (0, 24, "token-mean"), (0, 24, "seq-mean-token-mean")],
-)
-def test_data_parallel_matches_single_process(tok, weights, tmp_path, stage, budget, mode):
+    "engine,stage,budget,mode",
+    [
+        ("deepspeed", 2, None, "token-mean"), ("deepspeed", 3, None, "token-mean"), ("deepspeed", 0, 24, "token-mean"),
+        ("deepspeed", 0, 24, "seq-mean-token-mean"), ("torch", 0, None, "token-mean"), ("torch", 0, 24, "seq-mean-token-mean"),
+    ],
+)  # fmt: skip
+def test_data_parallel_matches_single_process(tok, weights, tmp_path, engine, stage, budget, mode):
     """Two gloo ranks, each given the whole batch, equal one TorchActor on it.
 
     Global mini-batch 8 = 2 ranks x 4, shuffled alike on every rank, 2 epochs. Fixed count (micro-batch 2):
@@ -258,7 +265,7 @@ def test_data_parallel_matches_single_process(tok, weights, tmp_path, stage, bud
     world, n, mini = 2, 16, 8
     batch = make_batch(tok, n, seed=3)
     kw = {"micro_batch_tokens": budget} if budget else {}
-    cfg = actor_cfg(stage, ppo_mini_batch_size=mini, micro_batch_size=2, ppo_epochs=2, loss_agg_mode=mode, **kw)
+    cfg = actor_cfg(stage, ppo_mini_batch_size=mini, micro_batch_size=2, ppo_epochs=2, loss_agg_mode=mode, engine=engine, **kw)
     ref_metrics, ref_params = torch_reference(tok, weights, cfg, batch, [7])
     out = str(tmp_path / "rank0.safetensors")
     ctx = torch.multiprocessing.get_context("spawn")

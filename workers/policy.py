@@ -24,7 +24,7 @@ import pyarrow as pa
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
 
-from engines.actor import TorchActor
+from engines.actor import DataParallelTorchActor, TorchActor
 from engines.checkpoint import load_trainer_state, save_trainer_state
 from engines.critic import TorchCritic
 from engines.lora import base_ref, is_adapter_dir, load_adapters, save_adapters, save_hf, with_adapters
@@ -189,11 +189,14 @@ class PolicyWorker:
     def join(self, addr: str, port: int) -> None:
         """Start over in a new process group (all ranks at once): the policy is loaded again after this."""
         if torch.distributed.is_initialized():
-            import deepspeed  # a process group here is DeepSpeed's (world size > 1 trains with it)
-
             if self.actor is not None and hasattr(self.actor, "close"):
                 self.actor.close()
-            deepspeed.comm.destroy_process_group()
+            if self.cfg.actor.engine == "deepspeed":
+                import deepspeed  # its group holds DeepSpeed's own state too
+
+                deepspeed.comm.destroy_process_group()
+            else:
+                torch.distributed.destroy_process_group()
         self.actor, self.versions["policy"], self.pending = None, None, False
         os.environ.update(
             RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK="0", MASTER_ADDR=addr, MASTER_PORT=str(port)
@@ -322,6 +325,8 @@ class PolicyWorker:
     def _new_actor(self, pad_id: int) -> TorchActor:
         """The train engine ``actor.engine`` names, training ``self.model`` (ZeRO-3: a copy of it)."""
         if self.cfg.actor.engine == "torch":
+            if self.world_size > 1:  # the group's env was set by join()
+                return DataParallelTorchActor(self.model, self.cfg.actor, pad_id, self.total_steps)
             return TorchActor(self.model, self.cfg.actor, pad_id, self.total_steps)
         import deepspeed  # lazy: only runs with actor.engine=deepspeed pay for the import
 
