@@ -49,6 +49,7 @@ BASES = {
         "ray.rollout_placement=separate", "reward_model.enable=true", "reward_model.model.path=rm",
         "reward_model.server.model=judge",  # so that reward_model.server.api=openai_chat is a valid change
         "algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=3", "model.lora_rank=4",
+        "trainer.max_actor_ckpt_to_keep=2",  # so that trainer.keep_checkpoint_every is a valid change
     ],  # fmt: skip
 }
 
@@ -200,6 +201,8 @@ def test_settings_no_stage_reads_by_default_are_the_documented_ones():
         "trainer.eval_every",  # the flow's eval schedule
         "trainer.async_staleness",  # the flow's schedule: which policy a rollout gets (recorded as its input)
         "trainer.eval_require_maj",  # a config check, and read by the eval once trainer.eval_n > 0
+        "trainer.max_actor_ckpt_to_keep",  # the flow's checkpoint retention after each iteration
+        "trainer.keep_checkpoint_every",
     }
 
 
