@@ -61,6 +61,24 @@ class WeightSyncExtension:
             dst.quant_method.process_weights_after_loading(dst)
 
 
+def engine_shm_files() -> set[str]:
+    """The /dev/shm files this process and its children (vLLM's engine core) have mapped: ours to remove."""
+    import psutil
+
+    procs = [psutil.Process()]
+    procs += procs[0].children(recursive=True)
+    found: set[str] = set()
+    for proc in procs:
+        try:
+            for line in Path(f"/proc/{proc.pid}/maps").read_text().splitlines():
+                fields = line.split(maxsplit=5)  # address, perms, offset, dev, inode[, path]
+                if len(fields) == 6 and fields[5].startswith("/dev/shm/psm_") and not fields[5].endswith("(deleted)"):
+                    found.add(fields[5])
+        except OSError:  # a process gone in between, or a platform without /proc
+            continue
+    return found
+
+
 class VLLMRolloutEngine:
     """A vLLM ``LLM`` over a Hugging Face model directory, fed token ids from the caller's tokenizer.
 
@@ -105,6 +123,7 @@ class VLLMRolloutEngine:
             "worker_extension_cls": f"{__name__}.WeightSyncExtension",
         }
         self.llm = LLM(model=self.model_path, **{**args, **(extra_args or {})})
+        self.shm_files = engine_shm_files()  # its message queues: unlinked at close if its shutdown leaves them
         self.weight_syncs = 0
         self.last_sync_s = 0.0
         self.last_overhead_s = 0.0
@@ -202,3 +221,9 @@ class VLLMRolloutEngine:
         core = getattr(llm.llm_engine, "engine_core", None)
         if core is not None and hasattr(core, "shutdown"):
             core.shutdown()
+        # Seen in CI about once in three SIGTERM drills: the engine core exited and one psm_* file stayed.
+        for path in self.shm_files:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
