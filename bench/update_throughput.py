@@ -3,7 +3,9 @@
 Prints one JSON line per (model, variant). ``tokens_per_s`` counts the real (unpadded) prompt + response
 tokens that go through forward and backward in one ``update`` call (times ``ppo_epochs``), divided by the
 median wall time of ``--repeats`` timed updates after one warm-up update. DeepSpeed's engine set-up is
-reported separately as ``init_s``. Models: the tiny kit Llama and a ~20M-parameter random-init Llama.
+reported separately as ``init_s``. Models: the tiny kit Llama, a ~20M-parameter random-init Llama and
+``smollm2``, the real SmolLM2-135M-Instruct (``python -m infra.models smollm2`` fetches it) on a batch shaped
+like its GSM8K rollouts (prompts of 100-200 tokens, responses of 32-256).
 
 Batching section (``--batching``, on by default): TorchActor on a second ragged batch whose sequence lengths
 spread uniformly over 10-100 % of ``--max-len`` (a quarter prompt, the rest response), comparing padded vs
@@ -14,6 +16,7 @@ update; ``tokens_per_s`` still counts real tokens only.
     .venv/bin/python bench/update_throughput.py            # both models, < 3 min on 2 cores
     .venv/bin/python bench/update_throughput.py --models tiny --repeats 10
     .venv/bin/python bench/update_throughput.py --variants none   # the batching section only
+    .venv/bin/python bench/update_throughput.py --models smollm2 --variants raw_torch,torch_actor,deepspeed_zero2 --batching none
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import time
 from collections.abc import Callable
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from engines import algorithms as algos
 from engines.actor import TorchActor
@@ -42,11 +45,25 @@ MODELS: dict[str, tuple[dict, int, int, int]] = {
     # ~20M parameters (hidden 512 x 6 layers); large enough for two threads to pay off. Three timed updates
     # keep the whole run under 3 minutes on 2 cores.
     "20m": (dict(hidden_size=512, num_layers=6, num_heads=8, intermediate_size=1376), 32, 2, 3),
+    # The real model: 16 samples (the GSM8K config's iteration is two such mini-batches), two threads.
+    "smollm2": ({}, 16, 2, 2),
 }
+REAL_MODELS = {"smollm2"}  # fetched by infra.models, with their own tokenizer
+# name -> (prompt length range, response length range) of the timed batch; the default is the tiny task's.
+BATCH_SHAPES = {"smollm2": ((100, 200), (32, 256))}
+DEFAULT_SHAPE = ((8, 24), (1, 32))
+
+
+def real_path(name: str) -> str:
+    from infra.models import fetch_model
+
+    return str(fetch_model(name))
 
 
 def build_model(name: str, tok) -> torch.nn.Module:
     kw = MODELS[name][0]
+    if name in REAL_MODELS:
+        return AutoModelForCausalLM.from_pretrained(real_path(name), torch_dtype=torch.float32)
     if name == "tiny":
         return build_tiny_llama(KitConfig(**kw), tok)
     torch.manual_seed(0)
@@ -77,14 +94,16 @@ def _empty_batch() -> dict[str, list]:
     return {k: [] for k in ("prompt_ids", "response_ids", "response_mask", "old_log_probs", "advantages")}
 
 
-def ragged_batch(tok, n: int, seed: int = 0) -> dict[str, list]:
-    """Prompts of 8-24 tokens and responses of 1-32 tokens, as a GRPO rollout would produce."""
+def ragged_batch(tok, n: int, shape=DEFAULT_SHAPE, seed: int = 0) -> dict[str, list]:
+    """Prompt and response lengths uniform over ``shape``'s ranges (8-24 and 1-32 tokens: the tiny task's
+    GRPO rollouts), random token ids."""
     rng = random.Random(seed)
     vocab = len(tok)
     batch = _empty_batch()
+    (p_lo, p_hi), (r_lo, r_hi) = shape
     for _ in range(n):
-        p = [rng.randrange(4, vocab) for _ in range(rng.randint(8, 24))]
-        r = [rng.randrange(4, vocab) for _ in range(rng.randint(1, 32))]
+        p = [rng.randrange(4, vocab) for _ in range(rng.randint(p_lo, p_hi))]
+        r = [rng.randrange(4, vocab) for _ in range(rng.randint(r_lo, r_hi))]
         _add_sample(batch, rng, p, r)
     return batch
 
@@ -255,14 +274,16 @@ def main() -> None:
     import deepspeed
 
     deepspeed.utils.logger.setLevel("WARNING")  # keep stdout to the JSON lines (and DeepSpeed's warnings)
-    tok = build_char_tokenizer()
+    char_tok = build_char_tokenizer()
     for name in args.models.split(","):
         _, n, threads, repeats = MODELS[name]
         torch.set_num_threads(threads)
+        tok = AutoTokenizer.from_pretrained(real_path(name)) if name in REAL_MODELS else char_tok
         model = build_model(name, tok)
         n_params = sum(p.numel() for p in model.parameters())
         weights = {k: v.clone() for k, v in model.state_dict().items()}
-        batch = ragged_batch(tok, n)
+        del model
+        batch = ragged_batch(tok, n, BATCH_SHAPES.get(name, DEFAULT_SHAPE))
         cfg = ActorConfig(
             ppo_mini_batch_size=16,
             micro_batch_size=8,

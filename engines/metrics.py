@@ -27,7 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from engines.rewards import exact_match_answer, extract_gsm8k_answer
+from engines.datasets import GSM8K_SOURCE
+from engines.rewards import exact_match_answer, extract_gsm8k_answer, gsm8k_flexible, verl_gsm8k_answer
 
 __all__ = [
     "ANSWER_EXTRACTORS",
@@ -202,6 +203,22 @@ def pass_at_k_metrics(
             vals = [pass_at_k(n, c, k) for n, c in prompts.values() if n >= k]
             out[f"val-aux/{src}/{var}/pass@{k}"] = float(np.mean(vals))
     return out
+
+
+def gsm8k_answer_metrics(rows: Sequence[dict]) -> dict[str, float]:
+    """Over the GSM8K rows (``response_text``, ``ground_truth``, ``data_source``):
+    ``val-aux/openai/gsm8k/format/mean@1``, the share of answers verl's strict rule parses (a final
+    ``#### <number>``, what a real model learns before it learns to be right), and
+    ``.../acc_flexible/mean@1``, the share whose last number is the ground truth's (rlstage's numeric match).
+    Empty without GSM8K rows."""
+    gsm = [r for r in rows if r["data_source"] == GSM8K_SOURCE]
+    if not gsm:
+        return {}
+    key = f"val-aux/{GSM8K_SOURCE}"
+    return {
+        f"{key}/format/mean@1": float(np.mean([verl_gsm8k_answer(r["response_text"]) is not None for r in gsm])),
+        f"{key}/acc_flexible/mean@1": float(np.mean([gsm8k_flexible(r["response_text"], r["ground_truth"], {}) for r in gsm])),
+    }
 
 
 # Reward function name -> the answer it extracts from a response (what maj@n votes on).

@@ -105,6 +105,7 @@ class VLLMRolloutEngine:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_bind
             os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
         from vllm import LLM  # lazy: vllm is an optional extra
+        from vllm.platforms import current_platform
 
         self.tokenizer = tokenizer
         self.stop_ids = template_stop_ids(tokenizer)  # eos and the chat template's end of turn
@@ -122,6 +123,10 @@ class VLLMRolloutEngine:
             "logprobs_mode": "processed_logprobs",
             "worker_extension_cls": f"{__name__}.WeightSyncExtension",
         }
+        if current_platform.is_cpu():
+            # A partly prefilled seeded request rewinds its generator's offset, which CPU generators lack
+            # ("CPU Generator does not use offset", the engine dies): prefill every prompt whole.
+            args["enable_chunked_prefill"] = False
         self.llm = LLM(model=self.model_path, **{**args, **(extra_args or {})})
         self.shm_files = engine_shm_files()  # its message queues: unlinked at close if its shutdown leaves them
         self.weight_syncs = 0

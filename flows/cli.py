@@ -325,6 +325,19 @@ class Stopped(KeyboardInterrupt):
         self.signum = signum
 
 
+def _stopped(err: BaseException) -> Stopped | None:
+    """The signal behind ``err``: a Stopped raised while C code ran surfaces as the cause of a SystemError
+    ("returned a result with an exception set"), or wrapped by a library."""
+    seen: set[int] = set()
+    cur: BaseException | None = err
+    while cur is not None and id(cur) not in seen:
+        if isinstance(cur, Stopped):
+            return cur
+        seen.add(id(cur))
+        cur = cur.__cause__ or cur.__context__
+    return None
+
+
 def _stop_on_signals() -> None:
     """The first SIGINT/SIGTERM unwinds the command (servers, Ray, engines stop); a second one forces."""
 
@@ -461,13 +474,11 @@ def main(argv: list[str] | None = None) -> int:
         logging.raiseExceptions = False  # a log handler's failure (Prefect's, once its server is gone) is not the command's
     try:
         return args.fn(args)
-    except KeyboardInterrupt as err:
-        signum = err.signum if isinstance(err, Stopped) else signal.SIGINT
-        print(f"rlstage: stopped by {signal.Signals(signum).name}; rerun the command to continue", file=sys.stderr)
-        return 128 + signum
     except Exception as err:
         if verbose:
             traceback.print_exc()
+        if (stop := _stopped(err)) is not None:
+            return _report_stop(stop.signum)
         if isinstance(err, user_errors):
             print(f"rlstage: {_one_line(err)}", file=sys.stderr)
             return 2
@@ -477,6 +488,13 @@ def main(argv: list[str] | None = None) -> int:
         hint = "" if verbose else " (--verbose or RLSTAGE_DEBUG=1 prints the traceback)"
         print(f"rlstage: internal error: {type(err).__name__}: {_one_line(err)}{hint}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt as err:
+        return _report_stop(err.signum if isinstance(err, Stopped) else signal.SIGINT)
+
+
+def _report_stop(signum: int) -> int:
+    print(f"rlstage: stopped by {signal.Signals(signum).name}; rerun the command to continue", file=sys.stderr)
+    return 128 + signum
 
 
 if __name__ == "__main__":

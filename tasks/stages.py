@@ -719,6 +719,7 @@ def evaluate(
         )
         metrics: dict[str, float] = dict(agent)
         sources = [r["data_source"] for r in rows]
+        metrics.update(eval_metrics.gsm8k_answer_metrics(rows[:greedy_n]))  # the format a real model learns first
         for ds in sorted(set(sources)):
             g = [s for s, src in zip(scores[:greedy_n], sources[:greedy_n], strict=True) if src == ds]
             metrics[f"val-core/{ds}/reward/mean@1"] = float(np.mean(g))

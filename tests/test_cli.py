@@ -41,3 +41,22 @@ def test_overrides_anywhere_and_a_mistyped_run_lists_the_runs(capsys, tmp_path):
         assert main(argv) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert err == [f"rlstage: config error: run 'exp2' does not exist under {tmp_path}; runs there: exp1"]
+
+
+def test_a_signal_raised_while_c_code_runs_is_reported_as_a_stop(capsys, monkeypatch):
+    """SIGTERM's handler raises ``Stopped``; raised inside a C call it surfaces as the cause of a SystemError
+    (seen when a training run was stopped mid-update): still a stop, not an internal error."""
+    import signal
+
+    from flows import cli
+
+    def stopped_inside_c_code(args):
+        try:
+            raise cli.Stopped(signal.SIGTERM)
+        except cli.Stopped as stop:
+            raise SystemError("<built-in method __new__> returned a result with an exception set") from stop
+
+    monkeypatch.setattr(cli, "cmd_train", stopped_inside_c_code)  # bound when the parser is built
+    assert main(["train"]) == 128 + signal.SIGTERM
+    assert capsys.readouterr().err.strip() == "rlstage: stopped by SIGTERM; rerun the command to continue"
+    assert cli._stopped(ValueError("x")) is None

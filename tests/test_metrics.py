@@ -91,6 +91,22 @@ def test_answers_are_extracted_as_the_reward_function_reads_them():
     assert M.extract_answers(rows, ["exact_match", "my.module:score"]) is None  # no extractor: no maj@n
 
 
+def test_gsm8k_format_share_and_flexible_accuracy_by_hand():
+    g = "openai/gsm8k"
+    rows = [
+        {"data_source": g, "ground_truth": "18", "response_text": "16 - 3 - 4 = 9, 9 * 2 = 18.\n#### 18"},  # both
+        {"data_source": g, "ground_truth": "18", "response_text": "She makes $18 every day."},  # right, no format
+        {"data_source": g, "ground_truth": "3", "response_text": "#### 4"},  # format, wrong
+        {"data_source": g, "ground_truth": "3", "response_text": "I am not sure."},  # neither
+        {"data_source": "kit/addition", "ground_truth": "7", "response_text": "#### 7"},  # not GSM8K: left out
+    ]
+    assert M.gsm8k_answer_metrics(rows) == {
+        "val-aux/openai/gsm8k/format/mean@1": 0.5,
+        "val-aux/openai/gsm8k/acc_flexible/mean@1": 0.5,
+    }
+    assert M.gsm8k_answer_metrics(rows[4:]) == {}
+
+
 def test_pass_at_k_metrics_by_hand():
     # prompt a: 4 samples, 1 correct; prompt b: 4 samples, 4 correct
     out = M.pass_at_k_metrics(["s"] * 8, ["a"] * 4 + ["b"] * 4, [True, False, False, False] + [True] * 4)

