@@ -83,14 +83,17 @@ def save_adapters(model: PeftModel, tokenizer, folder: str | Path, base: PolicyR
     (folder / BASE_REF).write_text(base.model_dump_json())
 
 
-def merged_state_dict(model: PeftModel) -> dict[str, torch.Tensor]:
-    """The base's state dict with each adapter's delta added to its layer; the model itself is untouched
-    (merging in place and unmerging would leave rounding drift in the frozen base)."""
+def merged_state_dict(model: PeftModel, deltas: bool = True) -> dict[str, torch.Tensor]:
+    """The base's state dict with each adapter's delta added to its layer (``deltas=False``: the frozen base's
+    own weights); the model itself is untouched (merging in place and unmerging would leave rounding drift in
+    the frozen base)."""
     inner = model.get_base_model()
     merged: dict[str, torch.Tensor] = {}
     for key, value in inner.state_dict().items():
         if ".lora_" not in key:
             merged[key.replace(".base_layer.", ".")] = value
+    if not deltas:
+        return merged
     with torch.no_grad():
         for name, module in inner.named_modules():
             if isinstance(module, LoraLayer) and ADAPTER in module.lora_A:
@@ -99,12 +102,12 @@ def merged_state_dict(model: PeftModel) -> dict[str, torch.Tensor]:
     return merged
 
 
-def save_hf(model: torch.nn.Module, tokenizer, folder: str | Path) -> None:
-    """A plain Hugging Face folder of a policy (a LoRA policy's merged weights): what rollout engines and
-    exports load."""
+def save_hf(model: torch.nn.Module, tokenizer, folder: str | Path, merged: bool = True) -> None:
+    """A plain Hugging Face folder of a policy (a LoRA policy's merged weights, or with ``merged=False`` its
+    base's, which vLLM serves the adapter over): what rollout engines and exports load."""
     if isinstance(model, PeftModel):
         # save_pretrained of the wrapped module would name peft's layers; the merged dict has the base's names.
-        model.get_base_model().save_pretrained(folder, state_dict=merged_state_dict(model))
+        model.get_base_model().save_pretrained(folder, state_dict=merged_state_dict(model, deltas=merged))
     else:
         model.save_pretrained(folder)
     if tokenizer is not None:

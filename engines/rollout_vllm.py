@@ -23,8 +23,10 @@ from pathlib import Path
 import torch
 
 from engines.chat import stop_token_ids as template_stop_ids
-from engines.lora import save_hf
+from engines.lora import PeftModel, save_hf
 from engines.rollout import Completion, SamplingParams
+
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
 
 
 def vllm_available() -> bool:
@@ -99,6 +101,7 @@ class VLLMRolloutEngine:
         max_num_seqs: int = 256,
         max_model_len: int | None = None,
         cpu_threads_bind: str | None = None,
+        lora_rank: int = 0,
         extra_args: dict | None = None,
     ) -> None:
         if cpu_threads_bind is not None:  # e.g. "0-1" for both cores, "nobind" to leave threads alone
@@ -127,8 +130,12 @@ class VLLMRolloutEngine:
             # A partly prefilled seeded request rewinds its generator's offset, which CPU generators lack
             # ("CPU Generator does not use offset", the engine dies): prefill every prompt whole.
             args["enable_chunked_prefill"] = False
+        if lora_rank > 0:  # a LoRA policy's adapter is served by vLLM's LoRA path over the frozen base
+            args.update(enable_lora=True, max_loras=1, max_lora_rank=min(r for r in LORA_RANKS if r >= lora_rank))
         self.llm = LLM(model=self.model_path, **{**args, **(extra_args or {})})
         self.shm_files = engine_shm_files()  # its message queues: unlinked at close if its shutdown leaves them
+        self.lora_request = None  # the adapter every request runs with (None: the plain weights)
+        self.adapter_dir = Path(tempfile.mkdtemp(prefix="rlstage-vllm-adapters-", dir=_shm_dir())) if lora_rank else None
         self.weight_syncs = 0
         self.last_sync_s = 0.0
         self.last_overhead_s = 0.0
@@ -170,7 +177,7 @@ class VLLMRolloutEngine:
         sampling = [self._sampling(params, base + i * params.n, stop_token_ids) for i in range(len(encoded))]
         prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in encoded]
         t_vllm = time.perf_counter()
-        outputs = self.llm.generate(prompts, sampling, use_tqdm=False)
+        outputs = self.llm.generate(prompts, sampling, use_tqdm=False, lora_request=self.lora_request)
         t_vllm = time.perf_counter() - t_vllm
         out: list[Completion] = []
         for i, request in enumerate(outputs):
@@ -196,8 +203,11 @@ class VLLMRolloutEngine:
         """Push new weights into the running engine; returns the seconds it took.
 
         ``source`` is a model directory holding ``*.safetensors`` (as ``save_pretrained`` writes
-        it) or an in-memory Hugging Face model, which is written to a temporary folder first.
+        it) or an in-memory Hugging Face model, which is written to a temporary folder first; a LoRA policy
+        goes to an engine started with ``lora_rank`` as its adapter (``load_adapter``), else merged.
         """
+        if isinstance(source, PeftModel) and self.adapter_dir is not None:
+            return self.load_adapter(source)
         t0 = time.perf_counter()
         tmp = None
         if isinstance(source, torch.nn.Module):
@@ -217,8 +227,31 @@ class VLLMRolloutEngine:
         self.last_sync_s = time.perf_counter() - t0
         return self.last_sync_s
 
+    def load_adapter(self, model: PeftModel) -> float:
+        """Push a LoRA policy as its adapter only (KBs to MBs, whatever the base's size): the engine started
+        from the base's weights, and every request from now on runs with the new adapter; returns the seconds."""
+        from vllm.lora.request import LoRARequest
+
+        if self.adapter_dir is None:
+            raise RuntimeError("this vLLM engine was started without LoRA (lora_rank=0): push merged weights instead")
+        t0 = time.perf_counter()
+        old = self.lora_request
+        n = self.weight_syncs + 1  # a new id per push: vLLM caches an adapter (and its KV prefixes) by id
+        folder = self.adapter_dir / f"v{n}"
+        model.save_pretrained(folder, safe_serialization=True)
+        self.lora_request = LoRARequest(f"policy-v{n}", n, str(folder))
+        if old is not None:
+            self.llm.llm_engine.remove_lora(old.lora_int_id)
+            shutil.rmtree(old.lora_path, ignore_errors=True)
+        self.llm.reset_prefix_cache()
+        self.weight_syncs = n
+        self.last_sync_s = time.perf_counter() - t0
+        return self.last_sync_s
+
     def close(self) -> None:
         """Shut the engine core down (before Ray stops, or its shared-memory files stay behind)."""
+        if getattr(self, "adapter_dir", None) is not None:
+            shutil.rmtree(self.adapter_dir, ignore_errors=True)
         llm = getattr(self, "llm", None)
         if llm is None:
             return

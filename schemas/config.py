@@ -619,6 +619,8 @@ class RunConfig(_Section):
                 f"trainer.keep_checkpoint_every={self.trainer.keep_checkpoint_every} keeps extra checkpoints of a pruned "
                 "run, but nothing is pruned without trainer.max_actor_ckpt_to_keep (e.g. 2)"
             )
+        if self.model.lora_rank > 512 and self.rollout.engine == "vllm":
+            raise ValueError(f"model.lora_rank={self.model.lora_rank}: vLLM serves LoRA adapters of rank 512 at most")
         if self.model.lora and self.actor.engine == "deepspeed" and self.actor.zero_stage == 3:
             raise ValueError(
                 f"model.lora_rank={self.model.lora_rank} with actor.zero_stage=3: ZeRO-3 would shard the frozen base "

@@ -29,7 +29,7 @@ _PREFECT_DB = Path(os.environ["RLSTAGE_HOME"]) / "prefect-template.db"  # filled
 # the workers longest first (LPT), so that no long module starts last and runs alone at the end.
 MODULE_SECONDS = {
     "test_workers": 490, "test_real_model": 221, "test_estimator_runs": 204, "test_failures": 167,
-    "test_schedule": 151, "test_operations": 149, "test_pipeline_vllm": 162, "test_deployments": 90,
+    "test_schedule": 151, "test_operations": 149, "test_pipeline_vllm": 170, "test_deployments": 90,
     "test_disk_full": 132, "test_actor_deepspeed": 150, "test_tracking_server": 90, "test_agent_pipeline": 85,
     "test_trust": 30, "test_checkpoint": 100, "test_bad_input": 35, "test_pipeline": 60, "test_registry": 58,
     "test_chat": 54, "test_rollout_vllm": 43, "test_store_s3": 42, "test_agent_loop": 30, "test_explore": 29,

@@ -1,7 +1,8 @@
 """The pipeline with ``rollout.engine=vllm``, through the CLI: vLLM runs inside the policy worker (a Ray actor),
-takes the trained weights after every update, and its log-probs agree with the trainer's; a SIGTERM mid-run stops
-everything the command started (its Prefect server, Ray, the vLLM engines and their /dev/shm files), and the same
-command then continues the run."""
+takes the trained policy after every update — a LoRA policy, as its adapter over the base (vLLM's LoRA path) —
+and its log-probs agree with the trainer's; a SIGTERM mid-run stops everything the command started (its Prefect
+server, Ray, the vLLM engines and their /dev/shm files), and the same command then continues the run from the
+stored adapter in a fresh worker."""
 
 from __future__ import annotations
 
@@ -75,6 +76,7 @@ def test_vllm_rollouts_sigterm_stops_all_it_started_and_the_rerun_continues(migr
         "actor.optim.lr=1e-2",
         "actor.entropy_coeff=0.1",
         "rollout.max_logprob_gap=1e-3",
+        "model.lora_rank=8",  # the policy reaches vLLM as its adapter: stale or wrong adapters would show a gap
     ]
     cmd = [sys.executable, "-m", "flows.cli", "train", *overrides]
     migrated_prefect_home(tmp_path / ".rlstage" / "prefect")  # the command's own home: it starts its server there
@@ -131,7 +133,9 @@ def test_vllm_rollouts_sigterm_stops_all_it_started_and_the_rerun_continues(migr
     kept = {k: store.manifest("vllm", *((2, k[2:]) if k.startswith("2/") else (1, k))) for k in first}
     assert {k: m.artifact_id for k, m in kept.items()} == {k: m.artifact_id for k, m in first.items()}  # reused
     assert weights_moved(update_weights(store, "vllm", 1), update_weights(store, "vllm", 2))
-    # vLLM's log-probs equal the trainer's recompute on both iterations: the restarted engine got iteration 1's weights
+    # vLLM's log-probs equal the trainer's recompute on both iterations: the restarted engine got iteration 1's
+    # adapter (stored, loaded on its base by a fresh worker, pushed through vLLM's LoRA path)
+    assert "model/adapter_model.safetensors" in store.manifest("vllm", 2, "update").files
     gaps = [store.manifest("vllm", it, "advantage").meta["metrics"]["rollout/logprob_gap"] for it in (1, 2)]
     print("rollout/logprob_gap per iteration:", gaps)
     assert all(0 <= g < 1e-4 for g in gaps), gaps  # fp32: ~1e-6

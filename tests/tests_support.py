@@ -29,10 +29,12 @@ def moving_overrides() -> list[str]:
 
 
 def update_weights(store, run: str, iteration: int) -> dict:
-    """The policy weights committed by ``iteration``'s update."""
+    """The policy weights committed by ``iteration``'s update (a LoRA policy's: its adapter)."""
     from safetensors.torch import load
 
-    return load(store.read_bytes(store.manifest(run, iteration, "update"), "model/model.safetensors"))
+    manifest = store.manifest(run, iteration, "update")
+    name = "model/model.safetensors" if "model/model.safetensors" in manifest.files else "model/adapter_model.safetensors"
+    return load(store.read_bytes(manifest, name))
 
 
 def weights_moved(a: dict, b: dict) -> bool:

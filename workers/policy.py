@@ -27,7 +27,15 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClas
 from engines.actor import DataParallelTorchActor, TorchActor
 from engines.checkpoint import load_trainer_state, save_trainer_state
 from engines.critic import TorchCritic
-from engines.lora import base_ref, is_adapter_dir, load_adapters, save_adapters, save_hf, with_adapters
+from engines.lora import (
+    PeftModel,
+    base_ref,
+    is_adapter_dir,
+    load_adapters,
+    save_adapters,
+    save_hf,
+    with_adapters,
+)
 from engines.rollout import HFRolloutEngine, SamplingParams
 from infra.drill import WorkerDrill, fault_point, hold_point
 from infra.env import pid_alive
@@ -95,26 +103,33 @@ def rollout_engine(cfg: RunConfig, model, tokenizer, path: str, current=None):
     """The ``rollout.engine`` for weights just loaded from ``path`` (``model`` holds them in memory).
 
     HF shares ``model``. A running vLLM engine (``current``) takes the new weights in place: starting one
-    costs 15-60 s on CPU.
+    costs 15-60 s on CPU. A LoRA policy held in memory (a ``PeftModel``, colocated) reaches vLLM as its adapter
+    over the base's weights in ``path`` (vLLM's LoRA support, as verl's LoRA rollout); a folder of merged
+    weights (the rollout worker placed apart) is loaded as it is.
     """
     r = cfg.rollout
     if r.engine == "hf":
         return HFRolloutEngine(model, tokenizer, r.batch_size)
     from engines.rollout_vllm import VLLMRolloutEngine  # lazy: vllm is an optional extra
 
-    if isinstance(current, VLLMRolloutEngine):
+    adapter = isinstance(model, PeftModel)
+    if not isinstance(current, VLLMRolloutEngine):
+        current = VLLMRolloutEngine(
+            path,
+            tokenizer,
+            dtype=cfg.model.dtype,
+            seed=r.seed,
+            kv_cache_bytes=r.vllm_kv_cache_bytes,
+            enforce_eager=r.vllm_enforce_eager,
+            max_num_seqs=r.vllm_max_num_seqs,
+            cpu_threads_bind=r.vllm_cpu_threads_bind,
+            lora_rank=cfg.model.lora_rank if adapter else 0,
+        )
+    else:
         current.load_weights(path)
-        return current
-    return VLLMRolloutEngine(
-        path,
-        tokenizer,
-        dtype=cfg.model.dtype,
-        seed=r.seed,
-        kv_cache_bytes=r.vllm_kv_cache_bytes,
-        enforce_eager=r.vllm_enforce_eager,
-        max_num_seqs=r.vllm_max_num_seqs,
-        cpu_threads_bind=r.vllm_cpu_threads_bind,
-    )
+    if adapter:
+        current.load_adapter(model)
+    return current
 
 
 SCRATCH = re.compile(r"^rlstage-(?:worker|rollout)-p(\d+)-")
@@ -314,12 +329,13 @@ class PolicyWorker:
         self.versions[role] = ref.version
 
     def _engine_dir(self, path: Path) -> str:
-        """The folder a vLLM engine starts from: a LoRA policy's merged weights (HF shares the model)."""
+        """The folder a vLLM engine starts from: a LoRA policy's base weights, its adapter pushed after (HF
+        shares the model)."""
         if self.base is None or self.cfg.rollout.engine == "hf":
             return str(path)
-        folder = self.scratch / "merged"
+        folder = self.scratch / "base"
         shutil.rmtree(folder, ignore_errors=True)
-        save_hf(self.model, self.tokenizer, folder)
+        save_hf(self.model, self.tokenizer, folder, merged=False)
         return str(folder)
 
     def _new_actor(self, pad_id: int) -> TorchActor:
