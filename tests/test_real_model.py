@@ -104,6 +104,7 @@ def test_one_iteration_of_smollm2_through_the_pipeline(prefect_api, smollm2_path
             "rollout.engine=hf",  # lighter for CI; vLLM gets the same stop tokens (engines/chat.stop_token_ids)
             "rollout.n=2",
             f"rollout.max_new_tokens={max_new}",
+            "reward.overlong_buffer.len=8",  # within the shortened responses
             "actor.ppo_mini_batch_size=4",
             "actor.micro_batch_size=2",
             "trainer.iterations=1",
