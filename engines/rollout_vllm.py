@@ -13,6 +13,7 @@ temperature over the whole vocabulary), which the advantage stage checks as ``ro
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -39,6 +40,76 @@ def vllm_available() -> bool:
 def _shm_dir() -> str | None:
     # Weight pushes go through a folder; /dev/shm keeps them in memory where it exists.
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+
+
+OWNED_PREFIX = "rlstage-owned-"  # a registry of what an engine left in /dev/shm, for whoever outlives it
+
+
+def _register_owned(paths: Sequence[str]) -> Path | None:
+    """Record this process's engine files and engine processes, so that the process that kills it (a stop
+    mid-call kills a busy worker, which never reaches ``close``) or a later engine removes what they leave
+    (``reap_owned_files``)."""
+    import psutil
+
+    folder = _shm_dir()
+    if folder is None:
+        return None
+    children = [p.pid for p in psutil.Process().children(recursive=True)]
+    fd, name = tempfile.mkstemp(prefix=f"{OWNED_PREFIX}{os.getpid()}-", suffix=".json", dir=folder)
+    with os.fdopen(fd, "w") as f:
+        json.dump({"pid": os.getpid(), "children": children, "paths": sorted(paths)}, f)
+    return Path(name)
+
+
+def reap_owned_files(pids: Sequence[int] = (), wait_s: float = 0.0) -> list[str]:
+    """Remove what engines of processes that are gone registered, and the semaphores their engine processes
+    left (loky's ``sem.loky-<pid>-*``); wait up to ``wait_s`` for ``pids`` (workers just killed) and their
+    engine processes to go first. Returns the paths removed. Files on other nodes stay (their engines reap them)."""
+    folder = _shm_dir()
+    if folder is None:
+        return []
+    deadline = time.monotonic() + wait_s
+    removed: list[str] = []
+    while True:
+        waiting = False
+        for registry in Path(folder).glob(f"{OWNED_PREFIX}*.json"):
+            try:
+                owned = json.loads(registry.read_text())
+            except (OSError, ValueError):  # being written, or already reaped
+                continue
+            if _alive(owned["pid"]) or any(_alive(c) for c in owned["children"]):
+                waiting = waiting or owned["pid"] in pids
+                continue
+            semaphores = [str(f) for c in owned["children"] for f in Path(folder).glob(f"sem.loky-{c}-*")]
+            for path in [*owned["paths"], *semaphores]:
+                if os.path.isdir(path):
+                    shutil.rmtree(path, ignore_errors=True)
+                elif os.path.exists(path):
+                    os.unlink(path)
+                else:
+                    continue
+                removed.append(path)
+            registry.unlink(missing_ok=True)
+        if not waiting or time.monotonic() >= deadline:
+            return removed
+        time.sleep(0.1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return Path(f"/proc/{pid}").exists() and "zombie" not in _state(pid)
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/status").read_text().split("State:", 1)[1].split("\n", 1)[0].lower()
+    except (OSError, IndexError):
+        return ""
 
 
 class WeightSyncExtension:
@@ -132,10 +203,12 @@ class VLLMRolloutEngine:
             args["enable_chunked_prefill"] = False
         if lora_rank > 0:  # a LoRA policy's adapter is served by vLLM's LoRA path over the frozen base
             args.update(enable_lora=True, max_loras=1, max_lora_rank=min(r for r in LORA_RANKS if r >= lora_rank))
+        reap_owned_files()  # what engines of killed processes left behind
         self.llm = LLM(model=self.model_path, **{**args, **(extra_args or {})})
         self.shm_files = engine_shm_files()  # its message queues: unlinked at close if its shutdown leaves them
         self.lora_request = None  # the adapter every request runs with (None: the plain weights)
         self.adapter_dir = Path(tempfile.mkdtemp(prefix="rlstage-vllm-adapters-", dir=_shm_dir())) if lora_rank else None
+        self.registry = _register_owned([*self.shm_files, *([str(self.adapter_dir)] if self.adapter_dir else [])])
         self.weight_syncs = 0
         self.last_sync_s = 0.0
         self.last_overhead_s = 0.0
@@ -265,3 +338,5 @@ class VLLMRolloutEngine:
                 os.unlink(path)
             except FileNotFoundError:
                 pass
+        if self.registry is not None:
+            self.registry.unlink(missing_ok=True)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import ray
 from prefect import flow, get_client, get_run_logger
 from prefect.context import FlowRunContext, get_run_context
+from prefect.exceptions import TerminationSignal
 from prefect.futures import PrefectFuture
 from prefect.logging.handlers import APILogHandler
 from prefect.settings import temporary_settings
@@ -27,7 +28,7 @@ from infra.drill import fault_point
 from infra.env import apply_defaults
 from infra.lease import run_lease
 from infra.progress import open_board
-from infra.ray_runtime import RAY_NAMESPACE, ensure_ray
+from infra.ray_runtime import RAY_NAMESPACE, ensure_ray, wait_result
 from infra.store import ArtifactStore
 from infra.story import artifact_key
 from infra.tracking import Tracker, check_reachable, tracking_uri_for
@@ -116,7 +117,7 @@ def _run_stage(
     t0 = time.perf_counter()
     TERMINAL.status(f"  {label} {stage:<9} ...")
     future = stages.submit_stage(cfg, stage, *args, wait_for=wait_for)
-    result = future.result()
+    result = wait_result(future)
     wall = time.perf_counter() - t0
     outcome.results[stage] = result
     outcome.wall_s[stage] = wall
@@ -189,7 +190,7 @@ def iteration_flow(cfg: RunConfig, iteration: int, prompts: Manifest, models: Mo
             continue
         if spec.phase == "eval":
             if ahead is not None:
-                ahead.result()  # committed under iteration k+1
+                wait_result(ahead)  # committed under iteration k+1
                 ahead = None
             if not _eval_due(cfg, iteration):
                 continue
@@ -290,10 +291,10 @@ def _run_iterations(cfg: RunConfig, store: ArtifactStore, first: int, last: int,
     group = open_group(cfg)
     board = open_board() if TERMINAL.live else None  # SFT's steps on a terminal's status line
     rm_worker = open_reward_model(cfg) if cfg.reward_model.enable and cfg.reward_model.model.path else None  # noqa: F841 (held: the actor lives as long)
-    status = "FAILED"
+    status, stopped = "FAILED", False
     try:
         prep_task = stages.submit_stage(cfg, "data_prep")
-        prep = prep_task.result()
+        prep = wait_result(prep_task)
         after: list = [prep_task]  # the flow graph: iteration 0 after data prep and SFT, each iteration after the last
         if prep.executed or 0 not in logged:  # prompt counts, and those dropped as over data.max_prompt_length
             tracker.log_metrics(0, prep.metrics)
@@ -307,7 +308,7 @@ def _run_iterations(cfg: RunConfig, store: ArtifactStore, first: int, last: int,
             _emit("  [kit] SFT warm start of the tiny model (reused when already committed) ...")
             TERMINAL.status("  [kit] SFT", read_note=_board_reader(board, kit_run_name(cfg)))
             sft_task = stages.submit_stage(cfg, "sft", wait_for=after)
-            sft = sft_task.result()
+            sft = wait_result(sft_task)
             TERMINAL.status(None)
             after.append(sft_task)
             if sft.executed or 0 not in logged:
@@ -373,10 +374,13 @@ def _run_iterations(cfg: RunConfig, store: ArtifactStore, first: int, last: int,
             "history": history,
             "executed": executed,
         }
+    except (KeyboardInterrupt, TerminationSignal):  # a signal: a stage task may still be inside a worker's call
+        stopped = True
+        raise
     finally:
         TERMINAL.status(None)
         tracker.finish(status)
-        group.release()
+        group.release(busy=stopped)
 
 
 def _board_reader(board, key: str):

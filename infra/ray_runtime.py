@@ -48,3 +48,23 @@ def ensure_ray(cfg: RunConfig) -> None:
         for sig, handler in handlers.items():
             if handler is not None:
                 signal.signal(sig, handler)
+
+
+def wait_result(future, poll_s: float = 0.05):
+    """A Prefect future's result, waited for so that a signal stops the wait within ``poll_s``.
+
+    Ray's blocking ``get`` only lets a signal handler's KeyboardInterrupt through: the exception of Prefect's
+    SIGTERM handler (raised inside the wait, in the flow's main thread) stays pending until the stage ends, and
+    then surfaces as a SystemError. Short waits end within ``poll_s`` and re-raise what the handler raised.
+    """
+    ref = getattr(future, "wrapped_future", None)
+    while isinstance(ref, ray.ObjectRef):
+        try:
+            ready, _ = ray.wait([ref], timeout=poll_s)
+        except SystemError as err:
+            if isinstance(err.__context__, BaseException) and not isinstance(err.__context__, Exception):
+                raise err.__context__ from None
+            raise
+        if ready:
+            break
+    return future.result()

@@ -62,6 +62,8 @@ def _shm_files(pids: list[int]) -> set[str]:
 
 def test_vllm_rollouts_sigterm_stops_all_it_started_and_the_rerun_continues(migrated_prefect_home, tmp_path):
     before = set(_vllm_processes())
+    markers = tmp_path / "markers"
+    markers.mkdir()
     overrides = [
         f"store.root={tmp_path / 'store'}",
         "run_name=vllm",
@@ -77,18 +79,24 @@ def test_vllm_rollouts_sigterm_stops_all_it_started_and_the_rerun_continues(migr
         "actor.entropy_coeff=0.1",
         "rollout.max_logprob_gap=1e-3",
         "model.lora_rank=8",  # the policy reaches vLLM as its adapter: stale or wrong adapters would show a gap
+        # the trainer waits inside update 2 until released: an iteration here takes ~1.2 s, and a CI run once
+        # signalled a command that had already finished
+        "drill.hold_worker_at=['update:2']",
+        f"drill.markers={markers}",
     ]
     cmd = [sys.executable, "-m", "flows.cli", "train", *overrides]
     migrated_prefect_home(tmp_path / ".rlstage" / "prefect")  # the command's own home: it starts its server there
     env = cli_env()
-    # until iteration 1 is committed: vLLM generated with the SFT weights, then the policy trained
+    # until iteration 1 is committed (vLLM generated with the SFT weights, then the policy trained) and the trainer
+    # holds inside update 2
     proc = start_cli_until(cmd, tmp_path, env, "iteration   1:")
     try:
         home = f"PREFECT_HOME={(tmp_path / '.rlstage' / 'prefect').resolve()}"
-        for _ in range(100):  # polled: once in five CI runs the engine's processes were not listed at the line
-            if set(_vllm_processes()) - before:
+        for _ in range(600):
+            if (markers / "held-update-2").exists() or proc.poll() is not None:
                 break
             time.sleep(0.2)
+        assert proc.poll() is None, proc.stdout.read()
         started = _processes_with_env(home)  # the Prefect server, Ray's processes, the vLLM engine: the command's
         shm = _shm_files(started)
         cmdlines = b" ".join(Path(f"/proc/{p}/cmdline").read_bytes() for p in started if Path(f"/proc/{p}").exists())
@@ -116,6 +124,9 @@ def test_vllm_rollouts_sigterm_stops_all_it_started_and_the_rerun_continues(migr
         time.sleep(0.2)
     assert left == [], [Path(f"/proc/{pid}/cmdline").read_bytes() for pid in left]
     assert not [f for f in shm if Path(f).exists()], "shared memory left behind"
+    # killed inside a call, the trainer never closed its engine: the command removed what the engine registered
+    named = [f.name for f in Path("/dev/shm").glob("*") if any(f"-{pid}-" in f.name for pid in started)]
+    assert named == [], named
     assert not set(_vllm_processes()) - before, _vllm_processes()
 
     from infra.store import ArtifactStore
@@ -125,8 +136,10 @@ def test_vllm_rollouts_sigterm_stops_all_it_started_and_the_rerun_continues(migr
     first = {s: store.manifest("vllm", 1, s) for s in stages}
     assert all(first.values()), first  # iteration 1 committed before the signal, nothing of it lost
     first |= {f"2/{s}": m for s in stages if (m := store.manifest("vllm", 2, s)) is not None}  # what iteration 2 had
+    assert "2/advantage" in first and "2/update" not in first  # stopped inside update 2, as held
 
     # The same command, on the session's server (the run lives in the store): it continues after iteration 1.
+    (markers / "release-update-2").touch()
     env["PREFECT_API_URL"] = os.environ["PREFECT_API_URL"]
     rerun = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert rerun.returncode == 0, rerun.stderr[-3000:]

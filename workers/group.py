@@ -144,14 +144,31 @@ class PolicyGroup:
             self.query_all("adopt", manifest.artifact_id)  # a rank that lost them reloads at the next acquire
         return manifest
 
-    def release(self) -> None:
-        """Stop the workers: close engines and scratch folders first (vLLM leaves /dev/shm files when killed)."""
+    def release(self, busy: bool = False) -> None:
+        """Stop the workers: close engines and scratch folders first (vLLM leaves /dev/shm files when killed).
+        ``busy`` (a stop mid-stage): a worker inside a call would only take ``close`` after it, so the workers
+        are killed at once and the files their engines registered are removed here."""
+        from engines.rollout_vllm import reap_owned_files
+
+        pids = [pid for r in self.actors if (pid := _actor_pid(r)) is not None]
         for r in self.actors:
-            try:
-                ray.get(r.close.remote(), timeout=60)
-            except Exception:  # a dead or hung worker still gets killed
-                pass
+            if not busy:
+                try:
+                    ray.get(r.close.remote(), timeout=60)
+                except Exception:  # a dead or hung worker still gets killed
+                    pass
             ray.kill(r)
+        reap_owned_files(pids, wait_s=30)
+
+
+def _actor_pid(actor) -> int | None:
+    """The process of a live actor on this node (None elsewhere, or when the state API does not say)."""
+    try:
+        info = ray._private.state.actors(actor_id=actor._actor_id.hex())
+        local = info["Address"]["NodeID"] == ray.get_runtime_context().get_node_id()
+        return int(info["Pid"]) if local and info.get("State") == "ALIVE" else None
+    except Exception:  # a private API: without it, files of a killed worker wait for the next engine to reap them
+        return None
 
 
 def check_placement(cfg: RunConfig) -> None:
