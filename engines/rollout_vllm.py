@@ -178,7 +178,7 @@ class VLLMRolloutEngine:
         if cpu_threads_bind is not None:  # e.g. "0-1" for both cores, "nobind" to leave threads alone
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_bind
             os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-        from vllm import LLM, envs  # lazy: vllm is an optional extra
+        from vllm import LLM  # lazy: vllm is an optional extra
         from vllm.platforms import current_platform
 
         self.tokenizer = tokenizer
@@ -204,20 +204,11 @@ class VLLMRolloutEngine:
         if lora_rank > 0:  # a LoRA policy's adapter is served by vLLM's LoRA path over the frozen base
             args.update(enable_lora=True, max_loras=1, max_lora_rank=min(r for r in LORA_RANKS if r >= lora_rank))
         reap_owned_files()  # what engines of killed processes left behind
-        # vLLM's ZMQ sockets in a folder of this engine's: in /tmp itself they stay after every engine
-        self.rpc_dir = tempfile.mkdtemp(prefix="rlstage-vllm-rpc-")
-        os.environ["VLLM_RPC_BASE_PATH"] = self.rpc_dir
-        envs.disable_envs_cache()  # a previous engine of this process cached the variables (the old folder)
-        try:
-            self.llm = LLM(model=self.model_path, **{**args, **(extra_args or {})})
-        except BaseException:
-            shutil.rmtree(self.rpc_dir, ignore_errors=True)
-            raise
+        self.llm = LLM(model=self.model_path, **{**args, **(extra_args or {})})
         self.shm_files = engine_shm_files()  # its message queues: unlinked at close if its shutdown leaves them
         self.lora_request = None  # the adapter every request runs with (None: the plain weights)
         self.adapter_dir = Path(tempfile.mkdtemp(prefix="rlstage-vllm-adapters-", dir=_shm_dir())) if lora_rank else None
-        owned = [*self.shm_files, self.rpc_dir, *([str(self.adapter_dir)] if self.adapter_dir else [])]
-        self.registry = _register_owned(owned)
+        self.registry = _register_owned([*self.shm_files, *([str(self.adapter_dir)] if self.adapter_dir else [])])
         self.weight_syncs = 0
         self.last_sync_s = 0.0
         self.last_overhead_s = 0.0
@@ -347,6 +338,5 @@ class VLLMRolloutEngine:
                 os.unlink(path)
             except FileNotFoundError:
                 pass
-        shutil.rmtree(self.rpc_dir, ignore_errors=True)
         if self.registry is not None:
             self.registry.unlink(missing_ok=True)
