@@ -109,7 +109,10 @@ class TorchActor(MiniBatchTrainer):
         inputs, tensors = self._micro_inputs(batch, micro.idx, *fields)
         got = dict(zip(fields, tensors, strict=True))
         mask, old, adv = got["response_mask"], got["old_log_probs"], got["advantages"]
-        logp, entropy = response_log_probs(self.model, inputs, temperature, with_entropy=True)
+        # verl differentiates the entropy only when its coefficient is not 0; it is still logged
+        logp, entropy = response_log_probs(
+            self.model, inputs, temperature, with_entropy=True, entropy_grad=cfg.entropy_coeff != 0
+        )
         settings = {k: getattr(cfg, k) for k in LOSS_SETTINGS}
         pg_loss, pg_metrics = loss_fn(
             old, logp, adv, mask, cfg.loss_agg_mode, rollout_is_weights=got.get("rollout_is_weights"), **settings, **extra

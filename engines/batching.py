@@ -21,6 +21,8 @@ the whole mini-batch as one batch for every ``loss_agg_mode``; the fixed-count m
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -125,18 +127,48 @@ def check_packing_supported(model: torch.nn.Module) -> None:
         )
 
 
+def takes_logits_to_keep(model: torch.nn.Module) -> bool:
+    """Whether the wrapped Hugging Face model's forward takes ``logits_to_keep`` (causal LMs do; a critic's token
+    classifier does not). DeepSpeed and peft wrappers pass keyword arguments through to it."""
+    inner = model
+    while hasattr(inner, "module"):  # DeepSpeed's engine
+        inner = inner.module
+    if hasattr(inner, "get_base_model"):  # peft
+        inner = inner.get_base_model()
+    return _forward_takes(type(inner), "logits_to_keep")
+
+
+@functools.cache
+def _forward_takes(cls: type, name: str) -> bool:
+    return name in inspect.signature(cls.forward).parameters
+
+
 def response_logits(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-    """``[B, R, V]`` logits, row ``i`` column ``t`` predicting response token ``t`` of sequence ``i``."""
+    """``[B, R, V]`` logits, row ``i`` column ``t`` predicting response token ``t`` of sequence ``i``.
+
+    Where the model takes ``logits_to_keep``, its output layer runs on the positions that predict response tokens
+    only (as TRL does): prompt positions would cost a ``[tokens, vocabulary]`` matmul, forward and backward, that
+    no loss reads (large beside a small model's layers: SmolLM2's vocabulary is 49,152)."""
+    keep = takes_logits_to_keep(model)
     if inputs.get("packed"):
+        index = inputs["logit_index"]
+        kwargs = {}
+        if keep:
+            kept = torch.unique(index)  # sorted; padded entries point at column 0, which stays harmless
+            kwargs["logits_to_keep"] = kept
+            index = torch.searchsorted(kept, index)
         out = model(
-            input_ids=inputs["input_ids"], attention_mask=None, position_ids=inputs["position_ids"], use_cache=False
-        )
-        return out.logits[0, inputs["logit_index"]]
+            input_ids=inputs["input_ids"], attention_mask=None, position_ids=inputs["position_ids"], use_cache=False,
+            **kwargs,
+        )  # fmt: skip
+        return out.logits[0, index]
     P, R = inputs["prompt_width"], inputs["response_width"]
+    kwargs = {"logits_to_keep": R + 1} if keep else {}  # columns P-1 .. P+R-1 (0 would mean "all")
     out = model(
-        input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], position_ids=inputs["position_ids"]
-    )
-    return out.logits[:, P - 1 : P + R - 1, :]
+        input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], position_ids=inputs["position_ids"],
+        **kwargs,
+    )  # fmt: skip
+    return out.logits[:, :R, :] if keep else out.logits[:, P - 1 : P + R - 1, :]
 
 
 def sum_pi_squared_from_logits(logits: torch.Tensor) -> torch.Tensor:
@@ -151,9 +183,11 @@ def response_log_probs(
     temperature: float,
     with_entropy: bool = False,
     with_sum_pi_squared: bool = False,
+    entropy_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of the response tokens under ``model`` at ``temperature`` (as the sampler saw them), and
-    per token the entropy (``with_entropy``) or the sum of pi^2 over the vocabulary (``with_sum_pi_squared``)."""
+    per token the entropy (``with_entropy``) or the sum of pi^2 over the vocabulary (``with_sum_pi_squared``).
+    ``entropy_grad=False`` gives the entropy as a metric only, outside the autograd graph."""
     if with_entropy and with_sum_pi_squared:
         raise ValueError("response_log_probs gives one per-token statistic: the entropy or the sum of pi^2")
     logits = response_logits(model, inputs).float()
@@ -170,7 +204,9 @@ def response_log_probs(
         return logp, sum_pi_squared_from_logits(logits)
     entropy = None
     if with_entropy:
-        entropy = -(logp_all.exp() * logp_all).sum(-1)
+        # without a gradient the [tokens, vocabulary] terms are not kept for, nor walked by, the backward pass
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            entropy = -(logp_all.exp() * logp_all).sum(-1)
     return logp, entropy
 
 

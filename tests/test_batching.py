@@ -24,6 +24,7 @@ from schemas.config import (
     ConfigError,
     CriticConfig,
     KitConfig,
+    ModelConfig,
     OptimConfig,
     RolloutCorrectionConfig,
     load_config,
@@ -77,6 +78,51 @@ def make_batch(tok, n: int, seed: int = 0) -> dict[str, list]:
         batch["returns"].append([rng.uniform(-1, 1) for _ in r])
     return batch
 
+
+
+# ---------------------------------------------------------------- the output layer
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_the_output_layer_runs_on_response_positions_only(tok, weights, packed):
+    """``response_logits`` asks the model for the logits of the positions that predict response tokens alone;
+    they equal the same columns of a full forward, also through peft, and a critic's token classifier (which has
+    no ``logits_to_keep``) keeps its full forward."""
+    from engines.batching import response_logits, takes_logits_to_keep
+    from engines.lora import with_adapters
+
+    model = new_model(tok, weights).eval()
+    batch = make_batch(tok, 9)
+    P, R = batch["prompt_ids"], batch["response_ids"]
+    inputs = build_packed_inputs(P, R) if packed else build_inputs(P, R, tok.pad_token_id)
+    seen: list[int] = []
+    hook = model.lm_head.register_forward_hook(lambda m, args, out: seen.append(args[0].shape[1]))
+    with torch.no_grad():
+        got = response_logits(model, inputs)
+        hook.remove()
+        full = model(input_ids=inputs["input_ids"], attention_mask=inputs.get("attention_mask"),
+                     position_ids=inputs["position_ids"], use_cache=False).logits  # fmt: skip
+    if packed:
+        want = full[0, inputs["logit_index"]]
+        assert seen == [len(set(inputs["logit_index"].flatten().tolist()))]
+    else:
+        w = inputs["prompt_width"]
+        want = full[:, w - 1 : w + inputs["response_width"] - 1]
+        assert seen == [inputs["response_width"] + 1]
+    assert seen[0] < full.shape[1]  # fewer positions than the whole row
+    for i, r in enumerate(R):
+        torch.testing.assert_close(got[i, : len(r)], want[i, : len(r)], atol=1e-5, rtol=0)
+    assert takes_logits_to_keep(with_adapters(new_model(tok, weights), ModelConfig(lora_rank=4)))
+    assert not takes_logits_to_keep(LlamaForTokenClassification(model.config))
+
+
+def test_the_entropy_is_differentiated_only_when_asked(tok, weights):
+    model = new_model(tok, weights)
+    batch = make_batch(tok, 4)
+    inputs = build_inputs(batch["prompt_ids"], batch["response_ids"], tok.pad_token_id)
+    logp, ent = response_log_probs(model, inputs, 1.0, with_entropy=True, entropy_grad=False)
+    assert logp.requires_grad and not ent.requires_grad
+    _, ent2 = response_log_probs(model, inputs, 1.0, with_entropy=True)
+    assert ent2.requires_grad
+    torch.testing.assert_close(ent, ent2.detach(), atol=0, rtol=0)
 
 # ---------------------------------------------------------------- packing
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
