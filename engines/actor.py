@@ -34,6 +34,10 @@ LOSS_SETTINGS = (
 class TorchActor(MiniBatchTrainer):
     metric_prefix = "actor"
 
+    @property
+    def _shared(self) -> bool:
+        return self.cfg.share_prompts
+
     @torch.no_grad()
     def compute_log_probs(
         self, prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]], temperature: float

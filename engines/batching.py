@@ -10,6 +10,11 @@ Two input layouts, chosen by ``packing`` in the actor / critic config:
   on CPU: the log-probs equal the padded ones within 1e-6 (``tests/test_batching.py``). ``use_cache=False``
   is required: with a cache object the model skips the packed-sequence detection.
 
+- shared prompts (``actor.share_prompts``, padded): the samples of one prompt in a micro-batch share one forward
+  of that prompt; its key/value cache is indexed out to every sample and the responses run on it (GRPO's n
+  samples per prompt otherwise repeat the prompt's forward and backward n times). The backward reaches the
+  prompt through the cache, so the gradient is the padded layout's up to float rounding (``tests/test_batching.py``).
+
 Micro-batches hold either a fixed number of samples (``micro_batch_size``, the default) or as many as fit
 a token budget (``micro_batch_tokens``): the tokens the forward actually processes, i.e. the packed row
 length with packing and rows x padded width without. With a token budget (and with data parallelism or
@@ -106,10 +111,46 @@ def build_packed_inputs(
     }
 
 
-def model_inputs(
-    prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]], pad_id: int, packed: bool
+def build_shared_inputs(
+    prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]], pad_id: int
 ) -> dict[str, torch.Tensor]:
-    return build_packed_inputs(prompt_ids, response_ids) if packed else build_inputs(prompt_ids, response_ids, pad_id)
+    """Each distinct prompt once (left-padded to P, ``prompt_*``) and every response (right-padded to R) with the
+    index of its prompt (``group``); the responses' attention mask spans the prompt's columns, then their own."""
+    first: dict[tuple[int, ...], int] = {}
+    group = torch.as_tensor([first.setdefault(tuple(p), len(first)) for p in prompt_ids], dtype=torch.long)
+    prompts = build_inputs(list(first), [[] for _ in first], pad_id)
+    responses = pad_right(response_ids, pad_id, torch.long)
+    R = responses.shape[1]
+    taken = torch.zeros_like(responses)
+    for i, r in enumerate(response_ids):
+        taken[i, : len(r)] = 1
+    prompt_mask = prompts["attention_mask"]
+    return {
+        "prompt_ids": prompts["input_ids"],
+        "prompt_mask": prompt_mask,
+        "prompt_positions": prompts["position_ids"],
+        "group": group,
+        "input_ids": responses,
+        "attention_mask": torch.cat([prompt_mask[group], taken], dim=1),
+        "position_ids": prompt_mask.sum(-1)[group, None] + torch.arange(R)[None, :],
+        "targets": responses,
+        "response_width": R,
+        "shared": True,
+    }
+
+
+def model_inputs(
+    prompt_ids: Sequence[Sequence[int]],
+    response_ids: Sequence[Sequence[int]],
+    pad_id: int,
+    packed: bool,
+    shared: bool = False,
+) -> dict[str, torch.Tensor]:
+    if packed:
+        return build_packed_inputs(prompt_ids, response_ids)
+    if shared:
+        return build_shared_inputs(prompt_ids, response_ids, pad_id)
+    return build_inputs(prompt_ids, response_ids, pad_id)
 
 
 def check_packing_supported(model: torch.nn.Module) -> None:
@@ -150,6 +191,8 @@ def response_logits(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> 
     only (as TRL does): prompt positions would cost a ``[tokens, vocabulary]`` matmul, forward and backward, that
     no loss reads (large beside a small model's layers: SmolLM2's vocabulary is 49,152)."""
     keep = takes_logits_to_keep(model)
+    if inputs.get("shared"):
+        return _shared_prompt_logits(model, inputs, keep)
     if inputs.get("packed"):
         index = inputs["logit_index"]
         kwargs = {}
@@ -169,6 +212,29 @@ def response_logits(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> 
         **kwargs,
     )  # fmt: skip
     return out.logits[:, :R, :] if keep else out.logits[:, P - 1 : P + R - 1, :]
+
+
+def _shared_prompt_logits(model: torch.nn.Module, inputs: dict[str, torch.Tensor], keep: bool) -> torch.Tensor:
+    """The prompts' forward (its last column predicts each response's first token), then every response but its
+    last token on the prompt's cache, indexed out per sample: ``[B, R, V]`` as ``response_logits``."""
+    R, group = inputs["response_width"], inputs["group"]
+    # The prompts through DeepSpeed's bare module: its engine counts one forward per backward (a second one left
+    # every gradient unreduced); the backward of the engine's forward below reaches this one through the cache.
+    out = getattr(model, "module", model)(
+        input_ids=inputs["prompt_ids"], attention_mask=inputs["prompt_mask"], position_ids=inputs["prompt_positions"],
+        use_cache=True, **({"logits_to_keep": 1} if keep else {}),
+    )  # fmt: skip
+    first = out.logits[group, -1:, :]
+    if R <= 1:
+        return first[:, :R]
+    cache = out.past_key_values
+    cache.batch_select_indices(group)  # indexing, not a copy-in: the backward sums each sample's share into the prompt
+    width = inputs["prompt_ids"].shape[1] + R - 1
+    rest = model(
+        input_ids=inputs["input_ids"][:, : R - 1], attention_mask=inputs["attention_mask"][:, :width],
+        position_ids=inputs["position_ids"][:, : R - 1], past_key_values=cache, use_cache=True,
+    ).logits  # fmt: skip
+    return torch.cat([first, rest], dim=1)
 
 
 def sum_pi_squared_from_logits(logits: torch.Tensor) -> torch.Tensor:
@@ -194,7 +260,7 @@ def response_log_probs(
     if temperature > 0:
         logits = logits / temperature
     logp_all = torch.log_softmax(logits, dim=-1)
-    if inputs.get("packed"):
+    if "targets" in inputs:  # packed or shared prompts
         targets = inputs["targets"]
     else:
         P, R = inputs["prompt_width"], inputs["response_width"]
@@ -211,10 +277,15 @@ def response_log_probs(
 
 
 # ====================================================================== micro-batch planning
-def micro_batch_cost(prompt_lens: Sequence[int], response_lens: Sequence[int], packed: bool) -> int:
-    """Tokens one forward processes: the packed row length, or rows x padded width."""
+def micro_batch_cost(
+    prompt_lens: Sequence[int], response_lens: Sequence[int], packed: bool, prompts: int | None = None
+) -> int:
+    """Tokens one forward processes: the packed row length, or rows x padded width; with ``prompts`` distinct
+    prompts shared (``build_shared_inputs``), each prompt once at the padded prompt width plus the responses."""
     if packed:
         return sum(prompt_lens) + sum(response_lens)
+    if prompts is not None:
+        return prompts * max(prompt_lens, default=0) + len(response_lens) * max(response_lens, default=0)
     return len(prompt_lens) * (max(prompt_lens, default=0) + max(response_lens, default=0))
 
 
@@ -244,25 +315,33 @@ def plan_micro_batches(
     budget: int | None,
     packed: bool,
     setting: str,
+    shared: bool = False,
 ) -> list[list[int]]:
     """Split sample ids ``idx`` into micro-batches: ``count`` at a time, or greedily up to ``budget`` tokens.
 
     With a budget and padding, samples are taken longest first, so rows of similar length share a micro-batch
-    (less padding); with packing the given order is kept. A sequence longer than the budget is an error
-    naming ``setting``.
+    (less padding); with packing the given order is kept. With ``shared`` prompts the samples of one prompt are
+    taken together (prompts longest first, then responses longest first), so that they share its forward, and a
+    prompt counts once against the budget. A sequence longer than the budget is an error naming ``setting``.
     """
-    if budget is None:
-        return [list(idx[u : u + count]) for u in range(0, len(idx), count)]
     order = list(idx)
-    if not packed:
+    if shared:
+        first: dict[tuple[int, ...], int] = {}
+        for i in order:
+            first.setdefault(tuple(prompt_ids[i]), i)
+        order.sort(key=lambda i: (-len(prompt_ids[i]), first[tuple(prompt_ids[i])], -len(response_ids[i])))
+    if budget is None:
+        return [order[u : u + count] for u in range(0, len(order), count)]
+    if not packed and not shared:
         order.sort(key=lambda i: len(prompt_ids[i]) + len(response_ids[i]), reverse=True)
     plans: list[list[int]] = []
     current: list[int] = []
     check_sequences_fit(order, prompt_ids, response_ids, budget, setting)
     for i in order:
         trial = current + [i]
+        distinct = len({tuple(prompt_ids[j]) for j in trial}) if shared else None
         cost = micro_batch_cost(
-            [len(prompt_ids[j]) for j in trial], [len(response_ids[j]) for j in trial], packed
+            [len(prompt_ids[j]) for j in trial], [len(response_ids[j]) for j in trial], packed, distinct
         )
         if current and cost > budget:
             plans.append(current)
@@ -405,9 +484,14 @@ class MiniBatchTrainer:
         self.optimizer = torch.optim.AdamW(trainable_parameters(model), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(o, o.total_steps or total_steps))
 
+    @property
+    def _shared(self) -> bool:
+        """Whether the samples of a prompt share its forward (``actor.share_prompts``; the critic does not)."""
+        return False
+
     # ---- inputs (these use only model, cfg and pad_id: a bare instance can run the no-grad passes)
     def _inputs(self, prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]]) -> dict:
-        return model_inputs(prompt_ids, response_ids, self.pad_id, self.cfg.packing)
+        return model_inputs(prompt_ids, response_ids, self.pad_id, self.cfg.packing, self._shared)
 
     def _micro_inputs(self, batch: dict[str, list], idx: list[int], *fields: str) -> tuple[dict, list[torch.Tensor]]:
         """Model inputs of the samples ``idx`` and their per-token ``fields``, padded to the response width."""
@@ -436,6 +520,7 @@ class MiniBatchTrainer:
             budget=budget,
             packed=cfg.packing,
             setting=f"{self.metric_prefix}.micro_batch_tokens",
+            shared=self._shared,
         )
         for ids in plans:
             yield ids, self._inputs([prompt_ids[i] for i in ids], [response_ids[i] for i in ids])
@@ -451,6 +536,7 @@ class MiniBatchTrainer:
             budget=cfg.micro_batch_tokens,
             packed=cfg.packing,
             setting=f"{self.metric_prefix}.micro_batch_tokens",
+            shared=self._shared,
         )
         norm = agg_norm([batch["response_mask"][i] for i in mini], self.dp_size)
         # token-sum has no fixed-count form (verl's len(micro) / len(mini) scaling would divide the sum).

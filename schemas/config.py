@@ -66,6 +66,20 @@ class ConfigError(ValueError):
     """A bad configuration: the message is one line naming the key."""
 
 
+# A setting added after runs were stored: cache keys hash it only when it differs from its default, so the stages
+# those runs committed keep their keys (a nightly after an upgrade continues them instead of redoing them).
+HASHED_WHEN_SET = {"hashed_when_set": True}
+
+
+def _drop_unset_late_settings(node: BaseModel, dump: dict) -> None:
+    for name, field in type(node).model_fields.items():
+        value = getattr(node, name)
+        if isinstance(value, BaseModel):
+            _drop_unset_late_settings(value, dump[name])
+        elif (field.json_schema_extra or {}).get("hashed_when_set") and value == field.default:
+            del dump[name]
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -347,6 +361,9 @@ class ActorConfig(_Section):
     # then weighted so the accumulated gradient equals the whole mini-batch's. None: micro_batch_size.
     micro_batch_tokens: int | None = Field(None, ge=1)
     packing: bool = False  # a micro-batch's sequences in one row, no padding, position ids per sequence
+    # The samples of one prompt in a micro-batch share the prompt's forward (its key/value cache), as GRPO's n
+    # samples per prompt would otherwise each recompute it; padded layout only.
+    share_prompts: bool = Field(False, json_schema_extra=HASHED_WHEN_SET)
     ppo_epochs: int = Field(1, ge=1)
     policy_loss: PolicyLoss = "vanilla"
     clip_ratio_low: float = Field(0.2, ge=0)
@@ -371,6 +388,12 @@ class ActorConfig(_Section):
     shuffle: bool = True
     # The old-log-prob pass also returns sum_v pi_v^2 per token (optimal_token_baseline needs it), as verl's.
     calculate_sum_pi_squared: bool = False
+
+    @model_validator(mode="after")
+    def _layout(self) -> ActorConfig:
+        if self.share_prompts and self.packing:
+            raise ValueError("share_prompts needs the padded layout: packing must be false")
+        return self
 
 
 class CriticConfig(_Section):
@@ -707,12 +730,16 @@ class RunConfig(_Section):
     def stage_hash(self, *sections: str) -> str:
         """Hash of the named config sections (dotted paths): what a stage's output depends on."""
         dump = self.model_dump(mode="json")
+        _drop_unset_late_settings(self, dump)
         picked = {}
         for path in sections:
             node: Any = dump
             for part in path.split("."):
+                if part not in node:  # a late setting at its default
+                    break
                 node = node[part]
-            picked[path] = node
+            else:
+                picked[path] = node
         return hashlib.sha256(json.dumps(picked, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -67,7 +67,10 @@ _TOTAL_STEPS = (
     "data.prompts_per_iteration", "rollout.n", "actor.ppo_mini_batch_size", "actor.ppo_epochs", "trainer.iterations",
 )  # fmt: skip
 # The no-grad passes of the train engines (log-probs, values) batch by these settings.
-_ACTOR_PASS = ("actor.engine", "actor.zero_stage", "actor.micro_batch_size", "actor.micro_batch_tokens", "actor.packing")
+_ACTOR_PASS = (
+    "actor.engine", "actor.zero_stage", "actor.micro_batch_size", "actor.micro_batch_tokens", "actor.packing",
+    "actor.share_prompts",
+)  # fmt: skip
 _CRITIC_PASS = ("critic.micro_batch_size", "critic.micro_batch_tokens", "critic.packing")
 _CRITIC_TRAIN = (
     *_CRITIC_PASS, "critic.optim", "critic.cliprange_value", "critic.ppo_mini_batch_size", "critic.ppo_epochs",

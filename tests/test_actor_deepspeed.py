@@ -138,6 +138,21 @@ def test_update_matches_torch_actor(tok, weights, stage):
         actor.close()
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_shared_prompts_equal_the_padded_torch_update(tok, weights, stage):
+    """Two forwards per micro-batch (the prompts, then the responses on their cache) and one backward through
+    both, under ZeRO-2's gradient partitioning and ZeRO-3's gathered parameters: the torch loop's padded update."""
+    batch = make_batch(tok, 8)
+    batch["prompt_ids"] = [batch["prompt_ids"][i - i % 4] for i in range(8)]  # two prompts, four samples each
+    cfg = actor_cfg(stage, ppo_mini_batch_size=8, micro_batch_size=8, micro_batch_tokens=40)
+    ref_metrics, ref_params = torch_reference(tok, weights, cfg, batch, [11])
+    actor = DeepSpeedActor(new_model(tok, weights), cfg.model_copy(update={"share_prompts": True}), tok.pad_token_id, 20)
+    try:
+        assert_close_metrics(actor.update(batch, 0.9, 11), ref_metrics[0])
+        assert_close_state(actor.export_model(), ref_params)
+    finally:
+        actor.close()
+
 @pytest.mark.parametrize("stage", [0, 2])
 def test_lora_update_matches_torch_actor(tok, weights, stage):
     """A peft LoRA policy under DeepSpeed: the adapters step as in the torch loop, the base stays put."""
