@@ -17,6 +17,10 @@ update; ``tokens_per_s`` still counts real tokens only.
     .venv/bin/python bench/update_throughput.py --models tiny --repeats 10
     .venv/bin/python bench/update_throughput.py --variants none   # the batching section only
     .venv/bin/python bench/update_throughput.py --models smollm2 --variants raw_torch,torch_actor,deepspeed_zero2 --batching none
+    .venv/bin/python bench/update_throughput.py --models smollm2 --variants torch_actor,torch_actor_shared --per-prompt 4 --batching none
+
+``torch_actor_shared`` is the torch engine with ``actor.share_prompts`` (a prompt's forward shared by its samples
+in a micro-batch): with ``--per-prompt`` > 1 its ``tokens_per_s`` still counts every sample's prompt tokens.
 """
 
 from __future__ import annotations
@@ -94,15 +98,16 @@ def _empty_batch() -> dict[str, list]:
     return {k: [] for k in ("prompt_ids", "response_ids", "response_mask", "old_log_probs", "advantages")}
 
 
-def ragged_batch(tok, n: int, shape=DEFAULT_SHAPE, seed: int = 0) -> dict[str, list]:
+def ragged_batch(tok, n: int, shape=DEFAULT_SHAPE, seed: int = 0, per_prompt: int = 1) -> dict[str, list]:
     """Prompt and response lengths uniform over ``shape``'s ranges (8-24 and 1-32 tokens: the tiny task's
-    GRPO rollouts), random token ids."""
+    GRPO rollouts), random token ids; ``per_prompt`` consecutive samples share a prompt (a GRPO group)."""
     rng = random.Random(seed)
     vocab = len(tok)
     batch = _empty_batch()
     (p_lo, p_hi), (r_lo, r_hi) = shape
-    for _ in range(n):
-        p = [rng.randrange(4, vocab) for _ in range(rng.randint(p_lo, p_hi))]
+    for i in range(n):
+        if i % per_prompt == 0:
+            p = [rng.randrange(4, vocab) for _ in range(rng.randint(p_lo, p_hi))]
         r = [rng.randrange(4, vocab) for _ in range(rng.randint(r_lo, r_hi))]
         _add_sample(batch, rng, p, r)
     return batch
@@ -223,8 +228,8 @@ def run_variant(
     actor = None
     if variant == "raw_torch":
         update = raw_update(model, cfg, tok.pad_token_id)
-    elif variant == "torch_actor":
-        actor = TorchActor(model, cfg, tok.pad_token_id, 1000)
+    elif variant in ("torch_actor", "torch_actor_shared"):
+        actor = TorchActor(model, cfg.model_copy(update={"share_prompts": variant.endswith("shared")}), tok.pad_token_id, 1000)
         update = actor.update
     else:
         from engines.actor_deepspeed import DeepSpeedActor
@@ -266,6 +271,7 @@ def main() -> None:
     )
     ap.add_argument("--batching", default=",".join(BATCHING), help="batching-section variants, or 'none'")
     ap.add_argument("--max-len", type=int, default=128, help="longest sequence of the batching section's batch")
+    ap.add_argument("--per-prompt", type=int, default=1, help="samples per prompt in the timed batch (GRPO's group)")
     args = ap.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # Adam's second moments of tiny gradients decay into denormal floats: without flushing them, the 20m
@@ -283,7 +289,7 @@ def main() -> None:
         n_params = sum(p.numel() for p in model.parameters())
         weights = {k: v.clone() for k, v in model.state_dict().items()}
         del model
-        batch = ragged_batch(tok, n, BATCH_SHAPES.get(name, DEFAULT_SHAPE))
+        batch = ragged_batch(tok, n, BATCH_SHAPES.get(name, DEFAULT_SHAPE), per_prompt=args.per_prompt)
         cfg = ActorConfig(
             ppo_mini_batch_size=16,
             micro_batch_size=8,
