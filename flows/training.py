@@ -351,7 +351,7 @@ def _run_iterations(cfg: RunConfig, store: ArtifactStore, first: int, last: int,
             for m in pruned:
                 tracker.mark_pruned(m)  # its MLflow logged model points at files that are gone
             if pruned:
-                _detail(f"  checkpoint retention: pruned the weights of iteration(s) {', '.join(str(m.iteration) for m in pruned)}")
+                _detail(f"  checkpoint retention: pruned the weights of {', '.join(f'{m.stage} {m.iteration}' for m in pruned)}")
             # The iteration's whole wall, bookkeeping included (timing_s/iteration sums the stages only);
             # in the returned history, not in MLflow, which was written before it ends.
             history[-1]["wall_s"] = time.perf_counter() - t0

@@ -531,7 +531,7 @@ def advantage(
             group.acquire(ref, role="ref")
             ref_lp = group.call("ref_log_probs", ref.version, prompt_ids, response_ids, temp)
         if critic is not None:
-            group.acquire(critic, role="critic")
+            hold_critic(group, cfg, critic)
             values = group.call("values", critic.version, prompt_ids, response_ids)
         # Outcome reward sits on the last policy token of each response.
         token_scores = torch.zeros_like(mask)
@@ -633,11 +633,12 @@ def critic_update(
 
     def produce() -> StageOutput:
         group = open_group(cfg, version)
-        group.acquire(critic, role="critic")
+        hold_critic(group, cfg, critic)
         metrics = group.call("critic_update", critic.version, experience.model_dump(mode="json"), iteration)
         return StageOutput(
             tables={"metrics.parquet": A.metrics_table(metrics)},
             metrics=metrics,
+            meta={"critic_ref": critic.model_dump(mode="json")},  # what a pruned critic is rebuilt from
             commit_in_worker=lambda commit, tables: group.commit("critic", commit, tables),
         )
 
@@ -659,6 +660,12 @@ def update_hash(cfg: ConfigView) -> str:
 def hold_policy(group: PolicyGroup, cfg: ConfigView, ref: PolicyRef) -> None:
     """Make the trainer hold policy ``ref`` (rebuilt in the worker when it lies between checkpoints)."""
     group.acquire(ref, "policy", update_hash=update_hash(cfg))
+
+
+def hold_critic(group: PolicyGroup, cfg: ConfigView, ref: PolicyRef) -> None:
+    """Make the trainer hold critic ``ref`` (rebuilt in the worker when retention pruned its weights): valid
+    under the critic stage's settings only."""
+    group.acquire(ref, "critic", update_hash=view_hash(whole_config(cfg), "critic"))
 
 
 @stage_task("update")

@@ -54,9 +54,10 @@ def test_resume_between_checkpoints_matches_an_uninterrupted_run(prefect_api, tm
 
 
 def test_retention_prunes_old_weights_and_a_pruned_policy_is_rebuilt_exactly(prefect_api, tmp_path, capsys):
-    """Keep the newest checkpoint plus every 2nd: iterations 1 and 3 lose their weights and optimizer state.
-    Their policies stay reachable: a replay of update 4 rebuilds the policy of iteration 3 from iteration 2's
-    checkpoint and commits the same bytes; an export names the iterations with stored weights."""
+    """Keep the newest checkpoint plus every 2nd: iterations 1 and 3 lose their weights and optimizer state,
+    the policy's and the critic's (GAE). They stay reachable: a replay of update 4 rebuilds the policy of
+    iteration 3 from iteration 2's checkpoint and commits the same bytes, a replay of advantage 4 the critic
+    likewise; an export names the iterations with stored weights."""
     from flows.cli import main
     from flows.replay import replay
     from flows.retention import kept_iterations, stored_checkpoints
@@ -67,21 +68,25 @@ def test_retention_prunes_old_weights_and_a_pruned_policy_is_rebuilt_exactly(pre
     assert kept_iterations([1, 2, 3, 4, 5], 2, 3) == {3, 4, 5} and kept_iterations([2, 4, 6], 1, None) == {6}
     root = tmp_path / "store"
     keep = ["trainer.checkpoint_every=1", "trainer.max_actor_ckpt_to_keep=1", "trainer.keep_checkpoint_every=2"]
-    cfg = load_config(None, [*tiny_overrides(), f"store.root={root}", "run_name=ret", "actor.entropy_coeff=0.01", *keep])
+    gae = ["algorithm.adv_estimator=gae", "critic.enable=true", "critic.ppo_mini_batch_size=16", "critic.micro_batch_size=8"]
+    cfg = load_config(None, [*tiny_overrides(), f"store.root={root}", "run_name=ret", "actor.entropy_coeff=0.01", *keep, *gae])
     first = train(config=cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"iterations": 3})}))
     store = store_for(cfg)
     assert stored_checkpoints(store, "ret") == [2, 3]
     result = train(config=cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"iterations": 4})}))  # a night later
     assert stored_checkpoints(store, "ret") == [2, 4]
     updates = {it: store.manifest("ret", it, "update") for it in range(1, 5)}
-    for it in (1, 3):
-        m = updates[it]
+    critics = {it: store.manifest("ret", it, "critic") for it in range(1, 5)}
+    for stage, it in [(stage, it) for stage in ("update", "critic") for it in (1, 3)]:
+        m = store.manifest("ret", it, stage)
         assert m.meta["pruned"] and m.meta["between_checkpoints"] and not any(f.startswith(("model/", "trainer_state/")) for f in m.files)
-        assert not (root / "ret" / f"iter-{it}" / "update" / "model").exists()  # the bytes are gone, not just unlisted
+        assert not (root / "ret" / f"iter-{it}" / stage / "model").exists()  # the bytes are gone, not just unlisted
         assert store.read_table(m, "metrics.parquet").num_rows  # what stays is still verified and readable
     weights = {it: store.read_bytes(updates[it], "model/model.safetensors") for it in (2, 4)}
+    values = {it: store.read_bytes(critics[it], "model/model.safetensors") for it in (2, 4)}
     history = first["history"] + result["history"]
     assert weights[2] != weights[4] and all(h["actor/grad_norm"] > 0 for h in history if h["iteration"])  # the policy moved
+    assert values[2] != values[4]  # and so did the critic
     # Each invocation logs the policy it ends with in MLflow; iteration 3's was pruned a night later and says so.
     from mlflow import MlflowClient
 
@@ -93,6 +98,10 @@ def test_retention_prunes_old_weights_and_a_pruned_policy_is_rebuilt_exactly(pre
     assert pruned_tag[updates[3].artifact_id] == "true" and pruned_tag[updates[4].artifact_id] is None
     # The update of iteration 4 replayed: its input policy (iteration 3) is rebuilt from iteration 2's checkpoint.
     assert replay(run_name="ret", iteration=4, stage="update", store_root=str(root))["identical"]
+    # Its advantages need the critic of iteration 3: rebuilt from iteration 2's by re-running critic update 3.
+    assert replay(run_name="ret", iteration=4, stage="advantage", store_root=str(root))["identical"]
+    with pytest.raises(ConfigError, match="critic of iteration 3 was pruned .* other critic settings"):
+        replay(run_name="ret", iteration=4, stage="advantage", store_root=str(root), overrides=["critic.optim.lr=0.01"])
     # An export of a pruned iteration is one line that names the reachable ones.
     capsys.readouterr()
     assert main(["export", "ret", "-i", "3", "--store", str(root), "-o", str(tmp_path / "out")]) == 2

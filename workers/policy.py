@@ -243,8 +243,8 @@ class PolicyWorker:
         wanted = ref.version.removeprefix(CRITIC_INIT)
         if manifest is None or manifest.artifact_id != wanted:
             raise FileNotFoundError(f"checkpoint {ref.run}/iter-{ref.iteration}/{ref.stage} ({wanted}) is not committed")
-        if role == "policy" and manifest.meta.get("between_checkpoints"):
-            self._rebuild(manifest, update_hash)
+        if role in ("policy", "critic") and manifest.meta.get("between_checkpoints"):
+            self._rebuild(manifest, update_hash, role)
             return ref.version
         folder = self.scratch / f"load-{role}"
         shutil.rmtree(folder, ignore_errors=True)
@@ -255,24 +255,31 @@ class PolicyWorker:
         self._load(ref, model_dir, state, role)
         return ref.version
 
-    def _rebuild(self, m: Manifest, update_hash: str | None) -> None:
+    def _rebuild(self, m: Manifest, update_hash: str | None, role: str = "policy") -> None:
+        """Re-run the update that made ``m`` (a policy's or a critic's) on its stored experience, from the
+        previous version (itself rebuilt if need be); valid only under the same settings (``update_hash``)."""
         if update_hash is not None and m.config_hash != update_hash:
             why = (
                 f"was pruned (trainer.max_actor_ckpt_to_keep={self.cfg.trainer.max_actor_ckpt_to_keep})"
                 if m.meta.get("pruned")
                 else f"lies between checkpoints (trainer.checkpoint_every={self.cfg.trainer.checkpoint_every})"
             )
+            settings = "actor" if role == "policy" else "critic"
             raise ConfigError(
-                f"config error: the policy of iteration {m.iteration} {why} and was trained with other actor "
-                "settings; replay from an iteration with stored weights or keep the actor settings"
+                f"config error: the {role} of iteration {m.iteration} {why} and was trained with other {settings} "
+                f"settings; replay from an iteration with stored weights or keep the {settings} settings"
             )
-        previous = PolicyRef.model_validate(m.meta["policy_ref"])
-        self.acquire(previous.model_dump(mode="json"), "policy", update_hash)
+        previous = PolicyRef.model_validate(m.meta[f"{role}_ref"])
+        self.acquire(previous.model_dump(mode="json"), role, update_hash)
         experience = self.store.manifest(m.run, m.iteration, "advantage")
         if experience is None or experience.artifact_id != m.inputs["experience"]:
             raise FileNotFoundError(f"experience {m.inputs['experience']} of iteration {m.iteration} is not committed")
-        self.update(previous.version, experience.model_dump(mode="json"), m.iteration, checkpoint=False)
-        self.versions["policy"], self.pending = m.artifact_id, False
+        if role == "policy":
+            self.update(previous.version, experience.model_dump(mode="json"), m.iteration, checkpoint=False)
+            self.versions["policy"], self.pending = m.artifact_id, False
+        else:
+            self.critic_update(previous.version, experience.model_dump(mode="json"), m.iteration, checkpoint=False)
+            self.versions["critic"] = m.artifact_id
 
     def commit(self, role: str, commit_json: dict, tables: dict[str, pa.Table]) -> dict:
         """Write ``role``'s staged checkpoint (if any) and ``tables`` as one artifact; hold it as that version.
@@ -472,7 +479,7 @@ class PolicyWorker:
             save_hf(self.model, self.tokenizer, folder)  # a LoRA policy's merged weights
         return node_id(), str(folder)
 
-    def critic_update(self, version: str, experience_json: dict, iteration: int) -> dict:
+    def critic_update(self, version: str, experience_json: dict, iteration: int, checkpoint: bool = True) -> dict:
         self._require(version, "critic")
         exp = self.store.read_table(Manifest.model_validate(experience_json), "experience.parquet")
         batch = update_batch(exp, ("prompt_ids", "response_ids", "response_mask", "values", "returns"))
@@ -480,7 +487,8 @@ class PolicyWorker:
         torch.manual_seed(seed)
         metrics = self.critic.update(batch, seed)
         self.versions["critic"] = None
-        self._stage("critic", self.critic.model, self.critic.state_dict())
+        if checkpoint:
+            self._stage("critic", self.critic.model, self.critic.state_dict())
         return metrics
 
     def _stage(self, role: str, model, state: dict | None) -> None:
