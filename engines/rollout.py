@@ -22,6 +22,9 @@ class SamplingParams:
     top_k: int = 0
     max_new_tokens: int = 8
     seed: int = 0
+    # The index of the first prompt in the whole batch: seeds and prompt indices follow it, so a batch split
+    # over rollout workers samples as it would in one (HF: split at multiples of its batch of prompts).
+    first_prompt: int = 0
 
 
 @dataclass
@@ -72,7 +75,10 @@ class HFRolloutEngine:
         was_training = self.model.training
         self.model.eval()
         out: list[Completion] = []
-        for b, start in enumerate(range(0, len(jobs), self.batch_size)):
+        if params.first_prompt * params.n % self.batch_size:
+            raise ValueError(f"first_prompt {params.first_prompt} x n {params.n} is not at a batch boundary ({self.batch_size})")
+        first_batch = params.first_prompt * params.n // self.batch_size
+        for b, start in enumerate(range(0, len(jobs), self.batch_size), start=first_batch):
             chunk = jobs[start : start + self.batch_size]
             # Left padding with its attention mask: every prompt ends where generation starts.
             batch = tok.pad(
@@ -96,7 +102,7 @@ class HFRolloutEngine:
                     finish = "stop"
                 out.append(
                     Completion(
-                        prompt_index=i,
+                        prompt_index=params.first_prompt + i,
                         sample_index=k,
                         prompt_ids=encoded[i],
                         response_ids=ids,

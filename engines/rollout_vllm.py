@@ -247,7 +247,8 @@ class VLLMRolloutEngine:
         t_start = time.perf_counter()
         # One seed per prompt (vLLM gives sample k of a prompt seed + k): batching-independent samples.
         base = params.seed * 1_000_003
-        sampling = [self._sampling(params, base + i * params.n, stop_token_ids) for i in range(len(encoded))]
+        first = params.first_prompt
+        sampling = [self._sampling(params, base + (first + i) * params.n, stop_token_ids) for i in range(len(encoded))]
         prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in encoded]
         t_vllm = time.perf_counter()
         outputs = self.llm.generate(prompts, sampling, use_tqdm=False, lora_request=self.lora_request)
@@ -259,7 +260,7 @@ class VLLMRolloutEngine:
                 lps = [step[t].logprob for step, t in zip(seq.logprobs, ids, strict=True)]
                 out.append(
                     Completion(
-                        prompt_index=i,
+                        prompt_index=first + i,
                         sample_index=k,
                         prompt_ids=list(encoded[i]),
                         response_ids=ids,

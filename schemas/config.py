@@ -491,11 +491,20 @@ class RayConfig(_Section):
     # The rollout role: on trainer rank 0 (colocated, sharing its weights) or an actor of its own that gets
     # new weights by a same-node file handoff or from the store, so generation can run while the trainer trains.
     rollout_placement: Literal["colocated", "separate"] = "colocated"
-    rollout_num_cpus: float = Field(1, ge=0)
+    rollout_num_cpus: float = Field(1, ge=0)  # each rollout actor's
     rollout_num_gpus: float = Field(0, ge=0)
+    # Rollout actors placed apart, each with its own engine and copy of the weights; a generation's prompts are
+    # split between them (data-parallel generation, as verl's rollout replicas).
+    rollout_num_workers: int = Field(1, ge=1)
+    # The reference and critic roles: on trainer rank 0 (colocated) or an actor of their own (separate), which
+    # loads them from the store, serves their log-probs and values, and trains and commits the critic.
+    ref_critic_placement: Literal["colocated", "separate"] = "colocated"
+    ref_critic_num_cpus: float = Field(1, ge=0)
+    ref_critic_num_gpus: float = Field(0, ge=0)
     # Custom Ray resources each role's actors require, e.g. {"node_a": 1}: puts roles on chosen nodes.
     trainer_resources: dict[str, float] = Field(default_factory=dict)
     rollout_resources: dict[str, float] = Field(default_factory=dict)
+    ref_critic_resources: dict[str, float] = Field(default_factory=dict)
     stages: dict[str, StageResources] = Field(default_factory=dict)
 
     @field_validator("stages")
@@ -623,6 +632,28 @@ class RunConfig(_Section):
                 "algorithm.rollout_correction.bypass_mode takes the rollout's log-probs as the trained policy's, but "
                 f"with trainer.async_staleness={self.trainer.async_staleness} the rollout samples with older weights"
             )
+        workers = self.ray.rollout_num_workers
+        if workers > 1 and self.ray.rollout_placement != "separate":
+            raise ValueError(
+                f"ray.rollout_num_workers={workers} places rollout actors apart from the trainer: set "
+                "ray.rollout_placement=separate"
+            )
+        if workers > 1 and self.agent.enable:
+            raise ValueError(
+                f"ray.rollout_num_workers={workers}: agent.enable's multi-turn loop runs on one rollout actor; set "
+                "ray.rollout_num_workers=1"
+            )
+        if self.ray.ref_critic_placement == "separate":
+            if not (self.needs_ref or self.critic.enable):
+                raise ValueError(
+                    "ray.ref_critic_placement=separate: this run has no reference policy (actor.use_kl_loss, "
+                    "algorithm.use_kl_in_reward) and no critic (critic.enable) to place"
+                )
+            if self.needs_ref and self.model.lora:
+                raise ValueError(
+                    "ray.ref_critic_placement=separate: with model.lora_rank > 0 the reference is the policy's own "
+                    "base (its adapters disabled), which lives on the trainer: keep it colocated"
+                )
         world = self.ray.trainer_world_size
         if world > 1:
             if self.actor.engine == "deepspeed" and self.actor.zero_stage != 0:

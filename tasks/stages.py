@@ -529,10 +529,10 @@ def advantage(
         ref_lp = values = None
         if ref is not None:
             group.acquire(ref, role="ref")
-            ref_lp = group.call("ref_log_probs", ref.version, prompt_ids, response_ids, temp)
+            ref_lp = group.call_role("ref", "ref_log_probs", ref.version, prompt_ids, response_ids, temp)
         if critic is not None:
             hold_critic(group, cfg, critic)
-            values = group.call("values", critic.version, prompt_ids, response_ids)
+            values = group.call_role("critic", "values", critic.version, prompt_ids, response_ids)
         # Outcome reward sits on the last policy token of each response.
         token_scores = torch.zeros_like(mask)
         for i, m in enumerate(masks):
@@ -613,8 +613,12 @@ def advantage(
             metrics["critic/values/mean"] = float(algos.masked_mean(_padded(values, width), mask))
         if baseline:
             metrics["critic/baseline/mean"] = float(np.mean(list(baseline.values())))
+        served = {role: group.role_info(role) for role, held in (("ref", ref), ("critic", critic)) if held is not None}
+        stage_meta = {"served_on": served} if served else {}
         return StageOutput(
-            tables={"experience.parquet": table}, metrics=metrics, meta={} if kl_state is None else {"kl_ctrl": kl_state}
+            tables={"experience.parquet": table},
+            metrics=metrics,
+            meta=stage_meta if kl_state is None else {**stage_meta, "kl_ctrl": kl_state},
         )
 
     inputs = {"rollouts": rollouts.artifact_id, "rewards": rewards_m.artifact_id, "policy": policy.version}
@@ -634,11 +638,12 @@ def critic_update(
     def produce() -> StageOutput:
         group = open_group(cfg, version)
         hold_critic(group, cfg, critic)
-        metrics = group.call("critic_update", critic.version, experience.model_dump(mode="json"), iteration)
+        metrics = group.call_role("critic", "critic_update", critic.version, experience.model_dump(mode="json"), iteration)
         return StageOutput(
             tables={"metrics.parquet": A.metrics_table(metrics)},
             metrics=metrics,
-            meta={"critic_ref": critic.model_dump(mode="json")},  # what a pruned critic is rebuilt from
+            # critic_ref: what a pruned critic is rebuilt from
+            meta={"critic_ref": critic.model_dump(mode="json"), "trained_on": group.role_info("critic")},
             commit_in_worker=lambda commit, tables: group.commit("critic", commit, tables),
         )
 

@@ -87,6 +87,9 @@ def test_a_placement_the_cluster_cannot_hold_is_refused_before_any_stage(prefect
     cfg = _cfg(tmp_path, "big", "ray.trainer_world_size=4", "actor.engine=deepspeed")
     with pytest.raises(ConfigError, match=r"ray.trainer_world_size=4 x ray.worker_num_cpus=1 .* the Ray cluster has"):
         train(config=cfg)
+    apart = _cfg(tmp_path, "big", "actor.use_kl_loss=true", "ray.ref_critic_placement=separate", "ray.ref_critic_num_cpus=64")
+    with pytest.raises(ConfigError, match=r"x ray.worker_num_cpus=1 \+ ray.ref_critic_num_cpus=64 plus .* the Ray cluster has"):
+        train(config=apart)
     assert store_for(cfg).iterations("big") == []
 
 
@@ -96,6 +99,10 @@ def test_a_world_size_that_does_not_split_the_mini_batch_is_one_line():
     with pytest.raises(ConfigError, match=r"deepspeed with actor.zero_stage=0 \(got ZeRO-2: sharded optimizer states"):
         load_config(None, [*tiny_overrides(), "ray.trainer_world_size=2", "actor.engine=deepspeed", "actor.zero_stage=2"])
     load_config(None, [*tiny_overrides(), "ray.trainer_world_size=2"])  # the torch engine: an all-reduce per step
+    with pytest.raises(ConfigError, match="ray.ref_critic_placement=separate: this run has no reference policy"):
+        load_config(None, [*tiny_overrides(), "ray.ref_critic_placement=separate"])
+    with pytest.raises(ConfigError, match="ray.ref_critic_placement=separate: with model.lora_rank > 0 the reference"):
+        load_config(None, [*tiny_overrides(), "ray.ref_critic_placement=separate", "actor.use_kl_loss=true", "model.lora_rank=4"])
 
 
 def _checksums(store, run: str, iterations: int, extra: tuple[str, ...] = ()) -> dict[str, str]:
@@ -133,10 +140,11 @@ def test_killed_trainer_ranks_are_rebuilt_to_identical_artifacts(prefect_api, tm
 
 
 def test_killed_role_workers_are_rebuilt_to_identical_artifacts(prefect_api, tmp_path):
-    """SIGKILL of the rollout actor (placed apart) while it generates rollout 1 and eval 2, and of rank 0 while
-    it serves the reference (advantage 1), the critic (advantage 2) and the old log-probs (advantage 2), and
-    inside the critic's commit (iteration 1, between its files and its manifest): each stage's retry rebuilds
-    the role from the store, and every artifact equals an uninterrupted run's."""
+    """SIGKILL of the rollout actor (placed apart) while it generates rollout 1 and eval 2, of the reference's
+    and critic's actor (placed apart in the killed run, on rank 0 in the uninterrupted one) while it serves the
+    reference (advantage 1) and the critic (advantage 2) and inside the critic's commit (iteration 1, between
+    its files and its manifest), and of rank 0 while it serves the old log-probs (advantage 2): each stage's
+    retry rebuilds the role from the store, and every artifact equals an uninterrupted run's."""
     from flows.training import train
     from tasks.runtime import store_for
 
@@ -151,7 +159,9 @@ def test_killed_role_workers_are_rebuilt_to_identical_artifacts(prefect_api, tmp
     markers.mkdir()
     points = ["rollout@rollout:1", "advantage@ref:1", "advantage@critic:2", "advantage@actor:2", "eval@rollout:2"]
     in_commit = "drill.kill_in_commit=['critic:1']"
-    killed = _cfg(tmp_path / "killed", "roles", *roles, f"drill.kill_worker_at={points}", in_commit, f"drill.markers={markers}")
+    apart = ["ray.ref_critic_placement=separate", "ray.ref_critic_num_cpus=0.5"]
+    drills = [f"drill.kill_worker_at={points}", in_commit, f"drill.markers={markers}"]
+    killed = _cfg(tmp_path / "killed", "roles", *roles, *apart, *drills)
     result = train(config=killed)
     fired = [f"kill_worker_at-{p.replace(':', '-')}" for p in points] + ["kill_in_commit-critic-1"]
     assert sorted(p.name for p in markers.iterdir()) == sorted(fired)
@@ -168,11 +178,18 @@ def test_killed_role_workers_are_rebuilt_to_identical_artifacts(prefect_api, tmp
         assert a.drop(["rollout_log_probs"]).equals(b.drop(["rollout_log_probs"]))
     w1, w2 = update_weights(store, "roles", 1), update_weights(store, "roles", 2)
     assert weights_moved(w1, w2)  # the drills ran where the weights change
+    # The reference and the critic were served, and the critic trained, by an actor other than the trainer's.
+    for k in (1, 2):
+        trainer = store.manifest("roles", k, "update").meta["trained_on"][0]["pid"]
+        served = store.manifest("roles", k, "advantage").meta["served_on"]
+        assert {served["ref"]["pid"], served["critic"]["pid"], store.manifest("roles", k, "critic").meta["trained_on"]["pid"]}.isdisjoint({trainer})
+        assert ref_store.manifest("roles", k, "advantage").meta["served_on"]["ref"]["pid"] == ref_store.manifest("roles", k, "update").meta["trained_on"][0]["pid"]
 
 
 def test_rollout_placed_apart_takes_weights_by_handoff_and_overlaps_the_trainer(prefect_api, tmp_path):
-    """The rollout role on an actor of its own: same artifacts as colocated, and a generating stage runs
-    while an update of the trainer role trains (two stages of different roles overlap in time)."""
+    """The rollout role on two actors of its own, each generating a share of every batch: same artifacts as
+    colocated, and a generating stage runs while an update of the trainer role trains (two stages of
+    different roles overlap in time)."""
     from prefect import flow
     from prefect.task_runners import ThreadPoolTaskRunner
 
@@ -182,8 +199,10 @@ def test_rollout_placed_apart_takes_weights_by_handoff_and_overlaps_the_trainer(
     from tasks.runtime import policy_ref_from, store_for
     from workers.group import open_group
 
-    colocated = _cfg(tmp_path / "co", "p")
-    apart = _cfg(tmp_path / "apart", "p", "ray.rollout_placement=separate", "ray.worker_num_cpus=0.5", "ray.rollout_num_cpus=0.5")
+    # HF batches of 16 samples (4 prompts): the 8 prompts of a rollout split between the two actors at a batch bound
+    colocated = _cfg(tmp_path / "co", "p", "rollout.batch_size=16")
+    two = ["ray.rollout_num_workers=2", "ray.rollout_num_cpus=0.25"]
+    apart = _cfg(tmp_path / "apart", "p", "rollout.batch_size=16", "ray.rollout_placement=separate", "ray.worker_num_cpus=0.5", *two)
     train(config=colocated)
     train(config=apart)
     store, co = store_for(apart), store_for(colocated)
@@ -201,6 +220,8 @@ def test_rollout_placed_apart_takes_weights_by_handoff_and_overlaps_the_trainer(
     assert ro2.meta["generated_by"]["placement"] == "separate"
     assert ro2.meta["generated_by"]["weights"] == "handoff"  # same node: the trainer's folder, not the store
     assert ro2.meta["generated_by"]["pid"] != store.manifest("p", 2, "update").meta["trained_on"][0]["pid"]
+    workers = ro2.meta["generated_by"]["workers"]
+    assert len({w["pid"] for w in workers}) == 2 and {w["weights"] for w in workers} == {"handoff"}
 
     # Overlap without a race: the trainer's update of iteration 1 holds inside its call (a drill point)
     # until the eval stage, served by the rollout actor, has generated; with one actor for both roles the
@@ -232,7 +253,7 @@ def test_rollout_placed_apart_takes_weights_by_handoff_and_overlaps_the_trainer(
         group.acquire_rollout(after)  # the eval then needs nothing of the trainer, which will be held
         both()
         trained = group.call("busy_intervals")
-        generated = ray_get(group.rollout.busy_intervals.remote())
+        generated = [g for a in group.rollouts for g in ray_get(a.busy_intervals.remote())]
     finally:
         group.release()
     assert len(trained) == 1 and generated

@@ -4,7 +4,9 @@ One owner for which weights a role holds: ``acquire(ref)`` makes a role hold exa
 stage asks for (or raises before anything is computed) and ``commit`` writes a role's new checkpoint
 from the worker straight to the store. Rank 0 holds every colocated role (policy with its optimizer and
 rollout engine, reference, critic); with ``ray.trainer_world_size`` N > 1, ranks 1..N-1 are trainer-only
-actors that load and train the policy in the same DeepSpeed process group. A flow owns the actors for its
+actors that load and train the policy in the same DeepSpeed process group. The rollout role
+(``ray.rollout_placement``) and the reference with the critic (``ray.ref_critic_placement``) may each have
+an actor of their own instead of rank 0. A flow owns the actors for its
 lifetime (``open_group`` ... ``release``); a replay or eval gets actors of its own (its ``version`` is in
 their names), so it never relabels the weights of a run that is training.
 """
@@ -12,8 +14,9 @@ their names), so it never relabels the weights of a run that is training.
 from __future__ import annotations
 
 import hashlib
+import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -61,12 +64,19 @@ class PolicyGroup:
 
     ranks: list[Any]
     name: str
-    rollout: Any = None  # the rollout role's actor when placed apart (ray.rollout_placement: separate)
+    # the rollout role's actors when placed apart (ray.rollout_placement: separate, ray.rollout_num_workers)
+    rollouts: list[Any] = field(default_factory=list)
     drills: bool = False  # drill.kill_worker_at names points: stages arm the actors
+    ref_critic: Any = None  # the reference's and critic's actor when placed apart (ray.ref_critic_placement)
+    hf_batch: int = 0  # the HF engine's batch in samples (0: vLLM): a split of a generation lands on its bounds
 
     @property
     def actors(self) -> list[Any]:
-        return self.ranks + ([self.rollout] if self.rollout is not None else [])
+        return self.ranks + self.rollouts + ([self.ref_critic] if self.ref_critic is not None else [])
+
+    def _serving(self, role: str) -> Any:
+        """The actor holding ``role``: the reference and critic may have one of their own, the rest is rank 0."""
+        return self.ref_critic if role in ("ref", "critic") and self.ref_critic is not None else self.ranks[0]
 
     def arm(self, stage: str, iteration: int) -> None:
         """Failure drills only: tell every actor which stage and iteration its next calls serve."""
@@ -76,6 +86,15 @@ class PolicyGroup:
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """One call on rank 0 (generation, log-probs, reference, critic)."""
         return _wait_restart(lambda: ray.get(getattr(self.ranks[0], method).remote(*args, **kwargs)))
+
+    def call_role(self, role: str, method: str, *args: Any) -> Any:
+        """One call on the actor that holds ``role`` (reference log-probs, critic values and updates)."""
+        actor = self._serving(role)
+        return _wait_restart(lambda: ray.get(getattr(actor, method).remote(*args)))
+
+    def role_info(self, role: str) -> dict:
+        """Where ``role`` is served (recorded in the manifests of the stages it served)."""
+        return self.call_role(role, "info")
 
     def query_all(self, method: str, *args: Any) -> list:
         """A query on every rank (no collective inside): restarting ranks are waited for."""
@@ -104,7 +123,7 @@ class PolicyGroup:
     def acquire(self, ref: PolicyRef, role: str = "policy", update_hash: str | None = None) -> str:
         args = (ref.model_dump(mode="json"), role, update_hash)
         if role != "policy" or len(self.ranks) == 1:
-            return self.call("acquire", *args)
+            return self.call_role(role, "acquire", *args)
         if all(v == ref.version for v in self.query_all("version")):
             return ref.version
         # Some rank lacks it (a restart, a resume): every rank joins a new process group and loads it.
@@ -113,25 +132,48 @@ class PolicyGroup:
         return self.call_all("acquire", *args)[0]
 
     def acquire_rollout(self, ref: PolicyRef, update_hash: str | None = None) -> None:
-        """Make the generating role hold ``ref``: rank 0 when colocated, else the rollout actor, which takes
+        """Make the generating role hold ``ref``: rank 0 when colocated, else every rollout actor, which takes
         the trainer's same-node handoff when the trainer holds ``ref`` and reads the store otherwise."""
-        if self.rollout is None:
+        if not self.rollouts:
             self.acquire(ref, "policy", update_hash)
             return
-        if _wait_restart(lambda: ray.get(self.rollout.version.remote())) == ref.version:
+        versions = _wait_restart(lambda: ray.get([a.version.remote() for a in self.rollouts]))
+        behind = [a for a, v in zip(self.rollouts, versions, strict=True) if v != ref.version]
+        if not behind:
             return
         handoff = self.call("handoff", ref.version)
-        _wait_restart(lambda: ray.get(self.rollout.acquire.remote(ref.model_dump(mode="json"), handoff)))
+        _wait_restart(lambda: ray.get([a.acquire.remote(ref.model_dump(mode="json"), handoff) for a in behind]))
 
-    def generate(self, method: str, *args: Any) -> Any:
-        """A generation call (``generate_ids`` or ``agent_generate``) on the role that generates."""
-        target = self.rollout if self.rollout is not None else self.ranks[0]
-        return _wait_restart(lambda: ray.get(getattr(target, method).remote(*args)))
+    def generate(self, method: str, version: str, items: list, params: dict) -> Any:
+        """A generation call (``generate_ids`` or ``agent_generate``) on the role that generates. Over several
+        rollout actors the prompts are split in contiguous shares, each sampled with its global prompt
+        indices (``first_prompt``), so the completions equal one actor's, in the same order."""
+        if not self.rollouts:
+            return self.call(method, version, items, params)
+        shares = self._shares(len(items), params["n"]) if method == "generate_ids" and items else [(0, len(items))]
+        actors = self.rollouts[: len(shares)]
+        calls = [
+            getattr(a, method).remote(version, items[lo:hi], {**params, "first_prompt": lo})
+            if method == "generate_ids"
+            else getattr(a, method).remote(version, items[lo:hi], params)
+            for a, (lo, hi) in zip(actors, shares, strict=True)
+        ]
+        parts = _wait_restart(lambda: ray.get(calls))
+        return parts[0] if len(parts) == 1 else [c for part in parts for c in part]
+
+    def _shares(self, prompts: int, n: int) -> list[tuple[int, int]]:
+        """Contiguous prompt ranges, one per rollout actor, cut at the HF engine's batch bounds."""
+        unit = self.hf_batch // math.gcd(self.hf_batch, n) if self.hf_batch else 1  # prompts a batch bound falls on
+        blocks = -(-prompts // unit)
+        per = -(-blocks // len(self.rollouts))
+        return [(lo, min(lo + per * unit, prompts)) for lo in range(0, prompts, per * unit)]
 
     def generator_info(self) -> dict:
         """Where generation ran and how its weights arrived."""
-        target = self.rollout if self.rollout is not None else self.ranks[0]
-        return {"placement": "separate" if self.rollout is not None else "colocated", **ray.get(target.info.remote())}
+        if not self.rollouts:
+            return {"placement": "colocated", **self.call("info")}
+        infos = ray.get([a.info.remote() for a in self.rollouts])
+        return {"placement": "separate", **infos[0], **({"workers": infos} if len(infos) > 1 else {})}
 
     def update(self, version: str, experience: Manifest, iteration: int, checkpoint: bool) -> dict:
         """Every rank trains its slice of each mini-batch; metrics are the ranks' means (rank 0 reports)."""
@@ -139,7 +181,7 @@ class PolicyGroup:
 
     def commit(self, role: str, commit: dict, tables: dict) -> Manifest:
         """Rank 0 writes the checkpoint to the store; the other ranks name their (identical) weights alike."""
-        manifest = Manifest.model_validate(self.call("commit", role, commit, tables))
+        manifest = Manifest.model_validate(self.call_role(role, "commit", role, commit, tables))
         if role == "policy" and len(self.ranks) > 1:
             self.query_all("adopt", manifest.artifact_id)  # a rank that lost them reloads at the next acquire
         return manifest
@@ -177,15 +219,27 @@ def check_placement(cfg: RunConfig) -> None:
     have = cluster.get("CPU", 0.0)
     r = cfg.ray
     world, per = r.trainer_world_size, r.worker_num_cpus
-    apart = r.rollout_num_cpus if r.rollout_placement == "separate" else 0.0
-    stage = max([r.resources(s).num_cpus for s in ("rollout", "advantage", "update", "eval")])
-    if world * per + apart + stage > have:
-        rollout = f" + ray.rollout_num_cpus={apart:g}" if apart else ""
-        raise ConfigError(
-            f"config error: ray.trainer_world_size={world} x ray.worker_num_cpus={per:g}{rollout} plus a stage task's "
-            f"{stage:g} CPUs need {world * per + apart + stage:g} CPUs; the Ray cluster has {have:g}"
+    apart = [
+        (f"{count} x " if count > 1 else "", name, cpus, count)
+        for name, cpus, count, placement in (
+            ("ray.rollout_num_cpus", r.rollout_num_cpus, r.rollout_num_workers, r.rollout_placement),
+            ("ray.ref_critic_num_cpus", r.ref_critic_num_cpus, 1, r.ref_critic_placement),
         )
-    for key, wanted in (("ray.trainer_resources", r.trainer_resources), ("ray.rollout_resources", r.rollout_resources)):
+        if placement == "separate" and cpus
+    ]
+    stage = max([r.resources(s).num_cpus for s in ("rollout", "advantage", "update", "eval")])
+    need = world * per + sum(cpus * count for _, _, cpus, count in apart) + stage
+    if need > have:
+        roles = "".join(f" + {times}{name}={cpus:g}" for times, name, cpus, _ in apart)
+        raise ConfigError(
+            f"config error: ray.trainer_world_size={world} x ray.worker_num_cpus={per:g}{roles} plus a stage task's "
+            f"{stage:g} CPUs need {need:g} CPUs; the Ray cluster has {have:g}"
+        )
+    for key, wanted in (
+        ("ray.trainer_resources", r.trainer_resources),
+        ("ray.rollout_resources", r.rollout_resources),
+        ("ray.ref_critic_resources", r.ref_critic_resources),
+    ):
         for name, amount in wanted.items():
             if cluster.get(name, 0.0) < amount:
                 raise ConfigError(f"config error: {key}.{name}={amount:g}: the Ray cluster has {cluster.get(name, 0.0):g} of it")
@@ -212,20 +266,38 @@ def open_group(cfg: RunConfig | ConfigView, version: str = "main") -> PolicyGrou
         .remote(cfg_json, total_update_steps(cfg), rank, r.trainer_world_size)
         for rank in range(r.trainer_world_size)
     ]
-    rollout = None
+    rollouts = []
     if r.rollout_placement == "separate":
-        rollout = (
+        rollouts = [
             ray.remote(RolloutWorker)
             .options(
-                name=actor_name(cfg.run_name, cfg.store.root, version) + "-rollout",
+                name=actor_name(cfg.run_name, cfg.store.root, version) + "-rollout" + (f"{i}" if i else ""),
                 num_cpus=r.rollout_num_cpus,
                 num_gpus=r.rollout_num_gpus,
                 resources=dict(r.rollout_resources),
                 **common,
             )
             .remote(cfg_json)
+            for i in range(r.rollout_num_workers)
+        ]
+    ref_critic = None
+    if r.ref_critic_placement == "separate":
+        # A worker of the trainer's kind that never acquires the policy: it holds only the reference and critic.
+        ref_critic = (
+            ray.remote(PolicyWorker)
+            .options(
+                name=actor_name(cfg.run_name, cfg.store.root, version) + "-ref-critic",
+                num_cpus=r.ref_critic_num_cpus,
+                num_gpus=r.ref_critic_num_gpus,
+                resources=dict(r.ref_critic_resources),
+                **common,
+            )
+            .remote(cfg_json, total_update_steps(cfg))
         )
-    return PolicyGroup(ranks, actor_name(cfg.run_name, cfg.store.root, version), rollout, bool(cfg.drill.kill_worker_at))
+    drills = bool(cfg.drill.kill_worker_at)
+    # vLLM seeds each prompt: any split samples alike; HF seeds each batch of rollout.batch_size samples
+    hf_batch = cfg.rollout.batch_size if cfg.rollout.engine == "hf" else 0
+    return PolicyGroup(ranks, actor_name(cfg.run_name, cfg.store.root, version), rollouts, drills, ref_critic, hf_batch)
 
 
 def critic_init_ref(policy: PolicyRef) -> PolicyRef:
