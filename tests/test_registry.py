@@ -78,6 +78,7 @@ EXPLICIT = {
     "store.storage_options": [{"anon": True}],
     "ray.trainer_resources": [{"node_a": 1.0}],
     "ray.rollout_resources": [{"node_b": 1.0}],
+    "ray.ref_critic_resources": [{"node_b": 1.0}],
     "optim.betas": [[0.8, 0.99]],
     "filter_groups.metric": ["seq_reward"],
 }
