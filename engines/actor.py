@@ -182,8 +182,8 @@ class DataParallelTorchActor(TorchActor):
 
     def update(self, batch: dict[str, list], temperature: float, seed: int) -> dict[str, float]:
         """``TorchActor.update`` on this rank's slices; metrics are the ranks' means."""
-        check_equal_shards(batch, self.dp_size)
-        return rank_mean(super().update(batch, temperature, seed), self.dp_size)
+        check_equal_shards(batch, self.dp_size, self.device)  # NCCL reduces tensors on the GPU
+        return rank_mean(super().update(batch, temperature, seed), self.dp_size, self.device)
 
     def close(self) -> None:
         """Nothing to release: the process group stays (``torch.distributed.destroy_process_group()`` ends it)."""

@@ -45,6 +45,17 @@ PACKING_ATTENTION = ("sdpa", "eager", "flex_attention", "flash_attention_2", "fl
 NO_GRAD_SCALE = 4
 
 
+def model_device(model: torch.nn.Module) -> torch.device:
+    """Where a model's weights are (its inputs are built on the CPU and moved there)."""
+    first = next(model.parameters(), None)
+    return torch.device("cpu") if first is None else first.device
+
+
+def to_device(inputs: dict, device: torch.device) -> dict:
+    """The tensors of ``inputs`` on ``device`` (on the CPU, the same tensors: no copy)."""
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+
+
 def pad_right(rows: Sequence[Sequence[float]], value: float, dtype: torch.dtype, width: int | None = None) -> torch.Tensor:
     width = max((len(r) for r in rows), default=0) if width is None else width
     out = torch.full((len(rows), width), value, dtype=dtype)
@@ -490,14 +501,18 @@ class MiniBatchTrainer:
         return False
 
     # ---- inputs (these use only model, cfg and pad_id: a bare instance can run the no-grad passes)
+    @property
+    def device(self) -> torch.device:
+        return model_device(self.model)
+
     def _inputs(self, prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]]) -> dict:
-        return model_inputs(prompt_ids, response_ids, self.pad_id, self.cfg.packing, self._shared)
+        return to_device(model_inputs(prompt_ids, response_ids, self.pad_id, self.cfg.packing, self._shared), self.device)
 
     def _micro_inputs(self, batch: dict[str, list], idx: list[int], *fields: str) -> tuple[dict, list[torch.Tensor]]:
         """Model inputs of the samples ``idx`` and their per-token ``fields``, padded to the response width."""
         inputs = self._inputs([batch["prompt_ids"][i] for i in idx], [batch["response_ids"][i] for i in idx])
         R = inputs["response_width"]
-        return inputs, [pad_right([batch[f][i] for i in idx], 0.0, torch.float32, R) for f in fields]
+        return inputs, [pad_right([batch[f][i] for i in idx], 0.0, torch.float32, R).to(self.device) for f in fields]
 
     def _no_grad_chunks(
         self, prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]]

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 from transformers import GenerationConfig
 
+from engines.batching import model_device
 from engines.chat import stop_token_ids
 
 
@@ -83,7 +84,7 @@ class HFRolloutEngine:
             # Left padding with its attention mask: every prompt ends where generation starts.
             batch = tok.pad(
                 {"input_ids": [encoded[i] for i, _ in chunk]}, padding=True, padding_side="left", return_tensors="pt"
-            )
+            ).to(model_device(self.model))
             # One seed per batch: the same config and model give the same samples on a rerun.
             torch.manual_seed(params.seed * 1_000_003 + b)
             res = self.model.generate(**batch, generation_config=gen_cfg)

@@ -325,6 +325,62 @@ def test_two_node_cluster_trainer_on_one_node_rollout_on_the_other(prefect_api, 
     assert loopback == {"127.0.0.1"}, out["listening"]
 
 
+GPU_BUNDLES = r"""
+import json, sys
+import ray
+from ray.cluster_utils import Cluster
+from ray.util.placement_group import placement_group_table
+from schemas.config import ConfigError, load_config
+from workers.group import check_placement, open_group
+
+if __name__ == "__main__":
+    # GPUs declared to Ray, none present: Ray schedules by them and sets each actor's CUDA_VISIBLE_DEVICES, torch
+    # still computes on the CPU
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 2, "node_ip_address": "127.0.0.1", "include_dashboard": False, "object_store_memory": 80 << 20})
+    ray.init(address=cluster.address, namespace="rlstage")
+    cfg = load_config(None, sys.argv[1:])
+    check_placement(cfg)
+    group = open_group(cfg)
+    infos = group.query_all("info")
+    table = placement_group_table(group.placement)
+    again = open_group(cfg)  # a stage task's open finds the same group and actors
+    same = again.placement.id == group.placement.id and group.query_all("pid") == again.query_all("pid")
+    group.release()
+    removed = placement_group_table(group.placement)["state"]
+    too_many = cfg.model_copy(update={"ray": cfg.ray.model_copy(update={"worker_num_gpus": 2.0})})
+    try:
+        check_placement(too_many)
+        refused = None
+    except ConfigError as e:
+        refused = str(e)
+    print("RESULT " + json.dumps({"infos": infos, "bundles": list(table["bundles"].values()), "strategy": table["strategy"], "same": same, "removed": removed, "refused": refused}))
+    ray.shutdown()
+    cluster.shutdown()
+"""
+
+
+def test_trainer_ranks_with_gpus_get_one_bundle_each_of_a_placement_group(tmp_path):
+    """ray.worker_num_gpus > 0: the trainer ranks are placed in a placement group, one bundle of CPUs and a
+    GPU per rank (verl's resource pool), each rank sees its own GPU; release removes the group; a placement
+    asking for more GPUs than the cluster has is one line. On a Ray cluster that declares two GPUs."""
+    import json
+    import subprocess
+    import sys
+
+    args = [
+        f"store.root={tmp_path / 'store'}", "run_name=gpu", *tiny_overrides(), "ray.trainer_world_size=2",
+        "ray.worker_num_cpus=0.5", "ray.worker_num_gpus=1",
+    ]  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", GPU_BUNDLES, *args], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    assert [i["rank"] for i in out["infos"]] == [0, 1]
+    assert sorted(g for i in out["infos"] for g in i["gpus"]) == ["0", "1"]  # a GPU each, not the same one
+    assert out["bundles"] == [{"CPU": 0.5, "GPU": 1.0}] * 2 and out["strategy"] == "PACK"
+    assert out["same"] and out["removed"] == "REMOVED"
+    assert out["refused"] == "config error: 2 x ray.worker_num_gpus=2 need 4 GPUs; the Ray cluster has 2"
+
+
 def _interval(m) -> tuple[float, float]:
     """When a stage computed: its compute seconds up to its commit."""
     from datetime import datetime

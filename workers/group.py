@@ -21,6 +21,8 @@ from typing import Any
 
 import ray
 from ray.exceptions import ActorUnavailableError
+from ray.util.placement_group import get_placement_group, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from infra.ray_runtime import RAY_NAMESPACE
 from infra.store import store_identity
@@ -69,6 +71,7 @@ class PolicyGroup:
     drills: bool = False  # drill.kill_worker_at names points: stages arm the actors
     ref_critic: Any = None  # the reference's and critic's actor when placed apart (ray.ref_critic_placement)
     hf_batch: int = 0  # the HF engine's batch in samples (0: vLLM): a split of a generation lands on its bounds
+    placement: Any = None  # the trainer ranks' placement group (GPU bundles), removed on release
 
     @property
     def actors(self) -> list[Any]:
@@ -200,6 +203,8 @@ class PolicyGroup:
                 except Exception:  # a dead or hung worker still gets killed
                     pass
             ray.kill(r)
+        if self.placement is not None:
+            remove_placement_group(self.placement)
         reap_owned_files(pids, wait_s=30)
 
 
@@ -235,6 +240,15 @@ def check_placement(cfg: RunConfig) -> None:
             f"config error: ray.trainer_world_size={world} x ray.worker_num_cpus={per:g}{roles} plus a stage task's "
             f"{stage:g} CPUs need {need:g} CPUs; the Ray cluster has {have:g}"
         )
+    gpus = {
+        "ray.worker_num_gpus": (r.worker_num_gpus, world),
+        "ray.rollout_num_gpus": (r.rollout_num_gpus, r.rollout_num_workers if r.rollout_placement == "separate" else 0),
+        "ray.ref_critic_num_gpus": (r.ref_critic_num_gpus, 1 if r.ref_critic_placement == "separate" else 0),
+    }
+    need_gpus = sum(each * count for each, count in gpus.values())
+    if need_gpus > cluster.get("GPU", 0.0):
+        asked = " + ".join(f"{count} x {name}={each:g}" for name, (each, count) in gpus.items() if each and count)
+        raise ConfigError(f"config error: {asked} need {need_gpus:g} GPUs; the Ray cluster has {cluster.get('GPU', 0.0):g}")
     for key, wanted in (
         ("ray.trainer_resources", r.trainer_resources),
         ("ray.rollout_resources", r.rollout_resources),
@@ -254,6 +268,7 @@ def open_group(cfg: RunConfig | ConfigView, version: str = "main") -> PolicyGrou
     r = cfg.ray
     common = {"namespace": RAY_NAMESPACE, "get_if_exists": True, "max_restarts": -1, "max_task_retries": 0}
     cfg_json = cfg.model_dump(mode="json")
+    placement = _trainer_bundles(cfg, version) if r.worker_num_gpus > 0 else None
     ranks = [
         ray.remote(PolicyWorker)
         .options(
@@ -261,6 +276,7 @@ def open_group(cfg: RunConfig | ConfigView, version: str = "main") -> PolicyGrou
             num_cpus=r.worker_num_cpus,
             num_gpus=r.worker_num_gpus,
             resources=dict(r.trainer_resources),
+            **({"scheduling_strategy": PlacementGroupSchedulingStrategy(placement, rank)} if placement else {}),
             **common,
         )
         .remote(cfg_json, total_update_steps(cfg), rank, r.trainer_world_size)
@@ -297,7 +313,24 @@ def open_group(cfg: RunConfig | ConfigView, version: str = "main") -> PolicyGrou
     drills = bool(cfg.drill.kill_worker_at)
     # vLLM seeds each prompt: any split samples alike; HF seeds each batch of rollout.batch_size samples
     hf_batch = cfg.rollout.batch_size if cfg.rollout.engine == "hf" else 0
-    return PolicyGroup(ranks, actor_name(cfg.run_name, cfg.store.root, version), rollouts, drills, ref_critic, hf_batch)
+    name = actor_name(cfg.run_name, cfg.store.root, version)
+    return PolicyGroup(ranks, name, rollouts, drills, ref_critic, hf_batch, placement)
+
+
+def _trainer_bundles(cfg: RunConfig, version: str):
+    """The trainer ranks' placement group (verl's resource pool): one bundle of CPUs and GPUs per rank, packed
+    onto as few nodes as possible, so a data-parallel group shares a node's GPU interconnect when it fits.
+    Named after the run: a stage task's ``open_group`` finds the one its flow made."""
+    r = cfg.ray
+    name = actor_name(cfg.run_name, cfg.store.root, version) + "-trainer"
+    try:
+        return get_placement_group(name)
+    except ValueError:  # none yet
+        pass
+    bundle = {k: v for k, v in {"CPU": r.worker_num_cpus, "GPU": r.worker_num_gpus, **r.trainer_resources}.items() if v}
+    group = placement_group([dict(bundle) for _ in range(r.trainer_world_size)], strategy="PACK", name=name)
+    ray.get(group.ready(), timeout=RESTART_WAIT_S)
+    return group
 
 
 def critic_init_ref(policy: PolicyRef) -> PolicyRef:

@@ -81,6 +81,11 @@ def torch_dtype(cfg: RunConfig) -> torch.dtype:
     return torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
 
 
+def compute_device() -> torch.device:
+    """The GPU Ray gave this actor (``num_gpus``: it sets CUDA_VISIBLE_DEVICES), else the CPU."""
+    return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+
+
 def load_policy_model(cfg: RunConfig, store: ArtifactStore, ref: PolicyRef, path: Path, scratch: Path, trainable: bool):
     """The policy in ``path`` and the base it trains on: a LoRA checkpoint's adapter on its base (fetched by
     its reference into ``scratch``), a plain folder as is, given fresh adapters when ``model.lora_rank`` > 0 and
@@ -183,7 +188,10 @@ class PolicyWorker:
 
     def info(self) -> dict:
         """Where this worker runs (recorded in the manifests of the stages it served)."""
-        return {"node": node_id(), "pid": os.getpid(), "rank": self.rank}
+        import ray
+
+        gpus = ray.get_gpu_ids()  # the GPUs Ray gave this actor (its bundle's, in a placement group)
+        return {"node": node_id(), "pid": os.getpid(), "rank": self.rank, **({"gpus": [str(g) for g in gpus]} if gpus else {})}
 
     def version(self, role: str = "policy") -> str | None:
         return self.versions[role]
@@ -312,8 +320,10 @@ class PolicyWorker:
             self.tokenizer = AutoTokenizer.from_pretrained(path)
             self.tokenizer.padding_side = "left"
         pad_id = self.tokenizer.pad_token_id
+        device = compute_device()  # every engine builds its inputs on the device of the model it runs
         if role == "policy":
             self.model, self.base = load_policy_model(self.cfg, self.store, ref, path, self.scratch, trainable=True)
+            self.model = self.model.to(device)
             self.actor = self._new_actor(pad_id)
             if state is not None:
                 self.actor.load_state_dict(state)
@@ -321,13 +331,13 @@ class PolicyWorker:
             colocated = self.rank == 0 and self.cfg.ray.rollout_placement == "colocated"
             self.rollout = rollout_engine(self.cfg, self.model, self.tokenizer, self._engine_dir(path), self.rollout) if colocated else None
         elif role == "ref":
-            self.ref_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval().requires_grad_(False)
+            self.ref_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval().requires_grad_(False).to(device)
         elif role == "critic":
             torch.manual_seed(self.cfg.trainer.seed)  # the fresh value head is the same on every load
             # classifier_dropout=0: a deterministic value head, as verl's (HF's default is 0.1)
             config = AutoConfig.from_pretrained(path, num_labels=1)
             config.classifier_dropout = 0.0  # not every config class declares it, so set after loading
-            model = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=dtype).eval()
+            model = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=dtype).eval().to(device)
             self.critic = TorchCritic(model, self.cfg.critic, pad_id, self.total_steps)
             if state is not None:
                 self.critic.load_state_dict(state)

@@ -23,7 +23,15 @@ from infra.drill import WorkerDrill
 from infra.store import ArtifactStore
 from schemas.config import RunConfig
 from schemas.manifest import PolicyRef
-from workers.policy import MODEL_DIR, check_loadable, load_policy_model, node_id, rollout_engine, scratch_dir
+from workers.policy import (
+    MODEL_DIR,
+    check_loadable,
+    compute_device,
+    load_policy_model,
+    node_id,
+    rollout_engine,
+    scratch_dir,
+)
 
 
 class RolloutWorker:
@@ -80,7 +88,8 @@ class RolloutWorker:
                 path = self.scratch / "merged"
                 shutil.rmtree(path, ignore_errors=True)
                 save_hf(model, self.tokenizer, path)
-        self.model = model.requires_grad_(False)
+        # the HF engine generates on the actor's GPU; vLLM loads its own copy from the folder
+        self.model = model.requires_grad_(False).to(compute_device() if self.cfg.rollout.engine == "hf" else "cpu")
         self.rollout = rollout_engine(self.cfg, self.model, self.tokenizer, str(path), self.rollout)
         self.held = ref.version
         return ref.version
