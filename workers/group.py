@@ -155,13 +155,16 @@ class PolicyGroup:
             return self.call(method, version, items, params)
         shares = self._shares(len(items), params["n"]) if method == "generate_ids" and items else [(0, len(items))]
         actors = self.rollouts[: len(shares)]
-        calls = [
-            getattr(a, method).remote(version, items[lo:hi], {**params, "first_prompt": lo})
-            if method == "generate_ids"
-            else getattr(a, method).remote(version, items[lo:hi], params)
-            for a, (lo, hi) in zip(actors, shares, strict=True)
-        ]
-        parts = _wait_restart(lambda: ray.get(calls))
+
+        def calls() -> list:  # submitted again on each try: a restarted actor needs a new call, not the failed one
+            return [
+                getattr(a, method).remote(version, items[lo:hi], {**params, "first_prompt": lo})
+                if method == "generate_ids"
+                else getattr(a, method).remote(version, items[lo:hi], params)
+                for a, (lo, hi) in zip(actors, shares, strict=True)
+            ]
+
+        parts = _wait_restart(lambda: ray.get(calls()))
         return parts[0] if len(parts) == 1 else [c for part in parts for c in part]
 
     def _shares(self, prompts: int, n: int) -> list[tuple[int, int]]:
