@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
-from peft.tuners.lora import LoraLayer
 
 from schemas.config import ConfigError, ModelConfig
 from schemas.manifest import PolicyRef
@@ -26,8 +26,21 @@ ADAPTER_CONFIG = "adapter_config.json"
 BASE_REF = "base.json"  # the base model's PolicyRef, beside the adapter
 ALL_LINEAR = "all-linear"
 
+if TYPE_CHECKING:
+    from peft import LoraConfig, PeftModel
+# peft is imported where a LoRA policy is built or loaded: a process without one (a command, a stage task,
+# a full-weights worker) skips its ~0.7 s import.
+
+
+def is_peft(model: object) -> bool:
+    """Whether ``model`` is a ``PeftModel``; one exists only once peft is imported."""
+    peft = sys.modules.get("peft")
+    return peft is not None and isinstance(model, peft.PeftModel)
+
 
 def lora_config(cfg: ModelConfig) -> LoraConfig:
+    from peft import LoraConfig
+
     # dropout 0: the trainer's recomputed log-probs must equal the rollout's (rollout.max_logprob_gap).
     return LoraConfig(
         r=cfg.lora_rank,
@@ -41,6 +54,8 @@ def lora_config(cfg: ModelConfig) -> LoraConfig:
 
 def with_adapters(model: torch.nn.Module, cfg: ModelConfig) -> PeftModel:
     """``model`` with fresh adapters (B = 0: the policy starts equal to the base); only they train."""
+    from peft import get_peft_model
+
     return get_peft_model(model, lora_config(cfg))
 
 
@@ -68,6 +83,8 @@ def load_adapters(base: torch.nn.Module, folder: str | Path, trainable: bool, cf
             want, got = getattr(cfg, key), stored.get(peft_key)
             if (sorted(want) if isinstance(want, list) else want) != (sorted(got) if isinstance(got, list) else got):
                 raise ConfigError(f"config error: model.{key}={want}, but the stored adapter in {folder} has {got}")
+    from peft import PeftModel
+
     return PeftModel.from_pretrained(base, str(folder), adapter_name=ADAPTER, is_trainable=trainable)
 
 
@@ -94,6 +111,8 @@ def merged_state_dict(model: PeftModel, deltas: bool = True) -> dict[str, torch.
             merged[key.replace(".base_layer.", ".")] = value
     if not deltas:
         return merged
+    from peft.tuners.lora import LoraLayer
+
     with torch.no_grad():
         for name, module in inner.named_modules():
             if isinstance(module, LoraLayer) and ADAPTER in module.lora_A:
@@ -105,7 +124,7 @@ def merged_state_dict(model: PeftModel, deltas: bool = True) -> dict[str, torch.
 def save_hf(model: torch.nn.Module, tokenizer, folder: str | Path, merged: bool = True) -> None:
     """A plain Hugging Face folder of a policy (a LoRA policy's merged weights, or with ``merged=False`` its
     base's, which vLLM serves the adapter over): what rollout engines and exports load."""
-    if isinstance(model, PeftModel):
+    if is_peft(model):
         # save_pretrained of the wrapped module would name peft's layers; the merged dict has the base's names.
         model.get_base_model().save_pretrained(folder, state_dict=merged_state_dict(model, deltas=merged))
     else:

@@ -9,7 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers import GenerationConfig
 
 from engines.batching import model_device
 from engines.chat import stop_token_ids
@@ -59,6 +58,8 @@ class HFRolloutEngine:
     @torch.no_grad()
     def generate_ids(self, encoded: list[list[int]], params: SamplingParams) -> list[Completion]:
         """``generate`` on token ids (multi-turn rollouts continue a trajectory without re-tokenizing it)."""
+        from transformers import GenerationConfig  # here: the processes that only import this module skip it
+
         tok = self.tokenizer
         jobs = [(i, k) for i in range(len(encoded)) for k in range(params.n)]
         greedy = params.temperature == 0

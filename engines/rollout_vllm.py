@@ -20,12 +20,16 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from engines.chat import stop_token_ids as template_stop_ids
-from engines.lora import PeftModel, save_hf
+from engines.lora import is_peft, save_hf
 from engines.rollout import Completion, SamplingParams
+
+if TYPE_CHECKING:
+    from peft import PeftModel
 
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
 
@@ -280,7 +284,7 @@ class VLLMRolloutEngine:
         it) or an in-memory Hugging Face model, which is written to a temporary folder first; a LoRA policy
         goes to an engine started with ``lora_rank`` as its adapter (``load_adapter``), else merged.
         """
-        if isinstance(source, PeftModel) and self.adapter_dir is not None:
+        if is_peft(source) and self.adapter_dir is not None:
             return self.load_adapter(source)
         t0 = time.perf_counter()
         tmp = None

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import string
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from schemas.config import KitConfig
+
+if TYPE_CHECKING:  # imported where used: a process that never builds the kit skips transformers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 # Every printable ASCII character is one token, so synthetic tasks (and tool-call JSON) all fit.
@@ -34,6 +37,8 @@ CHAT_TEMPLATE = (
 
 
 def build_char_tokenizer() -> PreTrainedTokenizerFast:
+    from transformers import PreTrainedTokenizerFast
+
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARS)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
@@ -51,6 +56,8 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def tiny_llama_config(cfg: KitConfig, tokenizer: PreTrainedTokenizerFast) -> LlamaConfig:
+    from transformers import LlamaConfig
+
     return LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=cfg.hidden_size,
@@ -67,6 +74,8 @@ def tiny_llama_config(cfg: KitConfig, tokenizer: PreTrainedTokenizerFast) -> Lla
 
 
 def build_tiny_llama(cfg: KitConfig, tokenizer: PreTrainedTokenizerFast) -> LlamaForCausalLM:
+    from transformers import LlamaForCausalLM
+
     torch.manual_seed(cfg.seed)
     return LlamaForCausalLM(tiny_llama_config(cfg, tokenizer))
 

@@ -463,6 +463,10 @@ def test_replay_and_eval_while_the_run_trains_corrupt_nothing(prefect_api, tmp_p
     store, root = store_for(live), live.store.root
     args = [f"store.root={root}", "run_name=live", *tiny_overrides(), *moving_overrides(), "trainer.iterations=4"]
     args.append(f"ray.address={ray.get_runtime_context().gcs_address}")  # this process's cluster
+    # its last update waits until the replay and eval have finished: they overlap the run however slow the machine
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    args += ["drill.hold_worker_at=['update:4']", f"drill.markers={markers}"]
     log_path = tmp_path / "train.log"
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
     with open(log_path, "wb") as log:
@@ -475,6 +479,8 @@ def test_replay_and_eval_while_the_run_trains_corrupt_nothing(prefect_api, tmp_p
         summary = replay(run_name="live", iteration=1, stage="update", store_root=root)
         evaluated = evaluate_run(run_name="live", iteration=1, store_root=root)
         replay_done = time.time()
+        assert proc.poll() is None, log_path.read_text()[-3000:]
+        (markers / "release-update-4").touch()
         assert proc.wait(timeout=900) == 0, log_path.read_text()[-3000:]
     finally:
         if proc.poll() is None:

@@ -22,15 +22,14 @@ from pathlib import Path
 
 import pyarrow as pa
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
 
 from engines.actor import DataParallelTorchActor, TorchActor
 from engines.checkpoint import load_trainer_state, save_trainer_state
 from engines.critic import TorchCritic
 from engines.lora import (
-    PeftModel,
     base_ref,
     is_adapter_dir,
+    is_peft,
     load_adapters,
     save_adapters,
     save_hf,
@@ -90,6 +89,8 @@ def load_policy_model(cfg: RunConfig, store: ArtifactStore, ref: PolicyRef, path
     """The policy in ``path`` and the base it trains on: a LoRA checkpoint's adapter on its base (fetched by
     its reference into ``scratch``), a plain folder as is, given fresh adapters when ``model.lora_rank`` > 0 and
     ``trainable``. Returns (model, the base's ref or None)."""
+    from transformers import AutoModelForCausalLM
+
     lora = cfg.model.lora
     if is_adapter_dir(path):
         base = base_ref(path)
@@ -117,7 +118,7 @@ def rollout_engine(cfg: RunConfig, model, tokenizer, path: str, current=None):
         return HFRolloutEngine(model, tokenizer, r.batch_size)
     from engines.rollout_vllm import VLLMRolloutEngine  # lazy: vllm is an optional extra
 
-    adapter = isinstance(model, PeftModel)
+    adapter = is_peft(model)
     if not isinstance(current, VLLMRolloutEngine):
         current = VLLMRolloutEngine(
             path,
@@ -313,6 +314,15 @@ class PolicyWorker:
 
     # ------------------------------------------------------------------ loading
     def _load(self, ref: PolicyRef, path: Path, state: dict | None, role: str) -> None:
+        # transformers is imported here, not with this module: a command or stage task that only starts
+        # this actor skips its ~3 s import
+        from transformers import (
+            AutoConfig,
+            AutoModelForCausalLM,
+            AutoModelForTokenClassification,
+            AutoTokenizer,
+        )
+
         if not path.is_dir():
             raise FileNotFoundError(f"model path {path} does not exist or is not a directory")
         dtype = torch_dtype(self.cfg)

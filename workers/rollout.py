@@ -15,7 +15,6 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer
 
 from engines.lora import save_hf
 from engines.rollout import SamplingParams
@@ -79,6 +78,9 @@ class RolloutWorker:
             folder = self.scratch / "load"
             shutil.rmtree(folder, ignore_errors=True)
             path, self.source = Path(self.store.fetch_dir(manifest, MODEL_DIR, str(folder))), "store"
+        # imported with the weights: a process that only creates this actor skips transformers
+        from transformers import AutoTokenizer
+
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.tokenizer.padding_side = "left"
         model, base = load_policy_model(self.cfg, self.store, ref, path, self.scratch, trainable=False)
