@@ -28,6 +28,7 @@ from workers.policy import (
     compute_device,
     load_policy_model,
     node_id,
+    preload_model_libraries,
     rollout_engine,
     scratch_dir,
 )
@@ -46,6 +47,7 @@ class RolloutWorker:
         self.scratch = scratch_dir("rollout", self.cfg.run_name)
         self.busy: list[tuple[float, float]] = []  # (start, end) of each generate call, for overlap checks
         self.drill = WorkerDrill(self.cfg)
+        preload_model_libraries(self.cfg)
 
     def pid(self) -> int:
         return os.getpid()
