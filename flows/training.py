@@ -18,7 +18,6 @@ from prefect.exceptions import TerminationSignal
 from prefect.futures import PrefectFuture
 from prefect.logging.handlers import APILogHandler
 from prefect.settings import temporary_settings
-from prefect_ray import RayTaskRunner
 
 from engines.preflight import preflight
 from flows.checks import check_inputs, check_run_config, record_run_config
@@ -28,7 +27,7 @@ from infra.drill import fault_point
 from infra.env import apply_defaults
 from infra.lease import run_lease
 from infra.progress import open_board
-from infra.ray_runtime import RAY_NAMESPACE, ensure_ray, wait_result
+from infra.ray_runtime import ensure_ray, wait_result
 from infra.store import ArtifactStore
 from infra.story import artifact_key
 from infra.tracking import Tracker, check_reachable, tracking_uri_for
@@ -284,8 +283,7 @@ def _run_iterations(cfg: RunConfig, store: ArtifactStore, first: int, last: int,
     if caught:
         _emit(f"  MLflow caught up with iteration(s) {', '.join(map(str, caught))} from the store")
     logged |= set(caught)
-    runner = RayTaskRunner(address=cfg.ray.address, init_kwargs={"namespace": RAY_NAMESPACE})
-    one_iteration = iteration_flow.with_options(task_runner=runner, flow_run_name=f"{cfg.run_name}-iter-{{iteration}}")
+    one_iteration = iteration_flow.with_options(flow_run_name=f"{cfg.run_name}-iter-{{iteration}}")
     # The driver owns the policy worker: a non-detached actor dies with its last handle, so this
     # one keeps it alive for the run while stage tasks look it up by name.
     group = open_group(cfg)
@@ -293,7 +291,7 @@ def _run_iterations(cfg: RunConfig, store: ArtifactStore, first: int, last: int,
     rm_worker = open_reward_model(cfg) if cfg.reward_model.enable and cfg.reward_model.model.path else None  # noqa: F841 (held: the actor lives as long)
     status, stopped = "FAILED", False
     try:
-        prep_task = stages.submit_stage(cfg, "data_prep")
+        prep_task = stages.submit_stage(cfg, "data_prep", on_ray=False)
         prep = wait_result(prep_task)
         after: list = [prep_task]  # the flow graph: iteration 0 after data prep and SFT, each iteration after the last
         if prep.executed or 0 not in logged:  # prompt counts, and those dropped as over data.max_prompt_length
@@ -307,7 +305,7 @@ def _run_iterations(cfg: RunConfig, store: ArtifactStore, first: int, last: int,
         if cfg.model.path is None:
             _emit("  [kit] SFT warm start of the tiny model (reused when already committed) ...")
             TERMINAL.status("  [kit] SFT", read_note=_board_reader(board, kit_run_name(cfg)))
-            sft_task = stages.submit_stage(cfg, "sft", wait_for=after)
+            sft_task = stages.submit_stage(cfg, "sft", wait_for=after, on_ray=False)
             sft = wait_result(sft_task)
             TERMINAL.status(None)
             after.append(sft_task)

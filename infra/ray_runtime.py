@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import signal
 import threading
@@ -58,6 +59,8 @@ def wait_result(future, poll_s: float = 0.05):
     then surfaces as a SystemError. Short waits end within ``poll_s`` and re-raise what the handler raised.
     """
     ref = getattr(future, "wrapped_future", None)
+    while isinstance(ref, concurrent.futures.Future) and not ref.done():  # a task run in a thread of the flow
+        concurrent.futures.wait([ref], timeout=poll_s)
     while isinstance(ref, ray.ObjectRef):
         try:
             ready, _ = ray.wait([ref], timeout=poll_s)
