@@ -27,7 +27,7 @@ from infra.drill import fault_point
 from infra.env import apply_defaults
 from infra.lease import run_lease
 from infra.progress import open_board
-from infra.ray_runtime import ensure_ray, wait_result
+from infra.ray_runtime import STOPPING, ensure_ray, wait_result
 from infra.store import ArtifactStore
 from infra.story import artifact_key
 from infra.tracking import Tracker, check_reachable, tracking_uri_for
@@ -263,6 +263,7 @@ def run_training(cfg: RunConfig, first: int = 1, last: int | None = None) -> dic
     check_reachable(tracking_uri_for(cfg))
     ensure_ray(cfg)
     check_placement(cfg)
+    STOPPING.clear()  # a run stopped earlier in this process (by a signal) left it set
     _name_flow_run(f"{cfg.run_name} iterations {first}-{last}" if last > first else f"{cfg.run_name} iteration {last}")
     _emit(f"rlstage: run {cfg.run_name!r}, iterations {first}..{last}, artifacts under {store.root}/{cfg.run_name}")
     flow_run_id = _flow_run_id()

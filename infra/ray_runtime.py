@@ -14,6 +14,9 @@ from schemas.config import RunConfig
 
 RAY_NAMESPACE = "rlstage"
 WORKERS_SOFT_LIMIT = 16  # idle workers kept: the role actors plus the stage tasks a schedule has in flight
+# Set when a signal interrupts the flow's wait: stage tasks waiting on Ray in threads of the flow give up too
+# (their Ray task cancelled), instead of holding the flow's exit until a long stage ends.
+STOPPING = threading.Event()
 
 
 def ensure_ray(cfg: RunConfig) -> None:
@@ -59,15 +62,31 @@ def wait_result(future, poll_s: float = 0.05):
     then surfaces as a SystemError. Short waits end within ``poll_s`` and re-raise what the handler raised.
     """
     ref = getattr(future, "wrapped_future", None)
-    while isinstance(ref, concurrent.futures.Future) and not ref.done():  # a task run in a thread of the flow
-        concurrent.futures.wait([ref], timeout=poll_s)
-    while isinstance(ref, ray.ObjectRef):
-        try:
-            ready, _ = ray.wait([ref], timeout=poll_s)
-        except SystemError as err:
-            if isinstance(err.__context__, BaseException) and not isinstance(err.__context__, Exception):
-                raise err.__context__ from None
-            raise
-        if ready:
-            break
+    try:
+        while isinstance(ref, concurrent.futures.Future) and not ref.done():  # a task run in a thread of the flow
+            concurrent.futures.wait([ref], timeout=poll_s)
+        while isinstance(ref, ray.ObjectRef):
+            try:
+                ready, _ = ray.wait([ref], timeout=poll_s)
+            except SystemError as err:
+                if isinstance(err.__context__, BaseException) and not isinstance(err.__context__, Exception):
+                    raise err.__context__ from None
+                raise
+            if ready:
+                break
+    except BaseException as err:
+        if not isinstance(err, Exception):  # a signal: the stage threads stop waiting as well
+            STOPPING.set()
+        raise
     return future.result()
+
+
+def get_unless_stopping(ref: ray.ObjectRef, poll_s: float = 0.2):
+    """``ray.get`` of ``ref`` from a thread of the flow; once the flow is stopping (``STOPPING``), the Ray task
+    is cancelled (its worker killed: a stage commits its manifest last, so nothing half-written shows) and the
+    wait ends with KeyboardInterrupt, which Prefect records as a crash, not a failure to retry."""
+    while not ray.wait([ref], timeout=poll_s)[0]:
+        if STOPPING.is_set():
+            ray.cancel(ref, force=True)
+            raise KeyboardInterrupt("the flow was stopped")
+    return ray.get(ref)

@@ -35,6 +35,7 @@ from engines.agent_loop import agent_metrics
 from engines.cursor import extra_prompt_batch, prompt_batch
 from engines.tools import agent_tokenizer
 from infra.drill import fault_point
+from infra.ray_runtime import get_unless_stopping
 from schemas import artifacts as A
 from schemas.config import NEEDS_SUM_PI_SQUARED, RunConfig
 from schemas.manifest import Manifest, PolicyRef
@@ -124,7 +125,7 @@ def _run_on_ray(name: str, cfg: RunConfig, args: tuple, kwargs: dict) -> StageRe
     res = cfg.ray.resources(name)
     ref = _stage_process.options(num_cpus=res.num_cpus, num_gpus=res.num_gpus).remote(name, cfg, args, kwargs)
     try:
-        return ray.get(ref)
+        return get_unless_stopping(ref)
     except ray.exceptions.RayTaskError as err:
         if isinstance(err.cause, Exception):
             raise err.cause from None
@@ -700,8 +701,8 @@ def hold_policy(group: PolicyGroup, cfg: ConfigView, ref: PolicyRef) -> None:
 
 
 def hold_critic(group: PolicyGroup, cfg: ConfigView, ref: PolicyRef) -> None:
-    """Make the trainer hold critic ``ref`` (rebuilt in the worker when retention pruned its weights): valid
-    under the critic stage's settings only."""
+    """Make the actor serving the critic (rank 0, or the reference/critic actor placed apart) hold critic
+    ``ref``, rebuilt there when retention pruned its weights: valid under the critic stage's settings only."""
     group.acquire(ref, "critic", update_hash=view_hash(whole_config(cfg), "critic"))
 
 
