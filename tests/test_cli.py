@@ -60,3 +60,17 @@ def test_a_signal_raised_while_c_code_runs_is_reported_as_a_stop(capsys, monkeyp
     assert main(["train"]) == 128 + signal.SIGTERM
     assert capsys.readouterr().err.strip() == "rlstage: stopped by SIGTERM; rerun the command to continue"
     assert cli._stopped(ValueError("x")) is None
+
+
+def test_the_flows_import_without_the_model_libraries():
+    """A command, a stage's Ray worker and a Prefect flow-run process import the flows; transformers and peft
+    (~5 s here) load only where a model is loaded (a role worker, SFT), not with them."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, flows.training, flows.replay, flows.evaluate, tasks.stages; "
+        "print(sorted(m for m in ('transformers', 'peft', 'sklearn') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr[-2000:]
