@@ -55,27 +55,14 @@ def ensure_ray(cfg: RunConfig) -> None:
 
 
 def wait_result(future, poll_s: float = 0.05):
-    """A Prefect future's result, waited for so that a signal stops the wait within ``poll_s``.
-
-    Ray's blocking ``get`` only lets a signal handler's KeyboardInterrupt through: the exception of Prefect's
-    SIGTERM handler (raised inside the wait, in the flow's main thread) stays pending until the stage ends, and
-    then surfaces as a SystemError. Short waits end within ``poll_s`` and re-raise what the handler raised.
-    """
-    ref = getattr(future, "wrapped_future", None)
+    """A stage task's result (a Prefect future of a task run in a thread of the flow), waited for in short
+    steps in the flow's main thread, where a signal's exception surfaces; it also sets ``STOPPING``, so the
+    stage threads stop waiting on Ray as well."""
     try:
-        while isinstance(ref, concurrent.futures.Future) and not ref.done():  # a task run in a thread of the flow
-            concurrent.futures.wait([ref], timeout=poll_s)
-        while isinstance(ref, ray.ObjectRef):
-            try:
-                ready, _ = ray.wait([ref], timeout=poll_s)
-            except SystemError as err:
-                if isinstance(err.__context__, BaseException) and not isinstance(err.__context__, Exception):
-                    raise err.__context__ from None
-                raise
-            if ready:
-                break
+        while not future.wrapped_future.done():
+            concurrent.futures.wait([future.wrapped_future], timeout=poll_s)
     except BaseException as err:
-        if not isinstance(err, Exception):  # a signal: the stage threads stop waiting as well
+        if not isinstance(err, Exception):  # a signal
             STOPPING.set()
         raise
     return future.result()
