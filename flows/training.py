@@ -10,6 +10,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
+from functools import partial
 
 import ray
 from prefect import flow, get_client, get_run_logger
@@ -23,6 +24,7 @@ from engines.preflight import preflight
 from flows.checks import check_inputs, check_run_config, record_run_config
 from flows.retention import prune_checkpoints
 from flows.terminal import TERMINAL, verbose
+from infra.bookkeeping import Bookkeeper
 from infra.drill import fault_point
 from infra.env import apply_defaults
 from infra.lease import run_lease
@@ -68,7 +70,19 @@ class IterationOutcome:
                 out["perf/throughput"] = out["rollout/tokens"] / total
         return out
 
+    def wall_metrics(self, wall_s: float) -> dict[str, float]:
+        """The iteration's whole wall and the share of it that is not stage compute: orchestration (the
+        subflow, the stage tasks, Prefect artifacts) and I/O."""
+        out = {"timing_s/iteration_wall": wall_s}
+        compute = sum(r.seconds for r in self.results.values() if r.executed)
+        if compute > 0:
+            out["timing_s/orchestration_share_of_wall"] = max(0.0, 1 - compute / wall_s)
+        return out
 
+
+# An iteration's MLflow records wait this long: MLflow's client holds the GIL ~0.1 s a job, which slowed the
+# next subflow's start (~0.05 s an iteration); by then that subflow and its first stage task are under way.
+BOOKKEEPING_DELAY_S = 0.5
 PROGRESS = "progress/iteration"  # on every iteration's MLflow step: how a later invocation finds the steps MLflow lacks
 
 
@@ -291,6 +305,7 @@ def _run_iterations(cfg: RunConfig, store: ArtifactStore, first: int, last: int,
     board = open_board() if TERMINAL.live else None  # SFT's steps on a terminal's status line
     rm_worker = open_reward_model(cfg) if cfg.reward_model.enable and cfg.reward_model.model.path else None  # noqa: F841 (held: the actor lives as long)
     status, stopped = "FAILED", False
+    books = Bookkeeper(delay_s=BOOKKEEPING_DELAY_S)
     try:
         prep_task = stages.submit_stage(cfg, "data_prep", on_ray=False)
         prep = wait_result(prep_task)
@@ -316,54 +331,52 @@ def _run_iterations(cfg: RunConfig, store: ArtifactStore, first: int, last: int,
         models = models_before(cfg, store, first, initial_policy(cfg, sft))
         history: list[dict] = []
         executed = [s for s, r in (("data_prep", prep), ("sft", sft)) if r is not None and r.executed]
-        for it in range(0 if first == 1 else first, last + 1):
-            t0 = time.perf_counter()
-            renew()
-            # No heartbeats for an iteration's subflow: Prefect's heartbeat thread sleeps in 1 s steps and a
-            # flow's end waits for it (the 1-second quantum of iteration walls); the run's own flow keeps its.
-            with temporary_settings(updates={"flows.heartbeat_frequency": None}):
+        # No heartbeats for the iterations' subflows: Prefect's heartbeat thread sleeps in 1 s steps and a flow's
+        # end waits for it (the 1-second quantum of iteration walls); the run's own flow keeps its. Entered once:
+        # building the settings costs ~65 ms.
+        with temporary_settings(updates={"flows.heartbeat_frequency": None}):
+            for it in range(0 if first == 1 else first, last + 1):
+                t0 = time.perf_counter()
+                renew()
                 # The prompts' manifest rebuilt from JSON: Prefect links inputs to results by object id, and a
                 # deep copy keeps data prep's immutable values, drawing a fan-out from data prep to every iteration.
                 prompts = Manifest.model_validate_json(prep.manifest.model_dump_json())
                 outcome = one_iteration(cfg, it, prompts, models, last, wait_for=after)
-            after = [outcome]  # a subflow's return value stands for its flow run
-            if "update" in outcome.results:
-                r = outcome.results
-                models = Models(
-                    policy_ref_from(r["update"].manifest),
-                    models.ref,
-                    policy_ref_from(r["critic"].manifest) if "critic" in r else None,
-                    r["advantage"].manifest,
-                    models.policy if cfg.trainer.async_staleness else None,
+                after = [outcome]  # a subflow's return value stands for its flow run
+                if "update" in outcome.results:
+                    r = outcome.results
+                    models = Models(
+                        policy_ref_from(r["update"].manifest),
+                        models.ref,
+                        policy_ref_from(r["critic"].manifest) if "critic" in r else None,
+                        r["advantage"].manifest,
+                        models.policy if cfg.trainer.async_staleness else None,
+                    )
+                metrics = {**outcome.metrics(), PROGRESS: float(it)}
+                history.append({"iteration": it, "executed": outcome.executed, **metrics})
+                pruned = prune_checkpoints(cfg, store, it)  # after the iteration is whole: its policy is the newest kept
+                # Not in the background: the Prefect server's SQLite answers a write that meets another (the next
+                # subflow's) with "busy", which Prefect's client retries after ~2 s.
+                _publish_iteration(cfg, store, tracker, outcome, metrics, history)
+                if pruned:
+                    _detail(f"  checkpoint retention: pruned the weights of {', '.join(f'{m.stage} {m.iteration}' for m in pruned)}")
+                # The iteration's whole wall (timing_s/iteration sums the stage walls); its MLflow records are
+                # written by the bookkeeper while the next iteration runs.
+                wall = outcome.wall_metrics(time.perf_counter() - t0)
+                metrics |= wall
+                history[-1] |= {**wall, "wall_s": wall["timing_s/iteration_wall"]}
+                books.submit(partial(_track_iteration, cfg, store, tracker, outcome, metrics, pruned, it == last, it in logged))
+                executed += [f"iter-{it}/{s}" for s in outcome.executed]
+                TERMINAL.status(None)
+                acc = metrics.get("val/accuracy")
+                score = metrics.get("critic/score/mean")
+                _emit(
+                    f"iteration {it:>3}: "
+                    + (f"train reward {score:.3f} | " if score is not None else "")
+                    + (f"held-out accuracy {acc:.3f} | " if acc is not None else "")
+                    + f"{history[-1]['wall_s']:.1f}s, executed {len(outcome.executed)} stage(s)"
                 )
-            metrics = {**outcome.metrics(), PROGRESS: float(it)}
-            # The policy this invocation ends with, as an MLflow logged model with its iteration's metrics.
-            update = outcome.results["update"].manifest if it == last and "update" in outcome.results else None
-            model_id = tracker.log_policy(store, update, MODEL_DIR) if update is not None else None
-            if outcome.executed or it not in logged:
-                tracker.log_metrics(it, metrics, model_id=model_id)
-            if "rollout" in outcome.results and outcome.results["rollout"].executed:
-                _log_rollout_sample(cfg, tracker, it, outcome)
-            history.append({"iteration": it, "executed": outcome.executed, **metrics})
-            _publish_iteration(cfg, store, tracker, outcome, metrics, history)
-            pruned = prune_checkpoints(cfg, store, it)  # after the iteration is whole: its policy is the newest kept
-            for m in pruned:
-                tracker.mark_pruned(m)  # its MLflow logged model points at files that are gone
-            if pruned:
-                _detail(f"  checkpoint retention: pruned the weights of {', '.join(f'{m.stage} {m.iteration}' for m in pruned)}")
-            # The iteration's whole wall, bookkeeping included (timing_s/iteration sums the stages only);
-            # in the returned history, not in MLflow, which was written before it ends.
-            history[-1]["wall_s"] = time.perf_counter() - t0
-            executed += [f"iter-{it}/{s}" for s in outcome.executed]
-            TERMINAL.status(None)
-            acc = metrics.get("val/accuracy")
-            score = metrics.get("critic/score/mean")
-            _emit(
-                f"iteration {it:>3}: "
-                + (f"train reward {score:.3f} | " if score is not None else "")
-                + (f"held-out accuracy {acc:.3f} | " if acc is not None else "")
-                + f"{history[-1]['wall_s']:.1f}s, executed {len(outcome.executed)} stage(s)"
-            )
+        books.close()  # MLflow and the Prefect UI hold every iteration before the run reports its end
         status = "FINISHED"
         return {
             "run": cfg.run_name,
@@ -378,6 +391,7 @@ def _run_iterations(cfg: RunConfig, store: ArtifactStore, first: int, last: int,
         raise
     finally:
         TERMINAL.status(None)
+        books.close(raise_errors=False)  # a no-op after a finished run's close
         tracker.finish(status)
         group.release(busy=stopped)
 
@@ -386,6 +400,29 @@ def _board_reader(board, key: str):
     if board is None:
         return None
     return lambda: ray.get(board.take.remote(key), timeout=2.0)
+
+
+def _track_iteration(
+    cfg: RunConfig,
+    store: ArtifactStore,
+    tracker: Tracker,
+    outcome: IterationOutcome,
+    metrics: dict,
+    pruned: list[Manifest],
+    final: bool,
+    logged: bool,
+) -> None:
+    """An iteration in MLflow (run by the bookkeeper's thread while the next iteration trains)."""
+    it = outcome.iteration
+    # The policy this invocation ends with, as an MLflow logged model with its iteration's metrics.
+    update = outcome.results["update"].manifest if final and "update" in outcome.results else None
+    model_id = tracker.log_policy(store, update, MODEL_DIR) if update is not None else None
+    if outcome.executed or not logged:
+        tracker.log_metrics(it, metrics, model_id=model_id)
+    if "rollout" in outcome.results and outcome.results["rollout"].executed:
+        _log_rollout_sample(cfg, tracker, it, outcome)
+    for m in pruned:
+        tracker.mark_pruned(m)  # its MLflow logged model points at files that are gone
 
 
 def _publish_iteration(

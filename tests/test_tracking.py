@@ -170,3 +170,43 @@ def test_prompts_are_dataset_inputs_and_a_checkpoint_is_a_logged_model_by_refere
     files = json.loads(Path(local).read_text())["files"]
     entry = update.files["model/model.safetensors"]
     assert files == {"model/model.safetensors": {"uri": store.uri(update, "model/model.safetensors"), "sha256": entry.sha256, "bytes": 10}}
+
+
+def test_bookkeeping_runs_jobs_in_order_later_and_surfaces_a_failure(capfd):
+    import threading
+    import time
+
+    from infra.bookkeeping import Bookkeeper
+
+    done: list[int] = []
+    books = Bookkeeper(delay_s=0.3)
+    submitted = time.monotonic()
+    started = threading.Event()
+    books.submit(lambda: (started.set(), done.append(1)))
+    books.submit(lambda: done.append(2))
+    assert started.wait(5) and time.monotonic() - submitted >= 0.3  # held back by its delay, then run
+    books.close()
+    assert done == [1, 2]
+
+    def fail() -> None:
+        raise RuntimeError("tracking said no")
+
+    books = Bookkeeper(delay_s=60.0)  # closing runs what waits at once
+    books.submit(lambda: done.append(3))
+    books.submit(fail)
+    books.submit(lambda: done.append(4))  # a failed job does not lose the later ones
+    with pytest.raises(RuntimeError, match="tracking said no"):
+        books.close()
+    assert done == [1, 2, 3, 4]
+
+    books = Bookkeeper()
+    books.submit(fail)
+    for _ in range(100):
+        time.sleep(0.02)
+        if books._jobs[0].done():
+            break
+    with pytest.raises(RuntimeError, match="tracking said no"):  # the next submit raises it
+        books.submit(lambda: done.append(5))
+    books.submit(fail)
+    books.close(raise_errors=False)  # another error ends the run: this one is a line, not a second raise
+    assert "run bookkeeping failed: tracking said no" in capfd.readouterr().err
