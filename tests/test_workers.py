@@ -338,33 +338,38 @@ from workers.group import check_placement, open_group
 if __name__ == "__main__":
     # GPUs declared to Ray, none present: Ray schedules by them and sets each actor's CUDA_VISIBLE_DEVICES, torch
     # still computes on the CPU
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 2, "node_ip_address": "127.0.0.1", "include_dashboard": False, "object_store_memory": 80 << 20})
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 4, "node_ip_address": "127.0.0.1", "include_dashboard": False, "object_store_memory": 80 << 20})
     ray.init(address=cluster.address, namespace="rlstage")
     cfg = load_config(None, sys.argv[1:])
     check_placement(cfg)
     group = open_group(cfg)
     infos = group.query_all("info")
-    table = placement_group_table(group.placement)
-    again = open_group(cfg)  # a stage task's open finds the same group and actors
-    same = again.placement.id == group.placement.id and group.query_all("pid") == again.query_all("pid")
+    apart = {"rollout": ray.get(group.rollouts[0].info.remote()), "ref_critic": ray.get(group.ref_critic.info.remote())}
+    tables = {role: placement_group_table(pg) for role, pg in group.placements.items()}
+    again = open_group(cfg)  # a stage task's open finds the same groups and actors
+    same = {r: pg.id for r, pg in again.placements.items()} == {r: pg.id for r, pg in group.placements.items()}
+    same = same and group.query_all("pid") == again.query_all("pid")
     group.release()
-    removed = placement_group_table(group.placement)["state"]
+    removed = sorted({placement_group_table(pg)["state"] for pg in group.placements.values()})
     too_many = cfg.model_copy(update={"ray": cfg.ray.model_copy(update={"worker_num_gpus": 2.0})})
     try:
         check_placement(too_many)
         refused = None
     except ConfigError as e:
         refused = str(e)
-    print("RESULT " + json.dumps({"infos": infos, "bundles": list(table["bundles"].values()), "strategy": table["strategy"], "same": same, "removed": removed, "refused": refused}))
+    bundles = {role: list(t["bundles"].values()) for role, t in tables.items()}
+    strategies = sorted({t["strategy"] for t in tables.values()})
+    print("RESULT " + json.dumps({"infos": infos, "apart": apart, "bundles": bundles, "strategies": strategies, "same": same, "removed": removed, "refused": refused}))
     ray.shutdown()
     cluster.shutdown()
 """
 
 
-def test_trainer_ranks_with_gpus_get_one_bundle_each_of_a_placement_group(tmp_path):
-    """ray.worker_num_gpus > 0: the trainer ranks are placed in a placement group, one bundle of CPUs and a
-    GPU per rank (verl's resource pool), each rank sees its own GPU; release removes the group; a placement
-    asking for more GPUs than the cluster has is one line. On a Ray cluster that declares two GPUs."""
+def test_roles_with_gpus_get_one_bundle_each_of_a_placement_group(tmp_path):
+    """Roles that ask for GPUs are placed in placement groups (verl's resource pools): the trainer ranks one
+    bundle of CPUs and a GPU per rank, the rollout workers and the reference-critic worker placed apart a
+    group each; every actor sees its own GPU; release removes the groups; a placement asking for more GPUs
+    than the cluster has is one line. On a Ray cluster that declares four GPUs."""
     import json
     import subprocess
     import sys
@@ -372,15 +377,24 @@ def test_trainer_ranks_with_gpus_get_one_bundle_each_of_a_placement_group(tmp_pa
     args = [
         f"store.root={tmp_path / 'store'}", "run_name=gpu", *tiny_overrides(), "ray.trainer_world_size=2",
         "ray.worker_num_cpus=0.5", "ray.worker_num_gpus=1",
+        "ray.rollout_placement=separate", "ray.rollout_num_cpus=0.25", "ray.rollout_num_gpus=1",
+        "ray.ref_critic_placement=separate", "ray.ref_critic_num_cpus=0.25", "ray.ref_critic_num_gpus=1",
+        "actor.use_kl_loss=true",  # a reference to hold apart
     ]  # fmt: skip
     proc = subprocess.run([sys.executable, "-c", GPU_BUNDLES, *args], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
     assert [i["rank"] for i in out["infos"]] == [0, 1]
-    assert sorted(g for i in out["infos"] for g in i["gpus"]) == ["0", "1"]  # a GPU each, not the same one
-    assert out["bundles"] == [{"CPU": 0.5, "GPU": 1.0}] * 2 and out["strategy"] == "PACK"
-    assert out["same"] and out["removed"] == "REMOVED"
-    assert out["refused"] == "config error: 2 x ray.worker_num_gpus=2 need 4 GPUs; the Ray cluster has 2"
+    gpus = [g for i in [*out["infos"], *out["apart"].values()] for g in i["gpus"]]
+    assert sorted(gpus) == ["0", "1", "2", "3"]  # a GPU each, not the same one
+    assert out["bundles"] == {
+        "trainer": [{"CPU": 0.5, "GPU": 1.0}] * 2, "rollout": [{"CPU": 0.25, "GPU": 1.0}], "ref_critic": [{"CPU": 0.25, "GPU": 1.0}],
+    }  # fmt: skip
+    assert out["strategies"] == ["PACK"] and out["same"] and out["removed"] == ["REMOVED"]
+    assert out["refused"] == (
+        "config error: 2 x ray.worker_num_gpus=2 + 1 x ray.rollout_num_gpus=1 + 1 x ray.ref_critic_num_gpus=1 need 6 GPUs; "
+        "the Ray cluster has 4"
+    )
 
 
 def _interval(m) -> tuple[float, float]:

@@ -71,7 +71,8 @@ class PolicyGroup:
     drills: bool = False  # drill.kill_worker_at names points: stages arm the actors
     ref_critic: Any = None  # the reference's and critic's actor when placed apart (ray.ref_critic_placement)
     hf_batch: int = 0  # the HF engine's batch in samples (0: vLLM): a split of a generation lands on its bounds
-    placement: Any = None  # the trainer ranks' placement group (GPU bundles), removed on release
+    # role -> its placement group ("trainer", "rollout", "ref_critic": the roles that ask for GPUs), removed on release
+    placements: dict[str, Any] = field(default_factory=dict)
 
     @property
     def actors(self) -> list[Any]:
@@ -206,8 +207,8 @@ class PolicyGroup:
                 except Exception:  # a dead or hung worker still gets killed
                     pass
             ray.kill(r)
-        if self.placement is not None:
-            remove_placement_group(self.placement)
+        for group in self.placements.values():
+            remove_placement_group(group)
         reap_owned_files(pids, wait_s=30)
 
 
@@ -271,7 +272,20 @@ def open_group(cfg: RunConfig | ConfigView, version: str = "main") -> PolicyGrou
     r = cfg.ray
     common = {"namespace": RAY_NAMESPACE, "get_if_exists": True, "max_restarts": -1, "max_task_retries": 0}
     cfg_json = cfg.model_dump(mode="json")
-    placement = _trainer_bundles(cfg, version) if r.worker_num_gpus > 0 else None
+    placements = {
+        role: _role_bundles(cfg, version, role, bundle, count)
+        for role, bundle, count, apart in (
+            ("trainer", {"CPU": r.worker_num_cpus, "GPU": r.worker_num_gpus, **r.trainer_resources}, r.trainer_world_size, True),
+            ("rollout", {"CPU": r.rollout_num_cpus, "GPU": r.rollout_num_gpus, **r.rollout_resources}, r.rollout_num_workers, r.rollout_placement == "separate"),
+            ("ref_critic", {"CPU": r.ref_critic_num_cpus, "GPU": r.ref_critic_num_gpus, **r.ref_critic_resources}, 1, r.ref_critic_placement == "separate"),
+        )
+        if apart and bundle["GPU"] > 0
+    }
+
+    def placed(role: str, index: int) -> dict:
+        group = placements.get(role)
+        return {"scheduling_strategy": PlacementGroupSchedulingStrategy(group, index)} if group else {}
+
     ranks = [
         ray.remote(PolicyWorker)
         .options(
@@ -279,7 +293,7 @@ def open_group(cfg: RunConfig | ConfigView, version: str = "main") -> PolicyGrou
             num_cpus=r.worker_num_cpus,
             num_gpus=r.worker_num_gpus,
             resources=dict(r.trainer_resources),
-            **({"scheduling_strategy": PlacementGroupSchedulingStrategy(placement, rank)} if placement else {}),
+            **placed("trainer", rank),
             **common,
         )
         .remote(cfg_json, total_update_steps(cfg), rank, r.trainer_world_size)
@@ -294,6 +308,7 @@ def open_group(cfg: RunConfig | ConfigView, version: str = "main") -> PolicyGrou
                 num_cpus=r.rollout_num_cpus,
                 num_gpus=r.rollout_num_gpus,
                 resources=dict(r.rollout_resources),
+                **placed("rollout", i),
                 **common,
             )
             .remote(cfg_json)
@@ -309,6 +324,7 @@ def open_group(cfg: RunConfig | ConfigView, version: str = "main") -> PolicyGrou
                 num_cpus=r.ref_critic_num_cpus,
                 num_gpus=r.ref_critic_num_gpus,
                 resources=dict(r.ref_critic_resources),
+                **placed("ref_critic", 0),
                 **common,
             )
             .remote(cfg_json, total_update_steps(cfg))
@@ -317,21 +333,20 @@ def open_group(cfg: RunConfig | ConfigView, version: str = "main") -> PolicyGrou
     # vLLM seeds each prompt: any split samples alike; HF seeds each batch of rollout.batch_size samples
     hf_batch = cfg.rollout.batch_size if cfg.rollout.engine == "hf" else 0
     name = actor_name(cfg.run_name, cfg.store.root, version)
-    return PolicyGroup(ranks, name, rollouts, drills, ref_critic, hf_batch, placement)
+    return PolicyGroup(ranks, name, rollouts, drills, ref_critic, hf_batch, placements)
 
 
-def _trainer_bundles(cfg: RunConfig, version: str):
-    """The trainer ranks' placement group (verl's resource pool): one bundle of CPUs and GPUs per rank, packed
-    onto as few nodes as possible, so a data-parallel group shares a node's GPU interconnect when it fits.
-    Named after the run: a stage task's ``open_group`` finds the one its flow made."""
-    r = cfg.ray
-    name = actor_name(cfg.run_name, cfg.store.root, version) + "-trainer"
+def _role_bundles(cfg: RunConfig, version: str, role: str, bundle: dict[str, float], count: int):
+    """A role's placement group (verl's resource pool) when it asks for GPUs: one bundle of CPUs, GPUs and custom
+    resources per actor, packed onto as few nodes as possible (a data-parallel group shares a node's GPU
+    interconnect when it fits). Named after the run: a stage task's ``open_group`` finds the one its flow made."""
+    name = f"{actor_name(cfg.run_name, cfg.store.root, version)}-{role}"
     try:
         return get_placement_group(name)
     except ValueError:  # none yet
         pass
-    bundle = {k: v for k, v in {"CPU": r.worker_num_cpus, "GPU": r.worker_num_gpus, **r.trainer_resources}.items() if v}
-    group = placement_group([dict(bundle) for _ in range(r.trainer_world_size)], strategy="PACK", name=name)
+    bundle = {k: v for k, v in bundle.items() if v}
+    group = placement_group([dict(bundle) for _ in range(count)], strategy="PACK", name=name)
     ray.get(group.ready(), timeout=RESTART_WAIT_S)
     return group
 

@@ -166,6 +166,14 @@ def node_id() -> str:
     return ray.get_runtime_context().get_node_id()
 
 
+def placed_where() -> dict:
+    """This actor's node and process, and the GPUs Ray gave it (its bundle's, in a placement group)."""
+    import ray
+
+    gpus = ray.get_gpu_ids()
+    return {"node": node_id(), "pid": os.getpid(), **({"gpus": [str(g) for g in gpus]} if gpus else {})}
+
+
 class PolicyWorker:
     """Rank 0 holds every colocated role; ranks 1..N-1 (``ray.trainer_world_size``) only train the policy."""
 
@@ -199,10 +207,7 @@ class PolicyWorker:
 
     def info(self) -> dict:
         """Where this worker runs (recorded in the manifests of the stages it served)."""
-        import ray
-
-        gpus = ray.get_gpu_ids()  # the GPUs Ray gave this actor (its bundle's, in a placement group)
-        return {"node": node_id(), "pid": os.getpid(), "rank": self.rank, **({"gpus": [str(g) for g in gpus]} if gpus else {})}
+        return {**placed_where(), "rank": self.rank}
 
     def version(self, role: str = "policy") -> str | None:
         return self.versions[role]

@@ -28,6 +28,7 @@ from workers.policy import (
     compute_device,
     load_policy_model,
     node_id,
+    placed_where,
     preload_model_libraries,
     rollout_engine,
     scratch_dir,
@@ -123,7 +124,7 @@ class RolloutWorker:
 
     def info(self) -> dict:
         """Where this worker runs and how its weights arrived (recorded in the rollout manifest)."""
-        return {"node": node_id(), "pid": os.getpid(), "weights": self.source}
+        return {**placed_where(), "weights": self.source}
 
     def close(self) -> None:
         if hasattr(self.rollout, "close"):
