@@ -272,63 +272,42 @@ def open_group(cfg: RunConfig | ConfigView, version: str = "main") -> PolicyGrou
     r = cfg.ray
     common = {"namespace": RAY_NAMESPACE, "get_if_exists": True, "max_restarts": -1, "max_task_retries": 0}
     cfg_json = cfg.model_dump(mode="json")
+    # role -> each actor's CPUs, GPUs and custom resources, and its number of actors (0: served by rank 0)
+    asks = {
+        "trainer": (r.worker_num_cpus, r.worker_num_gpus, r.trainer_resources, r.trainer_world_size),
+        "rollout": (r.rollout_num_cpus, r.rollout_num_gpus, r.rollout_resources, r.rollout_num_workers if r.rollout_placement == "separate" else 0),
+        "ref_critic": (r.ref_critic_num_cpus, r.ref_critic_num_gpus, r.ref_critic_resources, 1 if r.ref_critic_placement == "separate" else 0),
+    }  # fmt: skip
     placements = {
-        role: _role_bundles(cfg, version, role, bundle, count)
-        for role, bundle, count, apart in (
-            ("trainer", {"CPU": r.worker_num_cpus, "GPU": r.worker_num_gpus, **r.trainer_resources}, r.trainer_world_size, True),
-            ("rollout", {"CPU": r.rollout_num_cpus, "GPU": r.rollout_num_gpus, **r.rollout_resources}, r.rollout_num_workers, r.rollout_placement == "separate"),
-            ("ref_critic", {"CPU": r.ref_critic_num_cpus, "GPU": r.ref_critic_num_gpus, **r.ref_critic_resources}, 1, r.ref_critic_placement == "separate"),
-        )
-        if apart and bundle["GPU"] > 0
+        role: _role_bundles(cfg, version, role, {"CPU": cpus, "GPU": gpus, **custom}, count)
+        for role, (cpus, gpus, custom, count) in asks.items()
+        if count and gpus > 0
     }
 
-    def placed(role: str, index: int) -> dict:
+    def options(role: str, index: int) -> dict:
+        """Ray options of a role's ``index``-th actor: its resources, inside its bundle when the role has a group."""
+        cpus, gpus, custom, _ = asks[role]
         group = placements.get(role)
-        return {"scheduling_strategy": PlacementGroupSchedulingStrategy(group, index)} if group else {}
+        placed = {"scheduling_strategy": PlacementGroupSchedulingStrategy(group, index)} if group else {}
+        return {"num_cpus": cpus, "num_gpus": gpus, "resources": dict(custom), **placed, **common}
 
     ranks = [
         ray.remote(PolicyWorker)
-        .options(
-            name=actor_name(cfg.run_name, cfg.store.root, version, rank),
-            num_cpus=r.worker_num_cpus,
-            num_gpus=r.worker_num_gpus,
-            resources=dict(r.trainer_resources),
-            **placed("trainer", rank),
-            **common,
-        )
+        .options(name=actor_name(cfg.run_name, cfg.store.root, version, rank), **options("trainer", rank))
         .remote(cfg_json, total_update_steps(cfg), rank, r.trainer_world_size)
         for rank in range(r.trainer_world_size)
     ]
-    rollouts = []
-    if r.rollout_placement == "separate":
-        rollouts = [
-            ray.remote(RolloutWorker)
-            .options(
-                name=actor_name(cfg.run_name, cfg.store.root, version) + "-rollout" + (f"{i}" if i else ""),
-                num_cpus=r.rollout_num_cpus,
-                num_gpus=r.rollout_num_gpus,
-                resources=dict(r.rollout_resources),
-                **placed("rollout", i),
-                **common,
-            )
-            .remote(cfg_json)
-            for i in range(r.rollout_num_workers)
-        ]
+    rollouts = [
+        ray.remote(RolloutWorker)
+        .options(name=actor_name(cfg.run_name, cfg.store.root, version) + "-rollout" + (f"{i}" if i else ""), **options("rollout", i))
+        .remote(cfg_json)
+        for i in range(asks["rollout"][3])
+    ]
     ref_critic = None
-    if r.ref_critic_placement == "separate":
+    if asks["ref_critic"][3]:
         # A worker of the trainer's kind that never acquires the policy: it holds only the reference and critic.
-        ref_critic = (
-            ray.remote(PolicyWorker)
-            .options(
-                name=actor_name(cfg.run_name, cfg.store.root, version) + "-ref-critic",
-                num_cpus=r.ref_critic_num_cpus,
-                num_gpus=r.ref_critic_num_gpus,
-                resources=dict(r.ref_critic_resources),
-                **placed("ref_critic", 0),
-                **common,
-            )
-            .remote(cfg_json, total_update_steps(cfg))
-        )
+        name = actor_name(cfg.run_name, cfg.store.root, version) + "-ref-critic"
+        ref_critic = ray.remote(PolicyWorker).options(name=name, **options("ref_critic", 0)).remote(cfg_json, total_update_steps(cfg))
     drills = bool(cfg.drill.kill_worker_at)
     # vLLM seeds each prompt: any split samples alike; HF seeds each batch of rollout.batch_size samples
     hf_batch = cfg.rollout.batch_size if cfg.rollout.engine == "hf" else 0
