@@ -110,7 +110,7 @@ class TorchActor(MiniBatchTrainer):
         fields = ["response_mask", "old_log_probs", "advantages"]
         fields += ["ref_log_probs"] if cfg.use_kl_loss else []
         fields += ["rollout_is_weights"] if "rollout_is_weights" in batch else []
-        inputs, tensors = self._micro_inputs(batch, micro.idx, *fields)
+        inputs, tensors = self._micro_inputs(batch, micro.idx, *fields, filler=micro.filler)
         got = dict(zip(fields, tensors, strict=True))
         mask, old, adv = got["response_mask"], got["old_log_probs"], got["advantages"]
         # verl differentiates the entropy only when its coefficient is not 0; it is still logged

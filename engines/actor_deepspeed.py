@@ -11,7 +11,7 @@ Gradient accumulation: DeepSpeed runs with ``managed_gradient_accumulation: fals
 micro-batch loss is scaled by ``len(micro) / len(mini)`` exactly as in ``TorchActor`` (ragged last
 micro-batches included) and every ``engine.step()`` is one optimizer step with DeepSpeed's gradient clipping
 (``cfg.optim.grad_clip``) applied to the accumulated, data-parallel-averaged gradient. With
-``micro_batch_tokens`` (one process only) the token-budget micro-batches and their exact loss weights are
+``micro_batch_tokens`` the token-budget micro-batches and their exact loss weights are
 ``TorchActor``'s too (``engines.batching``); so are ``packing`` and the mini-batch loop.
 
 Data parallelism (``WORLD_SIZE > 1``): every rank receives the WHOLE batch and draws the same shuffle;
@@ -21,8 +21,10 @@ gradients over ranks, so each rank's loss weights are multiplied by the world si
 are scaled by ``len(micro) / len(local mini)`` (times N, divided by N by the average: ``len(micro) / len(global
 mini)``), token-budget micro-batches by their share of the GLOBAL mini-batch's tokens or sequences times N
 (``engines.batching.AggNorm.dp_size``, verl's global-batch normalisation). N ranks then take the step one
-process takes on the whole batch. Returned metrics are averaged over ranks; ``actor/grad_norm`` is the
-global norm. Every rank must receive the same batch (its size is checked; otherwise collectives would hang).
+process takes on the whole batch. Every rank runs as many micro-batches as its busiest peer (ZeRO 2-3
+backwards are collectives: ``MiniBatchTrainer._micro_batches``). Returned metrics are averaged over ranks;
+``actor/grad_norm`` is the global norm. Every rank must receive the same batch (its size is checked;
+otherwise collectives would hang).
 """
 
 from __future__ import annotations

@@ -434,10 +434,28 @@ class MicroBatch:
     idx: list[int]
     mini_len: int
     norm: AggNorm | None
+    # A pass with its response mask zeroed (no loss, gradient or metric): it keeps a rank in step with peers that
+    # run more micro-batches (ZeRO 2-3 collectives in every backward).
+    filler: bool = False
 
     @property
     def scale(self) -> float:
         return len(self.idx) / self.mini_len if self.norm is None else 1.0
+
+
+def split_to_count(plans: list[list[int]], count: int) -> list[list[int]]:
+    """``plans`` with the largest micro-batch halved until there are ``count`` (or every one holds one sample).
+
+    A half of a micro-batch costs no more tokens than the whole, so each stays within its token budget.
+    """
+    plans = [list(p) for p in plans]
+    while len(plans) < count:
+        i = max(range(len(plans)), key=lambda j: len(plans[j]), default=None)
+        if i is None or len(plans[i]) < 2:
+            break
+        half = len(plans[i]) // 2
+        plans[i : i + 1] = [plans[i][:half], plans[i][half:]]
+    return plans
 
 
 # ====================================================================== the shared loop
@@ -511,12 +529,18 @@ class MiniBatchTrainer:
         inputs = model_inputs(prompt_ids, response_ids, self.pad_id, self.cfg.packing, self._shared)
         return to_device(inputs, device or self.device)
 
-    def _micro_inputs(self, batch: dict[str, list], idx: list[int], *fields: str) -> tuple[dict, list[torch.Tensor]]:
-        """Model inputs of the samples ``idx`` and their per-token ``fields``, padded to the response width."""
+    def _micro_inputs(
+        self, batch: dict[str, list], idx: list[int], *fields: str, filler: bool = False
+    ) -> tuple[dict, list[torch.Tensor]]:
+        """Model inputs of the samples ``idx`` and their per-token ``fields``, padded to the response width.
+
+        ``filler``: the response mask is all 0, so the micro-batch's loss, gradient and metrics are 0.
+        """
         device = self.device  # once: finding it walks the model's modules (~25 us), a fifth of the engine's cost over a raw loop
         inputs = self._inputs([batch["prompt_ids"][i] for i in idx], [batch["response_ids"][i] for i in idx], device)
         R = inputs["response_width"]
-        return inputs, [pad_right([batch[f][i] for i in idx], 0.0, torch.float32, R).to(device) for f in fields]
+        out = [pad_right([batch[f][i] for i in idx], 0.0, torch.float32, R).to(device) for f in fields]
+        return inputs, [t.zero_() if filler and f == "response_mask" else t for f, t in zip(fields, out, strict=True)]
 
     def _no_grad_chunks(
         self, prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]]
@@ -545,9 +569,30 @@ class MiniBatchTrainer:
             yield ids, self._inputs([prompt_ids[i] for i in ids], [response_ids[i] for i in ids])
 
     def _micro_batches(self, batch: dict[str, list], mini: list[int], local: list[int]) -> list[MicroBatch]:
-        """This rank's micro-batches of ``local`` (its slice of the global mini-batch ``mini``)."""
+        """This rank's micro-batches of ``local`` (its slice of the global mini-batch ``mini``).
+
+        With several ranks, every rank runs as many micro-batches as the rank with the most (verl's
+        same_micro_num_in_dp): under ZeRO 2-3 each backward (and ZeRO-3's forward) is a collective, so a rank
+        that ran fewer would leave its peers waiting. Every rank holds the whole batch, so it plans its peers'
+        slices itself; halving a micro-batch keeps the loss weights exact, and a rank short of samples with
+        policy tokens runs filler passes.
+        """
         cfg = self.cfg
-        plans = plan_micro_batches(
+        # token-sum has no fixed-count form (verl's len(micro) / len(mini) scaling would divide the sum).
+        if cfg.micro_batch_tokens is None and cfg.loss_agg_mode != "token-sum":
+            return [MicroBatch(idx, len(local), None) for idx in self._plan(batch, local)]  # as many on every rank
+        norm = agg_norm([batch["response_mask"][i] for i in mini], self.dp_size)
+        plans = self._live(batch, self._plan(batch, local))
+        if self.dp_size > 1:
+            most = max(len(self._live(batch, self._plan(batch, self._rank_slice(mini, r)))) for r in range(self.dp_size))
+            plans = split_to_count(plans, most)
+            fillers = [MicroBatch(local[:1], len(mini), norm, filler=True)] * (most - len(plans))
+            return [MicroBatch(idx, len(mini), norm) for idx in plans] + fillers
+        return [MicroBatch(idx, len(mini), norm) for idx in plans]
+
+    def _plan(self, batch: dict[str, list], local: list[int]) -> list[list[int]]:
+        cfg = self.cfg
+        return plan_micro_batches(
             local,
             batch["prompt_ids"],
             batch["response_ids"],
@@ -557,21 +602,21 @@ class MiniBatchTrainer:
             setting=f"{self.metric_prefix}.micro_batch_tokens",
             shared=self._shared,
         )
-        norm = agg_norm([batch["response_mask"][i] for i in mini], self.dp_size)
-        # token-sum has no fixed-count form (verl's len(micro) / len(mini) scaling would divide the sum).
-        if cfg.micro_batch_tokens is None and cfg.loss_agg_mode != "token-sum":
-            return [MicroBatch(idx, len(local), None) for idx in plans]
+
+    @staticmethod
+    def _live(batch: dict[str, list], plans: list[list[int]]) -> list[list[int]]:
         # A micro-batch without policy tokens has weight 0 in every mode but row-mean: skipped (its width-0
         # loss is 0/0); in row-mean (geo_mean) an empty row's loss is 0 anyway.
-        live = [idx for idx in plans if any(any(batch["response_mask"][i]) for i in idx)]
-        return [MicroBatch(idx, len(mini), norm) for idx in live]
+        return [idx for idx in plans if any(any(batch["response_mask"][i]) for i in idx)]
 
     # ---- the loop
-    def _rank_slice(self, mini: list[int]) -> list[int]:
+    def _rank_slice(self, mini: list[int], rank: int | None = None) -> list[int]:
         if len(mini) % self.dp_size:
             raise ValueError(f"a mini-batch of {len(mini)} samples does not split over {self.dp_size} data-parallel ranks")
         per = len(mini) // self.dp_size
-        return mini[self.dp_rank * per : (self.dp_rank + 1) * per]
+        rank = self.dp_rank if rank is None else rank
+        return mini[rank * per : (rank + 1) * per]
+
 
     def _zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -603,7 +648,8 @@ class MiniBatchTrainer:
                 mini = order[m : m + mini_size]
                 self._zero_grad()
                 acc: dict[str, float] = defaultdict(float)
-                for micro in self._micro_batches(batch, mini, self._rank_slice(mini)):
+                micros = self._micro_batches(batch, mini, self._rank_slice(mini))
+                for micro in micros:
                     for k, v in micro_step(micro).items():
                         if micro.norm is None:
                             sums[k].append(v)
@@ -611,7 +657,10 @@ class MiniBatchTrainer:
                             acc[k] += v
                 for k, v in acc.items():
                     sums[k].append(v)
-                sums[f"{self.metric_prefix}/grad_norm"].append(self._optimizer_step())
+                # No sample of the global mini-batch has policy tokens: no gradient, no step on any rank (AdamW
+                # skips parameters without one; ZeRO-3 cannot step without a backward). The schedule goes on.
+                norm = self._optimizer_step() if micros else 0.0
+                sums[f"{self.metric_prefix}/grad_norm"].append(norm)
                 sums[f"{self.metric_prefix}/lr"].append(self.scheduler.get_last_lr()[0])
                 self.scheduler.step()
         self.model.eval()

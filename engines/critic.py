@@ -36,7 +36,7 @@ class TorchCritic(MiniBatchTrainer):
 
     def _micro_step(self, batch: dict[str, list], micro: MicroBatch) -> dict[str, float]:
         cfg = self.cfg
-        inputs, (mask, old, ret) = self._micro_inputs(batch, micro.idx, "response_mask", "values", "returns")
+        inputs, (mask, old, ret) = self._micro_inputs(batch, micro.idx, "response_mask", "values", "returns", filler=micro.filler)
         vpreds = response_values(self.model, inputs)
         loss, clipfrac = algos.compute_value_loss(vpreds, ret, old, mask, cfg.cliprange_value, cfg.loss_agg_mode)
         w_tok = 1.0

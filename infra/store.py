@@ -432,6 +432,7 @@ class ArtifactStore:
         tables: dict[str, pa.Table] | None = None,
         blobs: dict[str, bytes] | None = None,
         dirs: dict[str, str] | None = None,
+        written: dict[str, FileEntry] | None = None,
         meta: dict | None = None,
         version: str = MAIN,
         artifact_id: str | None = None,
@@ -439,11 +440,13 @@ class ArtifactStore:
     ) -> Manifest:
         """Write an artifact's files, then its manifest with a conditional create (exactly once).
 
-        ``before_manifest`` runs between the two (the failure drill's kill point inside a commit).
-        Raises CommitConflict when another writer's manifest appears before ours.
+        ``written``: files other writers already put into this artifact (``put_files``), listed as they wrote
+        them; each must be there at its size. ``before_manifest`` runs between the files and the manifest
+        (the failure drill's kill point inside a commit). Raises CommitConflict when another writer's
+        manifest appears before ours.
         """
         folder = self._dir(run, iteration, stage, version)
-        plan = self._plan(folder, tables or {}, blobs or {}, dirs or {})
+        plan = self._plan(folder, tables or {}, blobs or {}, dirs or {}, written or {})
         # Built (and serialized once) before any write: bad meta must fail before files land.
         m = Manifest(
             schema_version=SCHEMA_VERSION,
@@ -500,8 +503,35 @@ class ArtifactStore:
         # fs.find returns protocol-less paths; local ones may differ in separators.
         return os.path.normpath(path) if self._local else self.fs._strip_protocol(path)
 
+    def put_files(
+        self, run: str, iteration: int | None, stage: str, name: str, local_dir: str, version: str = MAIN
+    ) -> dict[str, FileEntry]:
+        """Write ``local_dir``'s files under ``<name>/`` of an artifact that another writer commits (a trainer
+        rank's optimizer partition, which rank 0 lists with ``commit(written=...)``). Nothing is visible until
+        that commit: a stale manifest of the artifact is removed first."""
+        folder = self._dir(run, iteration, stage, version)
+        self._rm(self._join(folder, MANIFEST))
+        plan = self._plan(folder, {}, {}, {name: local_dir}, {})
+        return {rel: writer() for rel, writer in sorted(plan.items())}
+
+    def _check_written(self, folder: str, rel: str, entry: FileEntry) -> FileEntry:
+        path = self._join(folder, *rel.split("/"))
+        self.fs.invalidate_cache(path)
+        try:
+            size = self._io(self._uri(path), self.fs.size, path)
+        except FileNotFoundError:
+            size = None
+        if size != entry.bytes:
+            raise StoreError(f"{self._uri(path)}: written by another writer as {entry.bytes} bytes, found {size}")
+        return entry
+
     def _plan(
-        self, folder: str, tables: dict[str, pa.Table], blobs: dict[str, bytes], dirs: dict[str, str]
+        self,
+        folder: str,
+        tables: dict[str, pa.Table],
+        blobs: dict[str, bytes],
+        dirs: dict[str, str],
+        written: dict[str, FileEntry],
     ) -> dict[str, Callable[[], FileEntry]]:
         """Map each relpath to a writer returning its FileEntry; validates names and collisions."""
         plan: dict[str, Callable[[], FileEntry]] = {}
@@ -536,6 +566,8 @@ class ArtifactStore:
                     src = os.path.join(dirpath, fn)
                     rel = f"{name}/{os.path.relpath(src, local).replace(os.sep, '/')}"
                     add(rel, lambda rel=rel, src=src: self._put_file(folder, rel, src))
+        for rel, entry in written.items():
+            add(rel, lambda rel=rel, entry=entry: self._check_written(folder, rel, entry))
         for rel in plan:
             # A file and a folder of the same name cannot coexist in a filesystem.
             if any(other.startswith(rel + "/") for other in plan):

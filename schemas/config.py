@@ -486,7 +486,8 @@ class RayConfig(_Section):
     worker_num_cpus: float = Field(1, ge=0)  # each long-lived engine actor (rank)
     worker_num_gpus: float = Field(0, ge=0)
     # Data-parallel trainer ranks (DeepSpeed over gloo on CPU, NCCL on GPU). Rank 0 also holds the rollout
-    # engine, the reference and the critic; N > 1 needs actor.engine=deepspeed (ZeRO-0 for now).
+    # engine, the reference and the critic; N > 1 trains with actor.engine=torch (an all-reduce per step) or
+    # deepspeed (ZeRO 0-3; under ZeRO 1-3 each rank checkpoints its own optimizer partition).
     trainer_world_size: int = Field(1, ge=1)
     # The rollout role: on trainer rank 0 (colocated, sharing its weights) or an actor of its own that gets
     # new weights by a same-node file handoff or from the store, so generation can run while the trainer trains.
@@ -656,12 +657,6 @@ class RunConfig(_Section):
                 )
         world = self.ray.trainer_world_size
         if world > 1:
-            if self.actor.engine == "deepspeed" and self.actor.zero_stage != 0:
-                raise ValueError(
-                    f"ray.trainer_world_size={world} trains with actor.engine=torch (an all-reduce per step) or "
-                    f"deepspeed with actor.zero_stage=0 (got ZeRO-{self.actor.zero_stage}: sharded optimizer states are "
-                    "not checkpointed yet)"
-                )
             samples = self.data.prompts_per_iteration * self.rollout.n
             if self.actor.ppo_mini_batch_size % world or samples % self.actor.ppo_mini_batch_size:
                 raise ValueError(

@@ -38,10 +38,22 @@ class Manifest(BaseModel):
 # A checkpoint artifact: a Hugging Face folder plus the trainer's state (engines/checkpoint.py's files).
 MODEL_DIR = "model"
 STATE_DIR = "trainer_state"
+# ZeRO 1-3 over N > 1 ranks: each rank's optimizer partition under trainer_state/rank-<r>/, written by that rank.
+SHARD_PREFIX = "rank-"
 LEGACY_STATE = "actor_state.pt"  # the pickled format of earlier versions: never loaded
 # What a checkpoint folder may hold: weights as safetensors, configs, tokenizers and templates as text.
 # Anything else (pickled .bin/.pt, Python files a remote-code model would import) is refused unread.
 SAFE_SUFFIXES = (".safetensors", ".json", ".txt", ".jinja", ".model", ".md")
+
+
+def state_shard_dir(rank: int) -> str:
+    return f"{STATE_DIR}/{SHARD_PREFIX}{rank}"
+
+
+def state_shards(manifest: Manifest) -> int:
+    """How many ranks' partitions a checkpoint's trainer state is split into (0: one whole state)."""
+    prefix = f"{STATE_DIR}/{SHARD_PREFIX}"
+    return len({name[len(prefix) :].split("/")[0] for name in manifest.files if name.startswith(prefix)})
 
 
 def unsafe_checkpoint_file(manifest: Manifest, where: str) -> str | None:

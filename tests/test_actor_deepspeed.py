@@ -263,23 +263,30 @@ def _dp_worker(rank: int, world: int, port: int, weights: dict, batch: dict, cfg
 
 
 @pytest.mark.parametrize(
-    "engine,stage,budget,mode",
+    "engine,stage,budget,mode,live",
     [
-        ("deepspeed", 2, None, "token-mean"), ("deepspeed", 3, None, "token-mean"), ("deepspeed", 0, 24, "token-mean"),
-        ("deepspeed", 0, 24, "seq-mean-token-mean"), ("torch", 0, None, "token-mean"), ("torch", 0, 24, "seq-mean-token-mean"),
+        ("deepspeed", 2, None, "token-mean", None), ("deepspeed", 3, None, "token-mean", None),
+        ("deepspeed", 0, 24, "token-mean", None), ("deepspeed", 0, 24, "seq-mean-token-mean", None),
+        ("torch", 0, None, "token-mean", None), ("torch", 0, 24, "seq-mean-token-mean", None),
+        ("deepspeed", 2, 24, "seq-mean-token-mean", None), ("deepspeed", 3, 24, "token-mean", None),
+        ("deepspeed", 3, 24, "seq-mean-token-mean", (2, 11)),
     ],
 )  # fmt: skip
-def test_data_parallel_matches_single_process(tok, weights, tmp_path, engine, stage, budget, mode):
+def test_data_parallel_matches_single_process(tok, weights, tmp_path, engine, stage, budget, mode, live):
     """Two gloo ranks, each given the whole batch, equal one TorchActor on it.
 
     Global mini-batch 8 = 2 ranks x 4, shuffled alike on every rank, 2 epochs. Fixed count (micro-batch 2):
     per rank, micro losses are scaled by 2/4 and DeepSpeed averages over the 2 ranks: 2/8 per micro-batch,
-    TorchActor's scale. Token budgets: each rank plans its own micro-batches (their number may differ) and
-    weights them against the GLOBAL mini-batch's tokens or sequences times 2. AdamW and clipping hide a uniform
-    gradient scale in the parameters, so the compared ``actor/grad_norm`` metric pins the scaling down.
+    TorchActor's scale. Token budgets: each rank plans its own micro-batches and weights them against the GLOBAL
+    mini-batch's tokens or sequences times 2; every rank runs as many as the rank with the most (ZeRO 2-3's
+    backward is a collective), halving some, or with filler passes when, as with ``live`` (the only samples
+    with policy tokens), a rank has too few samples that count. AdamW and clipping hide a uniform gradient
+    scale in the parameters, so the compared ``actor/grad_norm`` metric pins the scaling down.
     """
     world, n, mini = 2, 16, 8
     batch = make_batch(tok, n, seed=3)
+    if live:
+        batch["response_mask"] = [m if i in live else [0] * len(m) for i, m in enumerate(batch["response_mask"])]
     kw = {"micro_batch_tokens": budget} if budget else {}
     cfg = actor_cfg(stage, ppo_mini_batch_size=mini, micro_batch_size=2, ppo_epochs=2, loss_agg_mode=mode, engine=engine, **kw)
     ref_metrics, ref_params = torch_reference(tok, weights, cfg, batch, [7])

@@ -275,6 +275,31 @@ def test_dirs_upload_and_fetch(store: ArtifactStore, tmp_path: Path) -> None:
         store.fetch_dir(m, "weights", str(dst))
 
 
+def test_files_another_writer_put_are_committed_with_its_entries(store: ArtifactStore, tmp_path: Path) -> None:
+    """A trainer rank puts its optimizer partition into the artifact; rank 0's commit lists it. Until then
+    nothing of it is visible (a stale manifest goes first), and a listed file that is not there at its size
+    fails the commit before any manifest."""
+    old = commit(store, stage="update", dirs={"model": str(_folder(tmp_path / "m", b"weights"))})
+    part = _folder(tmp_path / "part", os.urandom(500))
+    entries = store.put_files(RUN, 1, "update", "trainer_state/rank-1", str(part))
+    assert store.manifest(RUN, 1, "update") is None and old.files  # the stale commit is gone first
+    assert set(entries) == {"trainer_state/rank-1/a.safetensors"}
+    m = commit(store, stage="update", dirs={"model": str(_folder(tmp_path / "m2", b"new"))}, written=entries)
+    assert m.files["trainer_state/rank-1/a.safetensors"] == entries["trainer_state/rank-1/a.safetensors"]
+    fetched = store.fetch_dir(m, "trainer_state/rank-1", str(tmp_path / "got"))
+    assert Path(fetched, "a.safetensors").read_bytes() == (part / "a.safetensors").read_bytes()
+    lost = {"trainer_state/rank-2/a.safetensors": entries["trainer_state/rank-1/a.safetensors"]}
+    with pytest.raises(StoreError, match=r"rank-2/a.safetensors: written by another writer as 500 bytes, found None"):
+        commit(store, stage="update", key="k2", written=lost)
+    assert store.manifest(RUN, 1, "update") is None
+
+
+def _folder(path: Path, data: bytes) -> Path:
+    path.mkdir(parents=True)
+    (path / "a.safetensors").write_bytes(data)
+    return path
+
+
 def test_iterations_and_versions(store: ArtifactStore) -> None:
     commit(store, iteration=3)
     commit(store, iteration=1, stage="reward")

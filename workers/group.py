@@ -187,8 +187,13 @@ class PolicyGroup:
         return self.call_all("update", version, experience.model_dump(mode="json"), iteration, checkpoint)[0]
 
     def commit(self, role: str, commit: dict, tables: dict) -> Manifest:
-        """Rank 0 writes the checkpoint to the store; the other ranks name their (identical) weights alike."""
-        manifest = Manifest.model_validate(self.call_role(role, "commit", role, commit, tables))
+        """Each other rank writes its optimizer partition (ZeRO 1-3) into the artifact, then rank 0 writes the
+        weights and its state and commits them all; the other ranks name their (identical) weights alike."""
+        written: dict = {}
+        if role == "policy" and len(self.ranks) > 1:
+            for files in _wait_restart(lambda: ray.get([r.commit_shard.remote(commit) for r in self.ranks[1:]])):
+                written.update(files)
+        manifest = Manifest.model_validate(self.call_role(role, "commit", role, commit, tables, written))
         if role == "policy" and len(self.ranks) > 1:
             self.query_all("adopt", manifest.artifact_id)  # a rank that lost them reloads at the next acquire
         return manifest

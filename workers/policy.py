@@ -40,7 +40,16 @@ from infra.drill import WorkerDrill, fault_point, hold_point
 from infra.env import pid_alive
 from infra.store import ArtifactStore
 from schemas.config import ConfigError, RunConfig
-from schemas.manifest import MODEL_DIR, STATE_DIR, Manifest, PolicyRef, unsafe_checkpoint_file
+from schemas.manifest import (
+    MODEL_DIR,
+    STATE_DIR,
+    FileEntry,
+    Manifest,
+    PolicyRef,
+    state_shard_dir,
+    state_shards,
+    unsafe_checkpoint_file,
+)
 
 ROLES = ("policy", "ref", "critic")
 CRITIC_INIT = "critic-init:"  # a critic version made from a policy checkpoint plus a fresh value head
@@ -275,9 +284,32 @@ class PolicyWorker:
         model_dir = fetch_model(self.store, ref, folder / MODEL_DIR)
         state = None
         if any(f.startswith(STATE_DIR + "/") for f in manifest.files) and not ref.version.startswith(CRITIC_INIT):
-            state = load_trainer_state(self.store.fetch_dir(manifest, STATE_DIR, str(folder / STATE_DIR)))
+            name = self._state_to_load(manifest, role)
+            if role == "policy" and self.cfg.actor.engine == "deepspeed":
+                import engines.actor_deepspeed  # noqa: F401  registers the types a ZeRO optimizer state holds
+            state = load_trainer_state(self.store.fetch_dir(manifest, name, str(folder / name)))
         self._load(ref, model_dir, state, role)
         return ref.version
+
+    def _sharded_state(self) -> bool:
+        """ZeRO 1-3 over several ranks: each rank's optimizer state is its own partition, stored by that rank."""
+        return self.world_size > 1 and self.cfg.actor.engine == "deepspeed" and self.cfg.actor.zero_stage > 0
+
+    def _state_to_load(self, manifest: Manifest, role: str) -> str:
+        """The folder of ``manifest``'s trainer state this worker loads: its rank's partition, or the whole state."""
+        if role != "policy":
+            return STATE_DIR
+        shards, want = state_shards(manifest), self.world_size if self._sharded_state() else 0
+        if shards != want:
+            a = self.cfg.actor
+            saved = f"the optimizer partitions of {shards} ranks (ZeRO)" if shards else "one whole optimizer state"
+            raise ConfigError(
+                f"config error: ray.trainer_world_size: checkpoint {manifest.run}/iter-{manifest.iteration}/"
+                f"{manifest.stage} holds {saved}; this run trains {self.world_size} rank(s) with actor.engine={a.engine}, "
+                f"actor.zero_stage={a.zero_stage}: resume with the ray.trainer_world_size and actor.zero_stage it was "
+                "saved with"
+            )
+        return state_shard_dir(self.rank) if want else STATE_DIR
 
     def _rebuild(self, m: Manifest, update_hash: str | None, role: str = "policy") -> None:
         """Re-run the update that made ``m`` (a policy's or a critic's) on its stored experience, from the
@@ -305,10 +337,26 @@ class PolicyWorker:
             self.critic_update(previous.version, experience.model_dump(mode="json"), m.iteration, checkpoint=False)
             self.versions["critic"] = m.artifact_id
 
-    def commit(self, role: str, commit_json: dict, tables: dict[str, pa.Table]) -> dict:
+    def commit_shard(self, commit_json: dict) -> dict[str, dict]:
+        """Write this rank's optimizer partition (ZeRO 1-3, rank > 0) into the artifact rank 0 commits next;
+        returns its files' entries for rank 0's manifest ({} when this rank's state is not a partition)."""
+        if not self._sharded_state():
+            return {}
+        staged = self.staged.pop("shard", None)
+        if staged is None:  # restarted since its update: the stage's retry trains again
+            raise RuntimeError(f"trainer rank {self.rank} holds no trained optimizer partition to commit")
+        try:
+            at = {k: commit_json[k] for k in ("run", "iteration", "stage", "version") if k in commit_json}
+            entries = self.store.put_files(**at, name=state_shard_dir(self.rank), local_dir=str(staged))
+        finally:
+            shutil.rmtree(staged, ignore_errors=True)
+        return {rel: e.model_dump(mode="json") for rel, e in entries.items()}
+
+    def commit(self, role: str, commit_json: dict, tables: dict[str, pa.Table], written: dict | None = None) -> dict:
         """Write ``role``'s staged checkpoint (if any) and ``tables`` as one artifact; hold it as that version.
 
-        ``commit_json`` holds ``ArtifactStore.commit``'s keyword arguments (run, iteration, stage, key, ...).
+        ``commit_json`` holds ``ArtifactStore.commit``'s keyword arguments (run, iteration, stage, key, ...);
+        ``written``: the other ranks' optimizer partitions, already in the artifact (``commit_shard``).
         """
         staged = self.staged.pop(role, None)
         if (role == "policy" and not self.pending) or (role == "critic" and staged is None):
@@ -319,7 +367,8 @@ class PolicyWorker:
         try:
             at = (commit_json["stage"], commit_json["iteration"])
             drill = functools.partial(fault_point, self.cfg, *at, where="kill_in_commit")
-            manifest = self.store.commit(**commit_json, tables=tables, dirs=dirs, before_manifest=drill)
+            shards = {rel: FileEntry.model_validate(e) for rel, e in (written or {}).items()}
+            manifest = self.store.commit(**commit_json, tables=tables, dirs=dirs, written=shards, before_manifest=drill)
         finally:
             if staged is not None:
                 shutil.rmtree(staged, ignore_errors=True)
@@ -399,15 +448,20 @@ class PolicyWorker:
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
             os.environ.pop("MASTER_PORT", None)
         # DeepSpeedActor skips the shm_comm op build. ZeRO-3 partitions the module it trains, while rollout
-        # and checkpoints need whole weights: it trains a copy (_sync_policy_weights).
-        train_model = copy.deepcopy(self.model) if self.cfg.actor.zero_stage == 3 else self.model
+        # and checkpoints need whole weights: rank 0 trains a copy (_sync_policy_weights); the other ranks
+        # only train, so they keep just their partition.
+        zero3_rank0 = self.cfg.actor.zero_stage == 3 and self.rank == 0
+        train_model = copy.deepcopy(self.model) if zero3_rank0 else self.model
         return DeepSpeedActor(train_model, self.cfg.actor, pad_id, self.total_steps)
 
     def _sync_policy_weights(self) -> None:
-        """After an update: ZeRO-3's gathered weights into the whole model (a no-op for other engines)."""
+        """After an update: ZeRO-3's gathered weights into rank 0's whole model (a no-op for other engines)."""
         engine = getattr(self.actor, "engine", None)
-        if engine is not None and engine.module is not self.model:
-            self.model.load_state_dict(self.actor.export_model())
+        if engine is None or self.cfg.actor.zero_stage != 3:
+            return
+        weights = self.actor.export_model()  # a gather every rank takes part in
+        if engine.module is not self.model:
+            self.model.load_state_dict(weights)
 
     def _push_rollout_weights(self) -> None:
         """After an update: the trained weights into a separate rollout engine (HF shares the model)."""
@@ -439,31 +493,39 @@ class PolicyWorker:
 
         return run_agent_config(self.rollout, self.cfg.agent, rows, SamplingParams(**params))
 
+    def _scorer(self) -> TorchActor:
+        """What computes the policy's log-probs: the train engine, or under ZeRO-3 a bare actor over rank 0's
+        whole weights (a partitioned forward would wait for the other ranks to gather with it)."""
+        engine = getattr(self.actor, "engine", None)
+        return self.actor if engine is None or engine.module is self.model else self._bare(self.model)
+
+    def _bare(self, model) -> TorchActor:
+        """The actor's no-grad passes (its batching, temperature and micro-batch sizes) on ``model``, no optimizer."""
+        bare = TorchActor.__new__(TorchActor)
+        bare.cfg, bare.pad_id, bare.model = self.cfg.actor, self.tokenizer.pad_token_id, model
+        return bare
+
     def log_probs(self, version: str, prompt_ids: list, response_ids: list, temperature: float) -> list:
         self._require(version)
         self.drill.point("actor")
-        return self.actor.compute_log_probs(prompt_ids, response_ids, temperature)
+        return self._scorer().compute_log_probs(prompt_ids, response_ids, temperature)
 
     def log_probs_and_sum_pi_squared(self, version: str, prompt_ids: list, response_ids: list, temperature: float) -> tuple:
         """Old log-probs and the per-token sum of pi^2 (optimal_token_baseline's input) from one forward."""
         self._require(version)
         self.drill.point("actor")
-        return self.actor.compute_log_probs_and_sum_pi_squared(prompt_ids, response_ids, temperature)
+        return self._scorer().compute_log_probs_and_sum_pi_squared(prompt_ids, response_ids, temperature)
 
     def ref_log_probs(self, version: str, prompt_ids: list, response_ids: list, temperature: float) -> list:
         self._require(version, "ref")
         self.drill.point("ref")
         # The same batching and temperature as the actor's recompute, on the frozen weights.
-        frozen = TorchActor.__new__(TorchActor)
-        frozen.cfg, frozen.pad_id = self.cfg.actor, self.tokenizer.pad_token_id
         if not self.cfg.model.lora:
-            frozen.model = self.ref_model
-            return frozen.compute_log_probs(prompt_ids, response_ids, temperature)
+            return self._bare(self.ref_model).compute_log_probs(prompt_ids, response_ids, temperature)
         if self.base is None or self.base.version != version:
             raise RuntimeError(f"the reference {version} is a LoRA policy's base, but the policy held trains on {self.base}")
-        frozen.model = self.model
         with self.model.disable_adapter():
-            return frozen.compute_log_probs(prompt_ids, response_ids, temperature)
+            return self._bare(self.model).compute_log_probs(prompt_ids, response_ids, temperature)
 
     def values(self, version: str, prompt_ids: list, response_ids: list) -> list:
         self._require(version, "critic")
@@ -497,10 +559,16 @@ class PolicyWorker:
         if not skip:
             self._push_rollout_weights()
         self.versions["policy"], self.pending = None, True
-        # ZeRO-0's optimizer state is whole on every rank: rank 0's checkpoint is the group's. A rollout role
-        # placed apart reads every policy's weights from the store (or a same-node handoff): always stored.
+        # Rank 0 stages the weights and its optimizer state (whole under ZeRO-0, the same on every rank); under
+        # ZeRO 1-3 each other rank stages its own partition. A rollout role placed apart reads every policy's
+        # weights from the store (or a same-node handoff): always stored.
         if self.rank == 0 and (checkpoint or cfg.ray.rollout_placement == "separate"):
             self._stage("policy", self.model, self.actor.state_dict() if checkpoint else None)
+        elif self.rank > 0 and checkpoint and self._sharded_state():
+            shard = self.scratch / "staged-shard"
+            shutil.rmtree(shard, ignore_errors=True)
+            save_trainer_state(self.actor.state_dict(), shard)
+            self.staged["shard"] = shard
         return metrics
 
     def handoff(self, version: str) -> tuple[str, str] | None:
@@ -536,5 +604,5 @@ class PolicyWorker:
             model.save_pretrained(folder / MODEL_DIR)
             self.tokenizer.save_pretrained(folder / MODEL_DIR)
         if state is not None:
-            save_trainer_state(state, folder / STATE_DIR)
+            save_trainer_state(state, folder / (state_shard_dir(0) if self._sharded_state() and role == "policy" else STATE_DIR))
         self.staged[role] = folder
