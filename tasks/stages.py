@@ -138,20 +138,18 @@ def stage_task(name: str) -> Callable[[Callable[..., StageResult]], Task]:
     spec(name)  # a task for an undeclared stage fails at import
 
     def register(body: Callable[..., StageResult]) -> Task:
-        @functools.wraps(body)
-        def run(cfg: RunConfig, *args, **kwargs) -> StageResult | State:
-            result = body(stage_view(cfg, name), *args, **kwargs)
-            return result if result.executed else cached(result)
+        def as_task(execute: Callable[[RunConfig, tuple, dict], StageResult]) -> Task:
+            @functools.wraps(body)  # Prefect binds the task's parameters by the body's signature
+            def run(cfg: RunConfig, *args, **kwargs) -> StageResult | State:
+                result = execute(cfg, args, kwargs)
+                return result if result.executed else cached(result)
 
-        @functools.wraps(body)
-        def run_on_ray(cfg: RunConfig, *args, **kwargs) -> StageResult | State:
-            result = _run_on_ray(name, cfg, args, kwargs)
-            return result if result.executed else cached(result)
+            # The store's manifest decides reuse (run_stage); Prefect only reports it, so it caches nothing itself.
+            return task(name=name, cache_policy=NO_CACHE, persist_result=False)(run)
 
         BODIES[name] = body
-        # The store's manifest decides reuse (run_stage); Prefect only reports it, so it caches nothing itself.
-        TASKS[name] = task(name=name, cache_policy=NO_CACHE, persist_result=False)(run)
-        ON_RAY[name] = task(name=name, cache_policy=NO_CACHE, persist_result=False)(run_on_ray)
+        TASKS[name] = as_task(lambda cfg, args, kwargs: body(stage_view(cfg, name), *args, **kwargs))
+        ON_RAY[name] = as_task(lambda cfg, args, kwargs: _run_on_ray(name, cfg, args, kwargs))
         return TASKS[name]
 
     return register
@@ -562,10 +560,10 @@ def advantage(
         ref_lp = values = None
         if ref is not None:
             group.acquire(ref, role="ref")
-            ref_lp = group.call_role("ref", "ref_log_probs", ref.version, prompt_ids, response_ids, temp)
+            ref_lp = group.call("ref_log_probs", ref.version, prompt_ids, response_ids, temp, role="ref")
         if critic is not None:
             hold_critic(group, cfg, critic)
-            values = group.call_role("critic", "values", critic.version, prompt_ids, response_ids)
+            values = group.call("values", critic.version, prompt_ids, response_ids, role="critic")
         # Outcome reward sits on the last policy token of each response.
         token_scores = torch.zeros_like(mask)
         for i, m in enumerate(masks):
@@ -671,7 +669,7 @@ def critic_update(
     def produce() -> StageOutput:
         group = open_group(cfg, version)
         hold_critic(group, cfg, critic)
-        metrics = group.call_role("critic", "critic_update", critic.version, experience.model_dump(mode="json"), iteration)
+        metrics = group.call("critic_update", critic.version, experience.model_dump(mode="json"), iteration, role="critic")
         return StageOutput(
             tables={"metrics.parquet": A.metrics_table(metrics)},
             metrics=metrics,

@@ -16,6 +16,7 @@ from engines.batching import (
     micro_batch_cost,
     plan_micro_batches,
     response_log_probs,
+    split_to_count,
 )
 from engines.critic import TorchCritic, response_values
 from engines.tinykit import build_char_tokenizer, build_tiny_llama
@@ -466,3 +467,11 @@ def test_shared_prompt_updates_equal_padded(tok, weights, budget):
 def test_shared_prompts_with_packing_is_one_line():
     with pytest.raises(ConfigError, match="share_prompts needs the padded layout"):
         load_config(None, ["actor.share_prompts=true", "actor.packing=true"])
+
+
+def test_split_to_count_halves_the_largest_micro_batch_and_keeps_every_sample_once():
+    """A rank with fewer micro-batches than its busiest peer halves its largest (a half never costs more tokens)."""
+    assert split_to_count([[1, 2, 3, 4], [5]], 3) == [[1, 2], [3, 4], [5]]
+    assert split_to_count([[1, 2, 3, 4], [5]], 4) == [[1], [2], [3, 4], [5]]
+    assert split_to_count([[1], [2]], 5) == [[1], [2]]  # one sample each: the rest are filler passes
+    assert split_to_count([], 2) == []

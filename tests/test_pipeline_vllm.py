@@ -101,7 +101,9 @@ def test_vllm_rollouts_sigterm_stops_all_it_started_and_the_rerun_continues(pref
         shm = _shm_files(started)
         cmdlines = b" ".join(Path(f"/proc/{p}/cmdline").read_bytes() for p in started if Path(f"/proc/{p}").exists())
         assert b"prefect\0server\0start" in cmdlines and b"raylet" in cmdlines
-        assert set(_vllm_processes()) - before  # the rollout engine runs in processes of its own
+        # the rollout engine runs in processes of its own, among the command's (found by its environment: a process
+        # tree walk missed them once under CI's load)
+        assert b"VLLM::" in cmdlines, (cmdlines[:2000], _vllm_processes(), before)
         assert any(Path(f).name.startswith("psm_") for f in shm), shm  # vLLM's message queues live in /dev/shm
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)

@@ -22,12 +22,17 @@ def _cfg(root, run: str, *extra: str):
     return load_config(None, [*base, *extra])
 
 
-# The pipeline runs the harder case: per-sequence aggregation over token-budget micro-batches. Every
-# aggregation mode at world size 2 is checked at the engine level (test_actor_deepspeed: data parallel).
-@pytest.mark.parametrize("mode,budget", [("seq-mean-token-mean", 24)], ids=["seq-mean-token-mean+token-budget"])
-def test_two_trainer_ranks_train_the_policy_one_rank_does(prefect_api, tmp_path, mode, budget):
-    """World size 2 (two Ray actors over gloo: DeepSpeed ZeRO-0 and ZeRO-3, and the torch engine's all-reduce)
-    gives world size 1's (torch engine) policy; under ZeRO-3 each rank stores its own optimizer partition."""
+# The pipeline runs a per-sequence mode over token-budget micro-batches on every engine, and token-mean with
+# fixed-count micro-batches on ZeRO-2. Every aggregation mode at world size 2 is checked at the engine level
+# (test_actor_deepspeed: data parallel).
+@pytest.mark.parametrize(
+    "mode,budget,engines",
+    [("seq-mean-token-mean", 24, (("deepspeed", 0), ("deepspeed", 3), ("torch", 0))), ("token-mean", None, (("deepspeed", 2),))],
+    ids=["seq-mean-token-mean+token-budget", "token-mean"],
+)
+def test_two_trainer_ranks_train_the_policy_one_rank_does(prefect_api, tmp_path, mode, budget, engines):
+    """World size 2 (two Ray actors over gloo: DeepSpeed ZeRO-0, 2 and 3, and the torch engine's all-reduce)
+    gives world size 1's (torch engine) policy; under ZeRO 1-3 each rank stores its own optimizer partition."""
     from flows.training import train
     from tasks.runtime import store_for
 
@@ -39,7 +44,7 @@ def test_two_trainer_ranks_train_the_policy_one_rank_does(prefect_api, tmp_path,
     store = store_for(one)
     w1 = update_weights(store, "dp1", 1)
     results = {}
-    for engine, zero in (("deepspeed", 0), ("deepspeed", 3), ("torch", 0)):
+    for engine, zero in engines:
         run = f"dp2-{engine}-{zero}"
         two = _cfg(tmp_path, run, *common, "ray.trainer_world_size=2", "ray.worker_num_cpus=0.5", f"actor.engine={engine}", f"actor.zero_stage={zero}")
         results[engine, zero] = train(config=two)
@@ -52,7 +57,7 @@ def test_two_trainer_ranks_train_the_policy_one_rank_does(prefect_api, tmp_path,
         assert max((w2[k] - start[k]).abs().max().item() for k in start) > 1e-4  # the weights really moved
         diff = max((w2[k] - w1[k]).abs().max().item() for k in w1)
         assert diff < 1e-5, (engine, zero, diff)
-    last = results["deepspeed", 0]["history"][-1]
+    last = results[engines[0]]["history"][-1]
     assert last["actor/grad_norm"] > 0
     # the iteration's whole wall (what bench/vs_trl.py counts) holds its stages and the bookkeeping after them
     assert last["wall_s"] > last["timing_s/iteration"] >= last["timing_s/update"] > 0

@@ -87,18 +87,15 @@ class PolicyGroup:
         if self.drills:
             _wait_restart(lambda: ray.get([a.arm.remote(stage, iteration) for a in self.actors]))
 
-    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """One call on rank 0 (generation, log-probs, reference, critic)."""
-        return _wait_restart(lambda: ray.get(getattr(self.ranks[0], method).remote(*args, **kwargs)))
-
-    def call_role(self, role: str, method: str, *args: Any) -> Any:
-        """One call on the actor that holds ``role`` (reference log-probs, critic values and updates)."""
+    def call(self, method: str, *args: Any, role: str = "policy") -> Any:
+        """One call on the actor that holds ``role``: rank 0 (the policy and every colocated role), or the
+        reference and critic's own actor when they are placed apart."""
         actor = self._serving(role)
         return _wait_restart(lambda: ray.get(getattr(actor, method).remote(*args)))
 
     def role_info(self, role: str) -> dict:
         """Where ``role`` is served (recorded in the manifests of the stages it served)."""
-        return self.call_role(role, "info")
+        return self.call("info", role=role)
 
     def query_all(self, method: str, *args: Any) -> list:
         """A query on every rank (no collective inside): restarting ranks are waited for."""
@@ -127,7 +124,7 @@ class PolicyGroup:
     def acquire(self, ref: PolicyRef, role: str = "policy", update_hash: str | None = None) -> str:
         args = (ref.model_dump(mode="json"), role, update_hash)
         if role != "policy" or len(self.ranks) == 1:
-            return self.call_role(role, "acquire", *args)
+            return self.call("acquire", *args, role=role)
         if all(v == ref.version for v in self.query_all("version")):
             return ref.version
         # Some rank lacks it (a restart, a resume): every rank joins a new process group and loads it.
@@ -193,7 +190,7 @@ class PolicyGroup:
         if role == "policy" and len(self.ranks) > 1:
             for files in _wait_restart(lambda: ray.get([r.commit_shard.remote(commit) for r in self.ranks[1:]])):
                 written.update(files)
-        manifest = Manifest.model_validate(self.call_role(role, "commit", role, commit, tables, written))
+        manifest = Manifest.model_validate(self.call("commit", role, commit, tables, written, role=role))
         if role == "policy" and len(self.ranks) > 1:
             self.query_all("adopt", manifest.artifact_id)  # a rank that lost them reloads at the next acquire
         return manifest
@@ -227,45 +224,53 @@ def _actor_pid(actor) -> int | None:
         return None
 
 
+@dataclass(frozen=True)
+class RoleAsk:
+    """What each actor of a role asks of Ray, and how many actors it has (0: served by trainer rank 0)."""
+
+    prefix: str  # its settings are ray.<prefix>_num_cpus and ray.<prefix>_num_gpus
+    cpus: float
+    gpus: float
+    custom_key: str  # ray.<custom_key>: the role's custom resources
+    custom: dict[str, float]
+    count: int
+
+
+def role_asks(cfg: RunConfig) -> dict[str, RoleAsk]:
+    """Each role's resources, declared once: the actors' Ray options, their placement groups' bundles and the
+    check that the cluster can hold them all read this table."""
+    r = cfg.ray
+    return {
+        "trainer": RoleAsk("worker", r.worker_num_cpus, r.worker_num_gpus, "trainer_resources", r.trainer_resources, r.trainer_world_size),
+        "rollout": RoleAsk("rollout", r.rollout_num_cpus, r.rollout_num_gpus, "rollout_resources", r.rollout_resources, r.rollout_num_workers if r.rollout_placement == "separate" else 0),
+        "ref_critic": RoleAsk("ref_critic", r.ref_critic_num_cpus, r.ref_critic_num_gpus, "ref_critic_resources", r.ref_critic_resources, 1 if r.ref_critic_placement == "separate" else 0),
+    }  # fmt: skip
+
+
 def check_placement(cfg: RunConfig) -> None:
     """Refuse, before any stage, a placement the Ray cluster cannot hold (Ray would wait forever)."""
     cluster = ray.cluster_resources()
     have = cluster.get("CPU", 0.0)
-    r = cfg.ray
-    world, per = r.trainer_world_size, r.worker_num_cpus
-    apart = [
-        (f"{count} x " if count > 1 else "", name, cpus, count)
-        for name, cpus, count, placement in (
-            ("ray.rollout_num_cpus", r.rollout_num_cpus, r.rollout_num_workers, r.rollout_placement),
-            ("ray.ref_critic_num_cpus", r.ref_critic_num_cpus, 1, r.ref_critic_placement),
-        )
-        if placement == "separate" and cpus
-    ]
-    stage = max([r.resources(s).num_cpus for s in ("rollout", "advantage", "update", "eval")])
-    need = world * per + sum(cpus * count for _, _, cpus, count in apart) + stage
+    asks = role_asks(cfg)
+    trainer = asks["trainer"]
+    apart = [a for role, a in asks.items() if role != "trainer" and a.count and a.cpus]
+    stage = max([cfg.ray.resources(s).num_cpus for s in ("rollout", "advantage", "update", "eval")])
+    need = sum(a.cpus * a.count for a in [trainer, *apart]) + stage
     if need > have:
-        roles = "".join(f" + {times}{name}={cpus:g}" for times, name, cpus, _ in apart)
+        roles = "".join(f" + {f'{a.count} x ' if a.count > 1 else ''}ray.{a.prefix}_num_cpus={a.cpus:g}" for a in apart)
         raise ConfigError(
-            f"config error: ray.trainer_world_size={world} x ray.worker_num_cpus={per:g}{roles} plus a stage task's "
-            f"{stage:g} CPUs need {need:g} CPUs; the Ray cluster has {have:g}"
+            f"config error: ray.trainer_world_size={trainer.count} x ray.worker_num_cpus={trainer.cpus:g}{roles} plus a "
+            f"stage task's {stage:g} CPUs need {need:g} CPUs; the Ray cluster has {have:g}"
         )
-    gpus = {
-        "ray.worker_num_gpus": (r.worker_num_gpus, world),
-        "ray.rollout_num_gpus": (r.rollout_num_gpus, r.rollout_num_workers if r.rollout_placement == "separate" else 0),
-        "ray.ref_critic_num_gpus": (r.ref_critic_num_gpus, 1 if r.ref_critic_placement == "separate" else 0),
-    }
-    need_gpus = sum(each * count for each, count in gpus.values())
+    gpu_roles = [a for a in asks.values() if a.gpus and a.count]
+    need_gpus = sum(a.gpus * a.count for a in gpu_roles)
     if need_gpus > cluster.get("GPU", 0.0):
-        asked = " + ".join(f"{count} x {name}={each:g}" for name, (each, count) in gpus.items() if each and count)
+        asked = " + ".join(f"{a.count} x ray.{a.prefix}_num_gpus={a.gpus:g}" for a in gpu_roles)
         raise ConfigError(f"config error: {asked} need {need_gpus:g} GPUs; the Ray cluster has {cluster.get('GPU', 0.0):g}")
-    for key, wanted in (
-        ("ray.trainer_resources", r.trainer_resources),
-        ("ray.rollout_resources", r.rollout_resources),
-        ("ray.ref_critic_resources", r.ref_critic_resources),
-    ):
-        for name, amount in wanted.items():
+    for a in asks.values():
+        for name, amount in a.custom.items():
             if cluster.get(name, 0.0) < amount:
-                raise ConfigError(f"config error: {key}.{name}={amount:g}: the Ray cluster has {cluster.get(name, 0.0):g} of it")
+                raise ConfigError(f"config error: ray.{a.custom_key}.{name}={amount:g}: the Ray cluster has {cluster.get(name, 0.0):g} of it")
 
 
 def open_group(cfg: RunConfig | ConfigView, version: str = "main") -> PolicyGroup:
@@ -274,42 +279,35 @@ def open_group(cfg: RunConfig | ConfigView, version: str = "main") -> PolicyGrou
     Started from the whole config: what a worker reads for each stage is declared in that stage's view.
     """
     cfg = whole_config(cfg)
-    r = cfg.ray
     common = {"namespace": RAY_NAMESPACE, "get_if_exists": True, "max_restarts": -1, "max_task_retries": 0}
     cfg_json = cfg.model_dump(mode="json")
-    # role -> each actor's CPUs, GPUs and custom resources, and its number of actors (0: served by rank 0)
-    asks = {
-        "trainer": (r.worker_num_cpus, r.worker_num_gpus, r.trainer_resources, r.trainer_world_size),
-        "rollout": (r.rollout_num_cpus, r.rollout_num_gpus, r.rollout_resources, r.rollout_num_workers if r.rollout_placement == "separate" else 0),
-        "ref_critic": (r.ref_critic_num_cpus, r.ref_critic_num_gpus, r.ref_critic_resources, 1 if r.ref_critic_placement == "separate" else 0),
-    }  # fmt: skip
+    asks = role_asks(cfg)
     placements = {
-        role: _role_bundles(cfg, version, role, {"CPU": cpus, "GPU": gpus, **custom}, count)
-        for role, (cpus, gpus, custom, count) in asks.items()
-        if count and gpus > 0
+        role: _role_bundles(cfg, version, role, {"CPU": a.cpus, "GPU": a.gpus, **a.custom}, a.count)
+        for role, a in asks.items()
+        if a.count and a.gpus > 0
     }
 
     def options(role: str, index: int) -> dict:
         """Ray options of a role's ``index``-th actor: its resources, inside its bundle when the role has a group."""
-        cpus, gpus, custom, _ = asks[role]
-        group = placements.get(role)
+        a, group = asks[role], placements.get(role)
         placed = {"scheduling_strategy": PlacementGroupSchedulingStrategy(group, index)} if group else {}
-        return {"num_cpus": cpus, "num_gpus": gpus, "resources": dict(custom), **placed, **common}
+        return {"num_cpus": a.cpus, "num_gpus": a.gpus, "resources": dict(a.custom), **placed, **common}
 
     ranks = [
         ray.remote(PolicyWorker)
         .options(name=actor_name(cfg.run_name, cfg.store.root, version, rank), **options("trainer", rank))
-        .remote(cfg_json, total_update_steps(cfg), rank, r.trainer_world_size)
-        for rank in range(r.trainer_world_size)
+        .remote(cfg_json, total_update_steps(cfg), rank, asks["trainer"].count)
+        for rank in range(asks["trainer"].count)
     ]
     rollouts = [
         ray.remote(RolloutWorker)
         .options(name=actor_name(cfg.run_name, cfg.store.root, version) + "-rollout" + (f"{i}" if i else ""), **options("rollout", i))
         .remote(cfg_json)
-        for i in range(asks["rollout"][3])
+        for i in range(asks["rollout"].count)
     ]
     ref_critic = None
-    if asks["ref_critic"][3]:
+    if asks["ref_critic"].count:
         # A worker of the trainer's kind that never acquires the policy: it holds only the reference and critic.
         name = actor_name(cfg.run_name, cfg.store.root, version) + "-ref-critic"
         ref_critic = ray.remote(PolicyWorker).options(name=name, **options("ref_critic", 0)).remote(cfg_json, total_update_steps(cfg))
