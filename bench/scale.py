@@ -1,12 +1,14 @@
 """Two pipeline iterations of a ~0.5B random-init model in Qwen2-0.5B's shape, on this CPU machine.
 
-    .venv/bin/python bench/scale.py [--store /tmp/rlstage-bench-scale] [--dtype float32] [overrides...]
+    .venv/bin/python bench/scale.py [--store /tmp/rlstage-bench-scale] [--dtype float32] [--layers 24] [overrides...]
 
 Builds the model once (hidden 896, 24 layers, 14 heads / 2 KV heads, MLP 4864, tied embeddings, a
 151,936-token vocabulary: the kit's characters plus filler tokens), then runs it through the real
 pipeline (Prefect, Ray worker groups, store, MLflow) on the kit's addition prompts with short responses.
 Prints one JSON line per iteration (seconds per stage) and one with the peak resident memory of each
-role's processes (sampled every 0.2 s) and the checkpoint bytes per iteration.
+role's processes (sampled every 0.2 s; one number per process, largest first: the trainer's ranks with
+``ray.trainer_world_size``) and the checkpoint bytes per iteration. ``--layers`` builds a shallower model of the
+same width (e.g. 12: ~0.3B), for placements that would not fit 24 GiB at full depth.
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ QWEN2_05B = dict(
 )  # fmt: skip
 
 
-def build_model(folder: Path, dtype: str) -> int:
-    """A random-init Qwen2 of about 0.5B parameters with a tokenizer covering its vocabulary."""
+def build_model(folder: Path, dtype: str, layers: int) -> int:
+    """A random-init Qwen2 of about 0.5B parameters (at 24 layers) with a tokenizer covering its vocabulary."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -36,7 +38,7 @@ def build_model(folder: Path, dtype: str) -> int:
 
     tok = build_char_tokenizer()
     tok.add_tokens([f"<x{i}>" for i in range(QWEN2_05B["vocab_size"] - len(tok))])
-    config = Qwen2Config(**QWEN2_05B, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
+    config = Qwen2Config(**{**QWEN2_05B, "num_hidden_layers": layers}, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config).to(getattr(torch, dtype))
     model.save_pretrained(folder)
@@ -51,7 +53,7 @@ class PeakMemory(threading.Thread):
 
     def __init__(self) -> None:
         super().__init__(daemon=True)
-        self.peak: dict[str, float] = {}
+        self.peak: dict[tuple[str, int], float] = {}  # (role, pid) -> GiB
         self.stop = threading.Event()
 
     def run(self) -> None:
@@ -63,8 +65,14 @@ class PeakMemory(threading.Thread):
                 if p.pid == me.pid:
                     role = "driver (flow)"
                 if role and p.info["memory_info"]:
-                    self.peak[role] = max(self.peak.get(role, 0.0), p.info["memory_info"].rss / 2**30)
+                    self.peak[role, p.pid] = max(self.peak.get((role, p.pid), 0.0), p.info["memory_info"].rss / 2**30)
             time.sleep(0.2)
+
+    def by_role(self) -> dict[str, list[float]]:
+        out: dict[str, list[float]] = {}
+        for (role, _), gib in self.peak.items():
+            out.setdefault(role, []).append(round(gib, 2))
+        return {role: sorted(v, reverse=True)[:4] for role, v in sorted(out.items())}
 
 
 def main() -> None:
@@ -72,6 +80,7 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="dotted overrides")
     parser.add_argument("--store", default="/tmp/rlstage-bench-scale")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--layers", type=int, default=QWEN2_05B["num_hidden_layers"])
     args = parser.parse_args()
     import sys
 
@@ -80,10 +89,10 @@ def main() -> None:
     from infra.env import apply_defaults
 
     apply_defaults()
-    folder = Path(args.store) / "qwen2-0.5b-random"
+    folder = Path(args.store) / ("qwen2-0.5b-random" if args.layers == 24 else f"qwen2-0.5b-{args.layers}-layers-random")
     params = None
     if not (folder / "config.json").is_file():
-        params = build_model(folder, args.dtype)
+        params = build_model(folder, args.dtype, args.layers)
     monitor = PeakMemory()
     monitor.start()
     with prefect_api():
@@ -103,7 +112,7 @@ def main() -> None:
         )  # fmt: skip
         history = train(config=cfg)["history"]
         store = store_for(cfg)
-        ckpt = [sum(e.bytes for e in store.manifest("scale", k, "update").files.values()) for k in (1, 2)]
+        ckpt = [sum(e.bytes for e in store.manifest(cfg.run_name, k, "update").files.values()) for k in (1, 2)]
     monitor.stop.set()
     monitor.join()
     for h in history:
@@ -111,7 +120,7 @@ def main() -> None:
             print(json.dumps({"iteration": h["iteration"]} | {f"{s}_s": round(h[f"timing_s/{s}"], 1) for s in STAGES if f"timing_s/{s}" in h}))
     print(json.dumps({
         "parameters": params, "dtype": args.dtype, "checkpoint_bytes": ckpt,
-        "peak_rss_gib": {k: round(v, 2) for k, v in sorted(monitor.peak.items())},
+        "peak_rss_gib": monitor.by_role(),
     }))  # fmt: skip
 
 

@@ -218,11 +218,16 @@ class DeepSpeedActor(TorchActor):
         check_equal_shards(batch, self.world_size, self.engine.device)
         return rank_mean(super().update(batch, temperature, seed), self.world_size, self.engine.device)
 
-    def state_dict(self) -> dict:
-        """Optimizer (this rank's ZeRO partition and fp32 master weights) and scheduler state, as copies."""
-        # A copy: ZeRO's dict references live buffers (ZeRO-3's fp32 flat groups) that later steps change.
+    def state_dict(self, live: bool = False) -> dict:
+        """Optimizer (this rank's ZeRO partition and fp32 master weights) and scheduler state, as copies.
+
+        ``live``: ZeRO's own buffers, for a caller that writes them out before the next step (a checkpoint
+        being staged): no second copy of this rank's whole optimizer partition in memory.
+        """
+        # A copy by default: ZeRO's dict references live buffers (ZeRO-3's fp32 flat groups) that later steps change.
+        optimizer = self.engine.optimizer.state_dict()
         return {
-            "optimizer": _detached_copy(self.engine.optimizer.state_dict()),
+            "optimizer": optimizer if live else _detached_copy(optimizer),
             "scheduler": self.scheduler.state_dict(),
             "zero_stage": self.cfg.zero_stage,
             "world_size": self.world_size,

@@ -666,7 +666,8 @@ class MiniBatchTrainer:
         self.model.eval()
         return {k: float(sum(v) / len(v)) for k, v in sums.items()}
 
-    def state_dict(self) -> dict:
+    def state_dict(self, live: bool = False) -> dict:
+        """Optimizer and scheduler state (torch's optimizer state dict holds its live tensors either way)."""
         return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:

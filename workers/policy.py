@@ -563,11 +563,12 @@ class PolicyWorker:
         # ZeRO 1-3 each other rank stages its own partition. A rollout role placed apart reads every policy's
         # weights from the store (or a same-node handoff): always stored.
         if self.rank == 0 and (checkpoint or cfg.ray.rollout_placement == "separate"):
-            self._stage("policy", self.model, self.actor.state_dict() if checkpoint else None)
+            # written out at once (live buffers, no copy of the optimizer state in memory)
+            self._stage("policy", self.model, self.actor.state_dict(live=True) if checkpoint else None)
         elif self.rank > 0 and checkpoint and self._sharded_state():
             shard = self.scratch / "staged-shard"
             shutil.rmtree(shard, ignore_errors=True)
-            save_trainer_state(self.actor.state_dict(), shard)
+            save_trainer_state(self.actor.state_dict(live=True), shard)
             self.staged["shard"] = shard
         return metrics
 
