@@ -276,6 +276,20 @@ class DeepSpeedActor(TorchActor):
                 out[name] = copies[id(t)]
         return out
 
+    def gather_into(self, target: torch.nn.Module | None) -> None:
+        """ZeRO-3: gather the trained parameters (a collective: call it on every rank) and copy them straight into
+        ``target``'s tensors of the same names (no CPU copy of the whole model in between); ``None`` (a rank that
+        keeps no whole copy) only takes part in the gather."""
+        import deepspeed
+
+        module = self.engine.module
+        with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None), torch.no_grad():
+            if target is None:
+                return
+            into = target.state_dict(keep_vars=True)
+            for name, t in module.state_dict(keep_vars=True).items():
+                into[name].copy_(t)
+
     def close(self) -> None:
         """Release the engine; the process group stays (``deepspeed.comm.destroy_process_group()`` ends it)"""
         self.engine.destroy()

@@ -459,9 +459,8 @@ class PolicyWorker:
         engine = getattr(self.actor, "engine", None)
         if engine is None or self.cfg.actor.zero_stage != 3:
             return
-        weights = self.actor.export_model()  # a gather every rank takes part in
-        if engine.module is not self.model:
-            self.model.load_state_dict(weights)
+        # a gather every rank takes part in; ranks 1..N-1 train their partition only and keep no whole copy
+        self.actor.gather_into(self.model if engine.module is not self.model else None)
 
     def _push_rollout_weights(self) -> None:
         """After an update: the trained weights into a separate rollout engine (HF shares the model)."""
