@@ -582,13 +582,11 @@ class MiniBatchTrainer:
         if cfg.micro_batch_tokens is None and cfg.loss_agg_mode != "token-sum":
             return [MicroBatch(idx, len(local), None) for idx in self._plan(batch, local)]  # as many on every rank
         norm = agg_norm([batch["response_mask"][i] for i in mini], self.dp_size)
-        plans = self._live(batch, self._plan(batch, local))
-        if self.dp_size > 1:
-            most = max(len(self._live(batch, self._plan(batch, self._rank_slice(mini, r)))) for r in range(self.dp_size))
-            plans = split_to_count(plans, most)
-            fillers = [MicroBatch(local[:1], len(mini), norm, filler=True)] * (most - len(plans))
-            return [MicroBatch(idx, len(mini), norm) for idx in plans] + fillers
-        return [MicroBatch(idx, len(mini), norm) for idx in plans]
+        ranks = [self._live(batch, self._plan(batch, self._rank_slice(mini, r))) for r in range(self.dp_size)]
+        most = max(len(p) for p in ranks)
+        plans = split_to_count(ranks[self.dp_rank], most)
+        fillers = [MicroBatch(local[:1], len(mini), norm, filler=True)] * (most - len(plans))
+        return [MicroBatch(idx, len(mini), norm) for idx in plans] + fillers
 
     def _plan(self, batch: dict[str, list], local: list[int]) -> list[list[int]]:
         cfg = self.cfg
@@ -616,7 +614,6 @@ class MiniBatchTrainer:
         per = len(mini) // self.dp_size
         rank = self.dp_rank if rank is None else rank
         return mini[rank * per : (rank + 1) * per]
-
 
     def _zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
