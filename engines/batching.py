@@ -328,12 +328,12 @@ def plan_micro_batches(
     setting: str,
     shared: bool = False,
 ) -> list[list[int]]:
-    """Split sample ids ``idx`` into micro-batches: ``count`` at a time, or greedily up to ``budget`` tokens.
+    """Split sample ids ``idx`` into micro-batches: ``count`` at a time, or up to ``budget`` tokens each.
 
-    With a budget and padding, samples are taken longest first, so rows of similar length share a micro-batch
-    (less padding); with packing the given order is kept. With ``shared`` prompts the samples of one prompt are
-    taken together (prompts longest first, then responses longest first), so that they share its forward, and a
-    prompt counts once against the budget. A sequence longer than the budget is an error naming ``setting``.
+    With a budget and padding, the samples are sorted longest first and cut where the micro-batches process the
+    fewest tokens, padding included (``cheapest_cuts``); with shared prompts a prompt counts once per micro-batch,
+    and both the prompt-grouped order and the response-length order are tried. With packing there is no padding:
+    the given order is kept and filled greedily. A sequence longer than the budget is an error naming ``setting``.
     """
     order = list(idx)
     if shared:
@@ -343,24 +343,66 @@ def plan_micro_batches(
         order.sort(key=lambda i: (-len(prompt_ids[i]), first[tuple(prompt_ids[i])], -len(response_ids[i])))
     if budget is None:
         return [order[u : u + count] for u in range(0, len(order), count)]
-    if not packed and not shared:
-        order.sort(key=lambda i: len(prompt_ids[i]) + len(response_ids[i]), reverse=True)
+    check_sequences_fit(order, prompt_ids, response_ids, budget, setting)
+    if not packed:
+        if not shared:
+            order.sort(key=lambda i: len(prompt_ids[i]) + len(response_ids[i]), reverse=True)
+            return cheapest_cuts(order, prompt_ids, response_ids, budget, shared=False)[1]
+        by_length = sorted(order, key=lambda i: (-len(response_ids[i]), -len(prompt_ids[i])))
+        return min(cheapest_cuts(o, prompt_ids, response_ids, budget, shared=True) for o in (order, by_length))[1]
     plans: list[list[int]] = []
     current: list[int] = []
-    check_sequences_fit(order, prompt_ids, response_ids, budget, setting)
     for i in order:
         trial = current + [i]
-        distinct = len({tuple(prompt_ids[j]) for j in trial}) if shared else None
-        cost = micro_batch_cost(
-            [len(prompt_ids[j]) for j in trial], [len(response_ids[j]) for j in trial], packed, distinct
-        )
-        if current and cost > budget:
+        if current and micro_batch_cost([len(prompt_ids[j]) for j in trial], [len(response_ids[j]) for j in trial], True) > budget:
             plans.append(current)
             trial = [i]
         current = trial
     if current:
         plans.append(current)
     return plans
+
+
+# What a forward/backward costs besides its tokens (kernel launches, Python, the optimizer's hooks), in tokens:
+# without it the cheapest cuts of distinct lengths would be one row each.
+MICRO_BATCH_OVERHEAD_TOKENS = 64
+
+
+def cheapest_cuts(
+    order: Sequence[int], prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]], budget: int,
+    *, shared: bool,
+) -> tuple[float, list[list[int]]]:
+    """``order`` cut into consecutive padded micro-batches of at most ``budget`` tokens each, the cuts chosen (dynamic
+    programming) for the fewest tokens processed plus ``MICRO_BATCH_OVERHEAD_TOKENS`` each; (that total, the plans).
+
+    A micro-batch's cost only grows as it takes more samples, so each start stops extending at the budget: the
+    work is ``len(order)`` times the samples a budget holds.
+    """
+    n = len(order)
+    best = [0.0] + [math.inf] * n
+    start = [0] * (n + 1)
+    for i in range(n):
+        width_p = width_r = 0
+        prompts: set[tuple[int, ...]] = set()
+        for j in range(i, n):
+            k = order[j]
+            width_p, width_r = max(width_p, len(prompt_ids[k])), max(width_r, len(response_ids[k]))
+            rows = j - i + 1
+            if shared:
+                prompts.add(tuple(prompt_ids[k]))
+                cost = len(prompts) * width_p + rows * width_r
+            else:
+                cost = rows * (width_p + width_r)
+            if cost > budget and rows > 1:
+                break
+            if best[i] + cost + MICRO_BATCH_OVERHEAD_TOKENS < best[j + 1]:
+                best[j + 1], start[j + 1] = best[i] + cost + MICRO_BATCH_OVERHEAD_TOKENS, i
+    plans: list[list[int]] = []
+    end = n
+    while end:
+        plans.append(list(order[start[end] : end]))
+        end = start[end]
+    return best[n], plans[::-1]
 
 
 # ====================================================================== exact loss weighting

