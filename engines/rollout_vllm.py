@@ -177,13 +177,14 @@ class VLLMRolloutEngine:
         max_num_seqs: int = 256,
         max_model_len: int | None = None,
         cpu_threads_bind: str | None = None,
+        quiet_waits: bool = False,
         lora_rank: int = 0,
         extra_args: dict | None = None,
     ) -> None:
         if cpu_threads_bind is not None:  # e.g. "0-1" for both cores, "nobind" to leave threads alone
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_bind
             os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-        os.environ[QUIET_WAITS] = "1"  # inherited by vLLM's processes, where the plugin reads it
+        os.environ[QUIET_WAITS] = "1" if quiet_waits else "0"  # inherited by vLLM's processes, read by the plugin
         from vllm import LLM  # lazy: vllm is an optional extra
         from vllm.platforms import current_platform
 

@@ -194,6 +194,10 @@ class RolloutConfig(_Section):
     vllm_enforce_eager: bool = True
     vllm_max_num_seqs: int = Field(256, ge=1)
     vllm_cpu_threads_bind: str | None = None
+    # vLLM's processes sleep on each other's messages instead of spinning for 1 s after each (engines/vllm_plugin.py):
+    # on CPU a spinning engine core takes a core from the worker (SmolLM2 rollout 59 s -> 35 s with both cores
+    # bound); a tiny model's millisecond steps pay a wake-up each instead. Off: vLLM's own waits.
+    vllm_quiet_waits: bool = False
 
 
 

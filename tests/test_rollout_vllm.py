@@ -209,7 +209,8 @@ def test_weight_push_after_an_optimizer_step(engine, kit, tmp_path):
 @needs_vllm
 def test_vllm_processes_load_the_quiet_waits_plugin():
     """vLLM's own plugin loader (what its engine core and worker processes run) finds rlstage's entry point, which
-    makes its shared-memory queue readers sleep on the writer's notification, and only where the engine asked."""
+    makes its shared-memory queue readers sleep on the writer's notification, only where the engine asked
+    (``rollout.vllm_quiet_waits``)."""
     code = (
         "import os, zmq\n"
         "from vllm.distributed.device_communicators.shm_broadcast import SpinCondition\n"
@@ -226,11 +227,13 @@ def test_vllm_processes_load_the_quiet_waits_plugin():
         "os.environ[vllm_plugin.QUIET_WAITS] = '1'\n"
         "load_general_plugins()\n"
         "print(busy())\n"
+        "os.environ[vllm_plugin.QUIET_WAITS] = '0'\n"  # a process forked for an engine that did not ask
+        "print(busy())\n"
     )
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {k: v for k, v in os.environ.items() if k != "RLSTAGE_VLLM_QUIET_WAITS"}
     out = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300)
-    assert out.stdout.split() == ["1", "0"], out.stderr[-2000:]
+    assert out.stdout.split() == ["1", "0", "1"], out.stderr[-2000:]
 
 
 def test_vllm_engine_config_needs_vllm_installed():

@@ -147,6 +147,7 @@ def rollout_engine(cfg: RunConfig, model, tokenizer, path: str, current=None):
             enforce_eager=r.vllm_enforce_eager,
             max_num_seqs=r.vllm_max_num_seqs,
             cpu_threads_bind=r.vllm_cpu_threads_bind,
+            quiet_waits=r.vllm_quiet_waits,
             lora_rank=cfg.model.lora_rank if adapter else 0,
         )
     else:
