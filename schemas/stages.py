@@ -60,6 +60,7 @@ _WORKER = ("model",)
 _ENGINE = (
     "rollout.engine", "rollout.batch_size", "rollout.seed", "rollout.vllm_kv_cache_bytes",
     "rollout.vllm_enforce_eager", "rollout.vllm_max_num_seqs", "rollout.vllm_cpu_threads_bind",
+    "rollout.vllm_quiet_waits",  # not the tokens: read by the rollout and eval stages when they start the engine
 )  # fmt: skip
 _SAMPLING = ("rollout.top_p", "rollout.top_k", "rollout.max_new_tokens", "rollout.seed")
 # The worker's optimizer schedule length (workers.group.total_update_steps), used by decaying schedules.
