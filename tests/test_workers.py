@@ -444,9 +444,10 @@ def test_pipelined_iterations_overlap_rollout_with_training(prefect_api, tmp_pat
     assert hist[3]["rollout/logprob_gap"] > 1e-4  # sampled by an older policy: the guard is off, IS weights on
     assert "rollout_corr/rollout_is_mean" in hist[3]
     for k in (1, 2):
-        # Submitted ahead, beside reward k: rollout k+1 started before iteration k's advantage and update
-        # (whether their compute overlaps depends on timing; test_rollout_placed_apart... shows roles overlap).
-        assert _interval(m[k + 1, "rollout"])[0] < _interval(m[k, "advantage"])[0]
+        # Submitted ahead, beside reward k: rollout k+1 started computing before update k committed, which a
+        # synchronous run never does (which of it and advantage k starts first is Ray's scheduling: under CI's
+        # load the rollout worker once began 25 s after advantage k; test_rollout_placed_apart... shows overlap).
+        assert _interval(m[k + 1, "rollout"])[0] < _interval(m[k, "update"])[1]
     assert train(config=cfg)["executed"] == []  # rerun: every stage committed, nothing executes
 
 
