@@ -6,9 +6,13 @@ and config is skipped, so rerunning the flow (or the nightly deployment) never r
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import os
+import threading
 import time
+from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -24,7 +28,7 @@ from engines.preflight import preflight
 from flows.checks import check_inputs, check_run_config, record_run_config
 from flows.retention import prune_checkpoints
 from flows.terminal import TERMINAL, verbose
-from infra.bookkeeping import Bookkeeper
+from infra.bookkeeping import Bookkeeper, Meanwhile
 from infra.drill import fault_point
 from infra.env import apply_defaults
 from infra.lease import run_lease
@@ -123,6 +127,10 @@ def _name_flow_run(name: str) -> None:
             client.update_flow_run(ctx.flow_run.id, name=name)
 
 
+# The previous iteration's Prefect artifacts, written while this iteration's first stage computes (_run_stage).
+MEANWHILE: ContextVar[Meanwhile | None] = ContextVar("rlstage_meanwhile", default=None)
+
+
 def _run_stage(
     outcome: IterationOutcome, label: str, cfg: RunConfig, stage: str, *args, wait_for: list | None = None
 ) -> tuple[stages.StageResult, PrefectFuture]:
@@ -130,7 +138,8 @@ def _run_stage(
     t0 = time.perf_counter()
     TERMINAL.status(f"  {label} {stage:<9} ...")
     future = stages.submit_stage(cfg, stage, *args, wait_for=wait_for)
-    result = wait_result(future)
+    meanwhile = MEANWHILE.get()
+    result = wait_result(future, meanwhile=meanwhile.run if meanwhile is not None else None)
     wall = time.perf_counter() - t0
     outcome.results[stage] = result
     outcome.wall_s[stage] = wall
@@ -198,6 +207,9 @@ def iteration_flow(cfg: RunConfig, iteration: int, prompts: Manifest, models: Mo
     held: dict = {"prompts": prompts, **vars(models)}
     made_by: dict[str, PrefectFuture] = {}  # an input made in this iteration -> the task that made it
     ahead = None
+    handoff = HANDOFF.get()
+    if handoff is not None:
+        handoff.after_previous_stages()
     for spec in SPECS:
         if spec.phase == "prepare" or (spec.phase == "train" and iteration == 0):
             continue
@@ -205,6 +217,8 @@ def iteration_flow(cfg: RunConfig, iteration: int, prompts: Manifest, models: Mo
             if ahead is not None:
                 wait_result(ahead)  # committed under iteration k+1
                 ahead = None
+            if handoff is not None:
+                handoff.trained(out, made_by.get("policy"))
             if not _eval_due(cfg, iteration):
                 continue
         if not spec.active(cfg) or any(held.get(name) is None for name in spec.inputs if name not in spec.optional):
@@ -219,7 +233,87 @@ def iteration_flow(cfg: RunConfig, iteration: int, prompts: Manifest, models: Mo
             made_by[name] = future
         if spec.name == "rollout" and cfg.trainer.async_staleness and iteration < last:
             ahead = stages.submit_stage(cfg, "rollout", iteration + 1, prompts, models.policy)
+    if handoff is not None:
+        handoff.stages_ended()
     return out
+
+
+class PreviousIterationFailed(RuntimeError):
+    """An iteration opened during its predecessor's eval ends without running a stage when that eval failed."""
+
+
+class IterationThread:
+    """One iteration's subflow, in a thread of the training flow. The loop opens iteration k+1's subflow as soon
+    as iteration k has trained, while k evaluates: opening a flow run is ~0.1-0.15 s of Prefect API round trips
+    (create its parent task run and the flow run, name it, set it Running), which then overlap k's eval instead
+    of adding to every iteration's wall. The stages of k+1 still start only once k's stages have ended (they
+    share the policy worker, and each stage's compute stays its own), so the schedule of stages is unchanged."""
+
+    def __init__(self, iteration: int, call: Callable[[], IterationOutcome], previous: IterationThread | None) -> None:
+        self.iteration = iteration
+        self.previous = previous
+        self.outcome: IterationOutcome | None = None
+        self.error: BaseException | None = None
+        self.trained_outcome: IterationOutcome | None = None
+        self.update_future: PrefectFuture | None = None  # the task that made the policy the next iteration starts from
+        self.stages_end: float | None = None  # perf_counter when the last stage ended
+        self.has_trained = threading.Event()
+        self.has_stages_ended = threading.Event()
+        self.done = threading.Event()
+        ctx = contextvars.copy_context()  # the training flow's run context: the subflow is its child
+        ctx.run(HANDOFF.set, self)
+        self._thread = threading.Thread(target=ctx.run, args=(self._run, call), name="rlstage-iteration", daemon=True)
+        self._thread.start()
+
+    def _run(self, call: Callable[[], IterationOutcome]) -> None:
+        try:
+            self.outcome = call()
+        except BaseException as err:  # raised by the training loop, in the flow's main thread
+            self.error = err
+        finally:
+            if self.stages_end is None:
+                self.stages_end = time.perf_counter()
+            self.has_stages_ended.set()
+            self.has_trained.set()
+            self.done.set()
+
+    # Called in the subflow's thread, by iteration_flow.
+    def after_previous_stages(self) -> None:
+        """Wait until the previous iteration's stages have ended; fail (running nothing) when it failed."""
+        previous = self.previous
+        if previous is None:
+            return
+        while not previous.has_stages_ended.wait(0.05):
+            if STOPPING.is_set():
+                raise KeyboardInterrupt("the flow was stopped")
+        if previous.error is not None:
+            raise PreviousIterationFailed(f"iteration {previous.iteration} failed: {previous.error}")
+
+    def trained(self, outcome: IterationOutcome, update_future: PrefectFuture | None) -> None:
+        if not self.has_trained.is_set():
+            self.trained_outcome, self.update_future = outcome, update_future
+            self.has_trained.set()
+
+    def stages_ended(self) -> None:
+        self.stages_end = time.perf_counter()
+        self.has_stages_ended.set()
+
+    # Called in the flow's main thread, where signals surface.
+    def wait(self, event: threading.Event) -> None:
+        while not event.wait(0.05):
+            pass
+
+    def result(self) -> IterationOutcome:
+        self.wait(self.done)
+        self._thread.join()
+        if self.error is not None:
+            raise self.error
+        assert self.outcome is not None
+        return self.outcome
+
+
+# The iteration thread a subflow runs in (set in that thread's context; unset when iteration_flow is called directly).
+HANDOFF: ContextVar[IterationThread | None] = ContextVar("rlstage_iteration_handoff", default=None)
 
 
 def _output(spec: StageSpec, result: stages.StageResult) -> Manifest | PolicyRef:
@@ -306,6 +400,8 @@ def _run_iterations(cfg: RunConfig, store: ArtifactStore, first: int, last: int,
     rm_worker = open_reward_model(cfg) if cfg.reward_model.enable and cfg.reward_model.model.path else None  # noqa: F841 (held: the actor lives as long)
     status, stopped = "FAILED", False
     books = Bookkeeper(delay_s=BOOKKEEPING_DELAY_S)
+    publish = Meanwhile()
+    publishing = MEANWHILE.set(publish)
     try:
         prep_task = stages.submit_stage(cfg, "data_prep", on_ray=False)
         prep = wait_result(prep_task)
@@ -335,38 +431,32 @@ def _run_iterations(cfg: RunConfig, store: ArtifactStore, first: int, last: int,
         # end waits for it (the 1-second quantum of iteration walls); the run's own flow keeps its. Entered once:
         # building the settings costs ~65 ms.
         with temporary_settings(updates={"flows.heartbeat_frequency": None}):
-            for it in range(0 if first == 1 else first, last + 1):
-                t0 = time.perf_counter()
-                renew()
-                # The prompts' manifest rebuilt from JSON: Prefect links inputs to results by object id, and a
-                # deep copy keeps data prep's immutable values, drawing a fan-out from data prep to every iteration.
-                prompts = Manifest.model_validate_json(prep.manifest.model_dump_json())
-                outcome = one_iteration(cfg, it, prompts, models, last, wait_for=after)
-                after = [outcome]  # a subflow's return value stands for its flow run
-                if "update" in outcome.results:
-                    r = outcome.results
-                    models = Models(
-                        policy_ref_from(r["update"].manifest),
-                        models.ref,
-                        policy_ref_from(r["critic"].manifest) if "critic" in r else None,
-                        r["advantage"].manifest,
-                        models.policy if cfg.trainer.async_staleness else None,
-                    )
+            # Iteration k+1's subflow opens while k evaluates (IterationThread); its stages run after k's.
+            open_: list[IterationThread] = []
+            mark = time.perf_counter()  # when the previous iteration's stages ended: an iteration's wall starts there
+
+            def finish(run: IterationThread, it: int) -> None:
+                """Iteration ``it`` ended: its records (in the flow's thread, while the next one computes)."""
+                nonlocal mark
+                outcome = run.result()
+                open_.remove(run)
                 metrics = {**outcome.metrics(), PROGRESS: float(it)}
                 history.append({"iteration": it, "executed": outcome.executed, **metrics})
                 pruned = prune_checkpoints(cfg, store, it)  # after the iteration is whole: its policy is the newest kept
-                # Not in the background: the Prefect server's SQLite answers a write that meets another (the next
-                # subflow's) with "busy", which Prefect's client retries after ~2 s.
-                _publish_iteration(cfg, store, tracker, outcome, metrics, history)
+                publish.raise_failure()  # the previous iteration's artifacts, written during this one
                 if pruned:
                     _detail(f"  checkpoint retention: pruned the weights of {', '.join(f'{m.stage} {m.iteration}' for m in pruned)}")
-                # The iteration's whole wall (timing_s/iteration sums the stage walls); its MLflow records are
-                # written by the bookkeeper while the next iteration runs.
-                wall = outcome.wall_metrics(time.perf_counter() - t0)
+                # The iteration's whole wall (timing_s/iteration sums the stage walls): from the end of the previous
+                # iteration's stages to the end of its own. Its MLflow records are written by the bookkeeper and its
+                # Prefect artifacts by the flow's thread while the next iteration computes (Bookkeeper, Meanwhile).
+                assert run.stages_end is not None
+                wall = outcome.wall_metrics(run.stages_end - mark)
+                mark = run.stages_end
                 metrics |= wall
                 history[-1] |= {**wall, "wall_s": wall["timing_s/iteration_wall"]}
+                publish.defer(partial(_publish_iteration, cfg, store, tracker, outcome, dict(metrics), [dict(h) for h in history]))
                 books.submit(partial(_track_iteration, cfg, store, tracker, outcome, metrics, pruned, it == last, it in logged))
-                executed += [f"iter-{it}/{s}" for s in outcome.executed]
+                executed.extend(f"iter-{it}/{s}" for s in outcome.executed)
                 TERMINAL.status(None)
                 acc = metrics.get("val/accuracy")
                 score = metrics.get("critic/score/mean")
@@ -376,6 +466,46 @@ def _run_iterations(cfg: RunConfig, store: ArtifactStore, first: int, last: int,
                     + (f"held-out accuracy {acc:.3f} | " if acc is not None else "")
                     + f"{history[-1]['wall_s']:.1f}s, executed {len(outcome.executed)} stage(s)"
                 )
+
+            try:
+                evaluating: tuple[IterationThread, int] | None = None  # an iteration whose eval may still run
+                for it in range(0 if first == 1 else first, last + 1):
+                    renew()
+                    # The prompts' manifest rebuilt from JSON: Prefect links inputs to results by object id, and a
+                    # deep copy keeps data prep's immutable values, drawing a fan-out from data prep to every iteration.
+                    prompts = Manifest.model_validate_json(prep.manifest.model_dump_json())
+                    call = partial(one_iteration, cfg, it, prompts, models, last, wait_for=after)
+                    run = IterationThread(it, call, previous=evaluating[0] if evaluating else None)
+                    open_.append(run)
+                    if evaluating is not None:
+                        finish(*evaluating)
+                    run.wait(run.has_trained)
+                    trained = run.trained_outcome
+                    if trained is None or run.update_future is None:  # iteration 0 (eval only), or it failed
+                        finish(run, it)
+                        after, evaluating = [run.outcome], None  # a subflow's return value stands for its flow run
+                    else:
+                        after, evaluating = [run.update_future], (run, it)  # the next one starts from this update
+                    if trained is not None and "update" in trained.results:
+                        r = trained.results
+                        models = Models(
+                            policy_ref_from(r["update"].manifest),
+                            models.ref,
+                            policy_ref_from(r["critic"].manifest) if "critic" in r else None,
+                            r["advantage"].manifest,
+                            models.policy if cfg.trainer.async_staleness else None,
+                        )
+                if evaluating is not None:
+                    finish(*evaluating)
+            except BaseException as err:
+                # No subflow outlives the run: on a signal (or a failure with one still computing) its stages stop.
+                if not isinstance(err, Exception) or any(not r.has_stages_ended.is_set() for r in open_):
+                    STOPPING.set()
+                for r in open_:
+                    r.wait(r.done)
+                raise
+        publish.run()  # the last iteration's artifacts
+        publish.raise_failure()
         books.close()  # MLflow and the Prefect UI hold every iteration before the run reports its end
         status = "FINISHED"
         return {
@@ -391,6 +521,9 @@ def _run_iterations(cfg: RunConfig, store: ArtifactStore, first: int, last: int,
         raise
     finally:
         TERMINAL.status(None)
+        MEANWHILE.reset(publishing)
+        if not stopped:  # a failed run's last iterations still show in the Prefect UI; a signal's stop waits for nothing
+            publish.run()
         books.close(raise_errors=False)  # a no-op after a finished run's close
         tracker.finish(status)
         group.release(busy=stopped)

@@ -6,6 +6,7 @@ import concurrent.futures
 import logging
 import signal
 import threading
+from collections.abc import Callable
 
 import ray
 
@@ -54,13 +55,17 @@ def ensure_ray(cfg: RunConfig) -> None:
                 signal.signal(sig, handler)
 
 
-def wait_result(future, poll_s: float = 0.05):
+def wait_result(future, poll_s: float = 0.05, meanwhile: Callable[[], None] | None = None):
     """A stage task's result (a Prefect future of a task run in a thread of the flow), waited for in short
     steps in the flow's main thread, where a signal's exception surfaces; it also sets ``STOPPING``, so the
-    stage threads stop waiting on Ray as well."""
+    stage threads stop waiting on Ray as well. ``meanwhile`` runs once the task has been under way for a
+    step (its stage then computes in a worker) and has not ended."""
     try:
         while not future.wrapped_future.done():
             concurrent.futures.wait([future.wrapped_future], timeout=poll_s)
+            if meanwhile is not None and not future.wrapped_future.done():
+                meanwhile()
+                meanwhile = None
     except BaseException as err:
         if not isinstance(err, Exception):  # a signal
             STOPPING.set()

@@ -34,7 +34,7 @@ from engines import metrics as eval_metrics
 from engines.agent_loop import agent_metrics
 from engines.cursor import extra_prompt_batch, prompt_batch
 from engines.tools import agent_tokenizer
-from infra.drill import fault_point
+from infra.drill import fault_point, hold_point
 from infra.ray_runtime import get_unless_stopping
 from schemas import artifacts as A
 from schemas.config import NEEDS_SUM_PI_SQUARED, RunConfig
@@ -735,6 +735,7 @@ def evaluate(
     cfg: ConfigView, iteration: int, prompts: Manifest, policy: PolicyRef, version: str = "main", meta: dict | None = None
 ) -> StageResult:
     def produce() -> StageOutput:
+        hold_point(cfg, f"eval:{iteration}")
         test = _read(cfg, prompts, "test.parquet")
         if cfg.data.eval_size is not None:
             test = test.slice(0, cfg.data.eval_size)

@@ -28,7 +28,7 @@ def first_run(prefect_api, tmp_path_factory):
     state = train(config=cfg, return_state=True)
     # Where data prep executed, its result's values are in the prompts every iteration gets: still a chain.
     graph = flow_graph(state)
-    assert graph["it-iter-1"] == {"it-iter-0"} and graph["it-iter-2"] == {"it-iter-1"}
+    assert graph["it-iter-1"] == {"it-iter-0"} and graph["it-iter-2"] == {"it-iter-1/update"}
     return cfg, state.result()
 
 
@@ -106,7 +106,9 @@ def test_rerun_executes_nothing_then_only_after_a_deleted_artifact(first_run):
     top = "it iterations 1-2"
     assert graph[f"{top}/sft"] == {f"{top}/data_prep"}
     assert graph["it-iter-0"] == {f"{top}/data_prep", f"{top}/sft"}
-    assert graph["it-iter-1"] == {"it-iter-0"} and graph["it-iter-2"] == {"it-iter-1"}  # a chain, not a fan
+    # A chain, not a fan: iteration 1 after iteration 0 (eval only), iteration 2 after iteration 1's update (it
+    # opens while iteration 1 evaluates).
+    assert graph["it-iter-1"] == {"it-iter-0"} and graph["it-iter-2"] == {"it-iter-1/update"}
     for it in (1, 2):
         up = {s: {f"it-iter-{it}/{u}" for u in ups} for s, ups in (
             ("rollout", ()), ("reward", ("rollout",)), ("advantage", ("rollout", "reward")), ("update", ("advantage",)), ("eval", ("update",)),
@@ -187,3 +189,52 @@ def test_each_iteration_publishes_a_prefect_table_artifact(first_run):
     rows = [line for line in str(progress.data).splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert [int(r.split("|")[1]) for r in rows] == [0, 1, 2]
     assert result["mlflow_run_id"] in str(progress.data)
+
+
+def test_next_iteration_opens_while_the_last_one_evaluates(prefect_api, tmp_path):
+    """Iteration 2's subflow is already Running in Prefect while iteration 1's eval is held in its stage, and
+    none of iteration 2's stages has started; its rollout runs once that eval has been committed."""
+    import os
+    import subprocess
+    import sys
+    import time
+    from datetime import datetime
+    from pathlib import Path
+
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+
+    from tasks.runtime import store_for
+
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    drill = ["drill.hold_worker_at=['eval:1']", f"drill.markers={markers}"]
+    cfg = _cfg(tmp_path, *drill)
+    args = [f"store.root={cfg.store.root}", "run_name=it", *TINY, *drill]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    log_path = tmp_path / "train.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "train", *args], env=env, stdout=log, stderr=log)
+    store = store_for(cfg)
+    try:
+        deadline = time.monotonic() + 300
+        while not (markers / "held-eval-1").exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert (markers / "held-eval-1").exists(), log_path.read_text()[-3000:]
+        state = None
+        while state != "RUNNING" and time.monotonic() < deadline:
+            with get_client(sync_client=True) as client:
+                runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=["it-iter-2"])))
+            state = runs[0].state.type.value if runs and runs[0].state else None
+            time.sleep(0.1)
+        assert state == "RUNNING"
+        time.sleep(1.0)  # held: iteration 2 waits for iteration 1's stages, however long they take
+        assert store.manifest("it", 1, "eval") is None and store.manifest("it", 2, "rollout") is None
+        (markers / "release-eval-1").touch()
+        assert proc.wait(timeout=600) == 0, log_path.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    created = {it: datetime.fromisoformat(store.manifest("it", it, s).created_at) for it, s in ((1, "eval"), (2, "rollout"))}
+    assert created[2] > created[1]
+    assert store.manifest("it", 2, "eval") is not None
