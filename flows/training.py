@@ -75,8 +75,9 @@ class IterationOutcome:
         return out
 
     def wall_metrics(self, wall_s: float) -> dict[str, float]:
-        """The iteration's whole wall and the share of it that is not stage compute: orchestration (the
-        subflow, the stage tasks, Prefect artifacts) and I/O."""
+        """The iteration's whole wall (from the end of the previous iteration's stages to the end of its own)
+        and the share of it that is not stage compute: orchestration (the stage tasks, whatever of the subflows
+        and Prefect artifacts is not overlapped) and I/O."""
         out = {"timing_s/iteration_wall": wall_s}
         compute = sum(r.seconds for r in self.results.values() if r.executed)
         if compute > 0:
@@ -127,7 +128,7 @@ def _name_flow_run(name: str) -> None:
             client.update_flow_run(ctx.flow_run.id, name=name)
 
 
-# The previous iteration's Prefect artifacts, written while this iteration's first stage computes (_run_stage).
+# An ended iteration's Prefect artifacts, written while a stage of a later one computes (_run_stage).
 MEANWHILE: ContextVar[Meanwhile | None] = ContextVar("rlstage_meanwhile", default=None)
 
 

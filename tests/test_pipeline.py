@@ -208,9 +208,10 @@ def test_next_iteration_opens_while_the_last_one_evaluates(prefect_api, tmp_path
 
     markers = tmp_path / "markers"
     markers.mkdir()
-    drill = ["drill.hold_worker_at=['eval:1']", f"drill.markers={markers}"]
+    # A run name of its own: the module's other runs left flow runs named it-iter-2 on this server.
+    drill = ["run_name=opens", "drill.hold_worker_at=['eval:1']", f"drill.markers={markers}"]
     cfg = _cfg(tmp_path, *drill)
-    args = [f"store.root={cfg.store.root}", "run_name=it", *TINY, *drill]
+    args = [f"store.root={cfg.store.root}", *TINY, *drill]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
     log_path = tmp_path / "train.log"
     with open(log_path, "wb") as log:
@@ -221,20 +222,20 @@ def test_next_iteration_opens_while_the_last_one_evaluates(prefect_api, tmp_path
         while not (markers / "held-eval-1").exists() and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.1)
         assert (markers / "held-eval-1").exists(), log_path.read_text()[-3000:]
-        state = None
+        state, deadline = None, time.monotonic() + 60
         while state != "RUNNING" and time.monotonic() < deadline:
             with get_client(sync_client=True) as client:
-                runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=["it-iter-2"])))
+                runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=["opens-iter-2"])))
             state = runs[0].state.type.value if runs and runs[0].state else None
             time.sleep(0.1)
-        assert state == "RUNNING"
+        assert state == "RUNNING", log_path.read_text()[-3000:]
         time.sleep(1.0)  # held: iteration 2 waits for iteration 1's stages, however long they take
-        assert store.manifest("it", 1, "eval") is None and store.manifest("it", 2, "rollout") is None
+        assert store.manifest("opens", 1, "eval") is None and store.manifest("opens", 2, "rollout") is None
         (markers / "release-eval-1").touch()
         assert proc.wait(timeout=600) == 0, log_path.read_text()[-3000:]
     finally:
         if proc.poll() is None:
             proc.kill()
-    created = {it: datetime.fromisoformat(store.manifest("it", it, s).created_at) for it, s in ((1, "eval"), (2, "rollout"))}
+    created = {it: datetime.fromisoformat(store.manifest("opens", it, s).created_at) for it, s in ((1, "eval"), (2, "rollout"))}
     assert created[2] > created[1]
-    assert store.manifest("it", 2, "eval") is not None
+    assert store.manifest("opens", 2, "eval") is not None
