@@ -133,14 +133,31 @@ MEANWHILE: ContextVar[Meanwhile | None] = ContextVar("rlstage_meanwhile", defaul
 
 
 def _run_stage(
-    outcome: IterationOutcome, label: str, cfg: RunConfig, stage: str, *args, wait_for: list | None = None
+    outcome: IterationOutcome,
+    label: str,
+    cfg: RunConfig,
+    stage: str,
+    *args,
+    wait_for: list | None = None,
+    under_way: Callable[[], None] | None = None,
 ) -> tuple[stages.StageResult, PrefectFuture]:
-    """Run one stage task to its end; ``wait_for`` (the tasks that produced its inputs) draws the flow graph's edges."""
+    """Run one stage task to its end; ``wait_for`` (the tasks that produced its inputs) draws the flow graph's edges.
+    ``under_way`` (idempotent) runs once the stage has been under way for a poll, by then the server has recorded
+    its task run's state, or else when it ends."""
     t0 = time.perf_counter()
     TERMINAL.status(f"  {label} {stage:<9} ...")
     future = stages.submit_stage(cfg, stage, *args, wait_for=wait_for)
-    meanwhile = MEANWHILE.get()
-    result = wait_result(future, meanwhile=meanwhile.run if meanwhile is not None else None)
+    deferred = MEANWHILE.get()
+
+    def meanwhile() -> None:
+        if under_way is not None:
+            under_way()
+        if deferred is not None:
+            deferred.run()
+
+    result = wait_result(future, meanwhile=meanwhile)
+    if under_way is not None:
+        under_way()  # the stage ended within a poll
     wall = time.perf_counter() - t0
     outcome.results[stage] = result
     outcome.wall_s[stage] = wall
@@ -207,7 +224,7 @@ def iteration_flow(cfg: RunConfig, iteration: int, prompts: Manifest, models: Mo
     label = f"[iter {iteration:>3}/{last}]"
     held: dict = {"prompts": prompts, **vars(models)}
     made_by: dict[str, PrefectFuture] = {}  # an input made in this iteration -> the task that made it
-    ahead = None
+    ahead = opened = None
     handoff = HANDOFF.get()
     if handoff is not None:
         handoff.after_previous_stages()
@@ -218,9 +235,13 @@ def iteration_flow(cfg: RunConfig, iteration: int, prompts: Manifest, models: Mo
             if ahead is not None:
                 wait_result(ahead)  # committed under iteration k+1
                 ahead = None
-            if handoff is not None:
-                handoff.trained(out, made_by.get("policy"))
+            # The next iteration opens once this one has trained: beside its eval when one runs (after the eval's
+            # first poll, so that its requests do not meet the server's recording of the eval task's start: the
+            # SQLite "database is locked" that costs a 2 s client retry).
+            opened = partial(handoff.trained, out, made_by.get("policy")) if handoff is not None else None
             if not _eval_due(cfg, iteration):
+                if opened is not None:
+                    opened()
                 continue
         if not spec.active(cfg) or any(held.get(name) is None for name in spec.inputs if name not in spec.optional):
             continue  # not selected (dynamic sampling off), or a role this run does not have (no critic)
@@ -228,7 +249,8 @@ def iteration_flow(cfg: RunConfig, iteration: int, prompts: Manifest, models: Mo
         given = {**held, "policy": models.behaviour} if spec.samples else held
         after = list({id(f): f for name in spec.inputs if (f := made_by.get(name)) is not None}.values())
         args = (given.get(name) for name in spec.inputs)
-        result, future = _run_stage(out, label, cfg, spec.name, iteration, *args, wait_for=after)
+        under_way = opened if spec.phase == "eval" else None
+        result, future = _run_stage(out, label, cfg, spec.name, iteration, *args, wait_for=after, under_way=under_way)
         for name in spec.provides:
             held[name] = _output(spec, result)
             made_by[name] = future
@@ -484,10 +506,10 @@ def _run_iterations(cfg: RunConfig, store: ArtifactStore, first: int, last: int,
                     trained = run.trained_outcome
                     if trained is None or run.update_future is None:  # iteration 0 (eval only), or it failed
                         finish(run, it)
-                        after, evaluating = [run.outcome], None  # a subflow's return value stands for its flow run
+                        trained, after, evaluating = run.outcome, [run.outcome], None  # a subflow's value stands for its run
                     else:
                         after, evaluating = [run.update_future], (run, it)  # the next one starts from this update
-                    if trained is not None and "update" in trained.results:
+                    if "update" in trained.results:
                         r = trained.results
                         models = Models(
                             policy_ref_from(r["update"].manifest),
