@@ -36,7 +36,7 @@ from contextlib import nullcontext
 import torch
 
 from engines.actor import TorchActor, check_equal_shards, rank_mean
-from engines.batching import check_packing_supported, lr_lambda, trainable_parameters
+from engines.batching import adamw, check_packing_supported, lr_lambda, trainable_parameters
 from engines.checkpoint import register_type
 from infra.env import free_port
 from schemas.config import ActorConfig
@@ -170,7 +170,7 @@ class DeepSpeedActor(TorchActor):
         self.dp_size = world_size
         self.dp_rank = int(os.environ["RANK"])
         o = cfg.optim
-        optimizer = torch.optim.AdamW(trainable_parameters(model), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
+        optimizer = adamw(trainable_parameters(model), o)
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
         # The schedule stays ours (as in TorchActor it advances even when a step is skipped); ZeRO keeps the
         # base optimizer's param_group dicts, so the lr it writes there is the lr the step uses.

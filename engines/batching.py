@@ -501,6 +501,13 @@ def split_to_count(plans: list[list[int]], count: int) -> list[list[int]]:
 
 
 # ====================================================================== the shared loop
+def adamw(params: list[torch.nn.Parameter], optim: OptimConfig) -> torch.optim.AdamW:
+    """AdamW as ``optim`` sets it; ``fused`` picks torch's one-kernel step, else torch's default loop."""
+    return torch.optim.AdamW(
+        params, lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay, fused=True if optim.fused else None
+    )
+
+
 def lr_lambda(optim: OptimConfig, total_steps: int) -> Callable[[int], float]:
     """Linear warm-up from 0, then constant, cosine or linear decay down to ``min_lr_ratio`` at ``total_steps``.
 
@@ -552,7 +559,7 @@ class MiniBatchTrainer:
         if cfg.packing:
             check_packing_supported(model)
         o = cfg.optim
-        self.optimizer = torch.optim.AdamW(trainable_parameters(model), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
+        self.optimizer = adamw(trainable_parameters(model), o)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(o, o.total_steps or total_steps))
 
     @property

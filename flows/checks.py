@@ -12,7 +12,7 @@ import urllib.request
 from pathlib import Path
 
 from infra.store import ArtifactStore
-from schemas.config import ConfigError, RunConfig, stored_config_from
+from schemas.config import ConfigError, RunConfig, drop_unset_late_settings, stored_config_from
 from schemas.manifest import Manifest, unsafe_checkpoint_file
 from schemas.stages import EXECUTION, REPLAYABLE, STAGES, covers, kit_run_name, view_paths
 
@@ -35,7 +35,7 @@ def stage_reads(cfg: RunConfig, path: str) -> bool:
 
 
 def _identity(cfg: RunConfig) -> dict:
-    dump = cfg.model_dump(mode="json")
+    dump = drop_unset_late_settings(RunConfig, cfg.model_dump(mode="json"))
     for path in RUN_MUTABLE:
         if stage_reads(cfg, path):
             continue
@@ -66,7 +66,8 @@ def check_run_config(store: ArtifactStore, cfg: RunConfig) -> bool:
     identity = stored.get("identity")
     if not isinstance(identity, dict):
         raise ConfigError(f"config error: {store.root}/{cfg.run_name}/run.json holds no config identity")
-    diff = _diff(identity, _identity(cfg))
+    # recorded before a late setting existed, or with it at its default: the same run
+    diff = _diff(drop_unset_late_settings(RunConfig, identity), _identity(cfg))
     if diff:
         raise ConfigError(
             f"config error: run {cfg.run_name!r} exists with another config ({diff[0]}"

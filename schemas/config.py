@@ -71,13 +71,19 @@ class ConfigError(ValueError):
 HASHED_WHEN_SET = {"hashed_when_set": True}
 
 
-def _drop_unset_late_settings(node: BaseModel, dump: dict) -> None:
-    for name, field in type(node).model_fields.items():
-        value = getattr(node, name)
-        if isinstance(value, BaseModel):
-            _drop_unset_late_settings(value, dump[name])
-        elif (field.json_schema_extra or {}).get("hashed_when_set") and value == field.default:
+def drop_unset_late_settings(model: type[BaseModel], dump: dict) -> dict:
+    """Remove from ``dump`` (a ``model_dump(mode="json")`` of ``model``, or part of one) every late setting at its
+    default, in place; ``dump`` for chaining. A config recorded before such a setting existed then equals one
+    that leaves it unset."""
+    for name, field in model.model_fields.items():
+        if name not in dump:
+            continue
+        section = field.annotation
+        if isinstance(section, type) and issubclass(section, BaseModel) and isinstance(dump[name], dict):
+            drop_unset_late_settings(section, dump[name])
+        elif (field.json_schema_extra or {}).get("hashed_when_set") and dump[name] == field.default:
             del dump[name]
+    return dump
 
 
 class _Section(BaseModel):
@@ -325,6 +331,9 @@ class OptimConfig(_Section):
     total_steps: int | None = Field(None, ge=1)  # for decaying schedules; None: derived from the run
     min_lr_ratio: float = Field(0.0, ge=0, le=1)
     grad_clip: float = Field(1.0, gt=0)
+    # torch's fused AdamW kernel (CPU and CUDA): a third of the tiny model's optimizer step; its results differ
+    # from the default loop's in the last bit, so runs stored without it keep replaying bit for bit.
+    fused: bool = Field(False, json_schema_extra=HASHED_WHEN_SET)
 
 
 class RolloutCorrectionConfig(_Section):
@@ -761,8 +770,7 @@ class RunConfig(_Section):
 
     def stage_hash(self, *sections: str) -> str:
         """Hash of the named config sections (dotted paths): what a stage's output depends on."""
-        dump = self.model_dump(mode="json")
-        _drop_unset_late_settings(self, dump)
+        dump = drop_unset_late_settings(type(self), self.model_dump(mode="json"))
         picked = {}
         for path in sections:
             node: Any = dump

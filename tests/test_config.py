@@ -1,3 +1,5 @@
+import json
+
 import pytest
 
 from schemas.config import ConfigError, RunConfig, load_config, parse_overrides
@@ -139,3 +141,36 @@ def test_required_maj_without_an_answer_extractor_is_one_line(overrides, needle)
 def test_required_maj_with_an_extracting_reward_function_loads():
     cfg = load_config(None, ["trainer.eval_require_maj=true", "trainer.eval_n=4", "reward.function=gsm8k_strict"])
     assert cfg.trainer.eval_require_maj
+
+
+@pytest.mark.parametrize("late", ["actor.share_prompts", "actor.optim.fused"])
+def test_a_run_recorded_before_a_late_setting_continues_after_the_upgrade(tmp_path, late):
+    """A nightly run recorded by a version without a setting (``hashed_when_set``) continues under a version
+    with it, while the setting stays at its default: the same stage keys, the same run identity. Set, it
+    conflicts (the stored stages were computed without it)."""
+    from flows.checks import _identity, check_run_config, record_run_config
+    from infra.store import ArtifactStore
+
+    store = ArtifactStore(str(tmp_path))
+    cfg = load_config(None, ["run_name=nightly"])
+    record_run_config(store, cfg)
+    stored = store.get_json("nightly", "run.json")
+
+    def section(doc: dict, path: str) -> tuple[dict, str]:
+        *parents, leaf = path.split(".")
+        for p in parents:
+            doc = doc[p]
+        return doc, leaf
+
+    for doc in (stored["config"], stored["identity"]):  # as the older version wrote it
+        node, leaf = section(doc, late)
+        node.pop(leaf, None)
+    other = next(p for p in ("actor.share_prompts", "actor.optim.fused") if p != late)
+    node, leaf = section(stored["identity"], other)
+    node[leaf] = False  # the other one recorded at its default, as versions before this check's fix wrote it
+    store.put_json("nightly", "run.json", stored)
+    assert check_run_config(store, cfg) is True
+    assert cfg.stage_hash("actor") == load_config(None, []).stage_hash("actor")
+    assert late.rsplit(".", 1)[-1] not in json.dumps(_identity(cfg))
+    with pytest.raises(ConfigError, match=rf"exists with another config \({late}: stored None, given True\)"):
+        check_run_config(store, load_config(None, ["run_name=nightly", f"{late}=true"]))

@@ -59,3 +59,29 @@ def test_update_steps_the_schedule_once_per_optimizer_step():
         assert metrics["actor/lr"] == pytest.approx(1e-3 * sum(fn(s) for s in steps) / 8)
         assert actor.scheduler.last_epoch == 8 * (update + 1)
     assert actor.optimizer.param_groups[0]["lr"] == pytest.approx(0.0)  # decayed to the floor at the run's end
+
+
+def test_fused_adamw_takes_the_default_loops_steps():
+    """``optim.fused`` builds torch's fused AdamW: the same update as the default loop up to rounding, and the
+    schedule still drives its lr."""
+    tok = build_char_tokenizer()
+    p = tok("What is 1+1? ", add_special_tokens=False)["input_ids"]
+    r = tok("2", add_special_tokens=False)["input_ids"]
+    weights = {}
+    for fused in (False, True):
+        torch.manual_seed(0)
+        model = build_tiny_llama(KitConfig(hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32), tok)
+        start = [t.detach().clone() for t in model.parameters()]
+        optim = OptimConfig(lr=1e-2, lr_schedule="linear", fused=fused)
+        actor = TorchActor(model, ActorConfig(ppo_mini_batch_size=4, micro_batch_size=4, optim=optim), tok.pad_token_id, 8)
+        assert actor.optimizer.defaults["fused"] is (True if fused else None)
+        batch = {
+            "prompt_ids": [p] * 8, "response_ids": [r] * 8, "response_mask": [[1]] * 8,
+            "old_log_probs": actor.compute_log_probs([p] * 8, [r] * 8, 1.0),
+            "advantages": [[1.0], [-1.0], [1.0], [0.5]] * 2,
+        }  # fmt: skip
+        actor.update(batch, 1.0, seed=0)
+        weights[fused] = [t.detach() for t in model.parameters()]
+        assert max(float((a - b).abs().max()) for a, b in zip(weights[fused], start, strict=True)) > 1e-3  # it moved
+    for a, b in zip(weights[False], weights[True], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
