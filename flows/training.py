@@ -265,6 +265,12 @@ class PreviousIterationFailed(RuntimeError):
     """An iteration opened during its predecessor's eval ends without running a stage when that eval failed."""
 
 
+def wait_event(event: threading.Event) -> None:
+    """Wait in short steps: a signal then surfaces in the flow's main thread (an unbounded wait would hold it)."""
+    while not event.wait(0.05):
+        pass
+
+
 class IterationThread:
     """One iteration's subflow, in a thread of the training flow. The loop opens iteration k+1's subflow as soon
     as iteration k has trained, while k evaluates: opening a flow run is ~0.1-0.15 s of Prefect API round trips
@@ -321,13 +327,8 @@ class IterationThread:
         self.stages_end = time.perf_counter()
         self.has_stages_ended.set()
 
-    # Called in the flow's main thread, where signals surface.
-    def wait(self, event: threading.Event) -> None:
-        while not event.wait(0.05):
-            pass
-
     def result(self) -> IterationOutcome:
-        self.wait(self.done)
+        wait_event(self.done)
         self._thread.join()
         if self.error is not None:
             raise self.error
@@ -458,10 +459,10 @@ def _run_iterations(cfg: RunConfig, store: ArtifactStore, first: int, last: int,
             open_: list[IterationThread] = []
             mark = time.perf_counter()  # when the previous iteration's stages ended: an iteration's wall starts there
 
-            def finish(run: IterationThread, it: int) -> None:
-                """Iteration ``it`` ended: its records (in the flow's thread, while the next one computes)."""
+            def finish(run: IterationThread) -> None:
+                """An iteration ended: its records (in the flow's thread, while the next one computes)."""
                 nonlocal mark
-                outcome = run.result()
+                it, outcome = run.iteration, run.result()
                 open_.remove(run)
                 metrics = {**outcome.metrics(), PROGRESS: float(it)}
                 history.append({"iteration": it, "executed": outcome.executed, **metrics})
@@ -491,24 +492,24 @@ def _run_iterations(cfg: RunConfig, store: ArtifactStore, first: int, last: int,
                 )
 
             try:
-                evaluating: tuple[IterationThread, int] | None = None  # an iteration whose eval may still run
+                evaluating: IterationThread | None = None  # an iteration whose eval may still run
                 for it in range(0 if first == 1 else first, last + 1):
                     renew()
                     # The prompts' manifest rebuilt from JSON: Prefect links inputs to results by object id, and a
                     # deep copy keeps data prep's immutable values, drawing a fan-out from data prep to every iteration.
                     prompts = Manifest.model_validate_json(prep.manifest.model_dump_json())
                     call = partial(one_iteration, cfg, it, prompts, models, last, wait_for=after)
-                    run = IterationThread(it, call, previous=evaluating[0] if evaluating else None)
+                    run = IterationThread(it, call, previous=evaluating)
                     open_.append(run)
                     if evaluating is not None:
-                        finish(*evaluating)
-                    run.wait(run.has_trained)
+                        finish(evaluating)
+                    wait_event(run.has_trained)
                     trained = run.trained_outcome
                     if trained is None or run.update_future is None:  # iteration 0 (eval only), or it failed
-                        finish(run, it)
+                        finish(run)
                         trained, after, evaluating = run.outcome, [run.outcome], None  # a subflow's value stands for its run
                     else:
-                        after, evaluating = [run.update_future], (run, it)  # the next one starts from this update
+                        after, evaluating = [run.update_future], run  # the next one starts from this update
                     if "update" in trained.results:
                         r = trained.results
                         models = Models(
@@ -519,13 +520,13 @@ def _run_iterations(cfg: RunConfig, store: ArtifactStore, first: int, last: int,
                             models.policy if cfg.trainer.async_staleness else None,
                         )
                 if evaluating is not None:
-                    finish(*evaluating)
+                    finish(evaluating)
             except BaseException as err:
                 # No subflow outlives the run: on a signal (or a failure with one still computing) its stages stop.
                 if not isinstance(err, Exception) or any(not r.has_stages_ended.is_set() for r in open_):
                     STOPPING.set()
                 for r in open_:
-                    r.wait(r.done)
+                    wait_event(r.done)
                 raise
         publish.run()  # the last iteration's artifacts
         publish.raise_failure()
