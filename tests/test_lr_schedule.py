@@ -81,6 +81,8 @@ def test_fused_adamw_takes_the_default_loops_steps():
             "advantages": [[1.0], [-1.0], [1.0], [0.5]] * 2,
         }  # fmt: skip
         actor.update(batch, 1.0, seed=0)
+        # two mini-batches of 4 stepped: the schedule set the lr the fused kernel reads
+        assert actor.optimizer.param_groups[0]["lr"] == pytest.approx(1e-2 * lr_lambda(optim, 8)(2))
         weights[fused] = [t.detach() for t in model.parameters()]
         assert max(float((a - b).abs().max()) for a, b in zip(weights[fused], start, strict=True)) > 1e-3  # it moved
     for a, b in zip(weights[False], weights[True], strict=True):
