@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,16 +75,50 @@ def die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
-def start_prefect_server(
-    home: str | Path, port: int | None = None, timeout_s: float = 90.0, ui: bool = False
-) -> PrefectServer:
-    """Start ``prefect server start`` on 127.0.0.1 with its state under ``home`` (and its UI when ``ui``);
-    wait until healthy."""
-    home = Path(home).resolve()
+def port_taken(port: int) -> bool:
+    try:
+        free_port(port, strict=True)
+    except OSError:
+        return True
+    return False
+
+
+def wait_up(
+    spawn: Callable[[int], subprocess.Popen],
+    port: int,
+    health: Callable[[int], str],
+    timeout_s: float,
+    proc: subprocess.Popen | None = None,
+    moved: Callable[[int, int], None] | None = None,
+) -> tuple[subprocess.Popen, int]:
+    """Wait until ``proc`` (else ``spawn(port)``) answers at ``health(port)``; returns the process and its port.
+
+    A free port can be bound by another process before the server binds it (a loaded machine: CI saw a server
+    exit so). Where ``moved`` is given, a server that exited while its port is taken is started again on
+    another free port, twice at most, and ``moved(old, new)`` told; any other failure stops the server and raises.
+    """
+    moves = 0
+    while True:
+        proc = proc or spawn(port)
+        try:
+            wait_http(health(port), timeout_s, proc)
+            return proc, port
+        except RuntimeError:  # it exited
+            if moved is None or moves == 2 or not port_taken(port):
+                raise
+        except BaseException:  # a timeout, or a signal while waiting: nothing started here outlives the call
+            stop_process_group(proc)
+            raise
+        new = free_port()
+        moved(port, new)
+        port, proc, moves = new, None, moves + 1
+
+
+def spawn_prefect_server(home: Path, port: int, ui: bool = False) -> subprocess.Popen:
+    """``prefect server start`` on 127.0.0.1 with its state under ``home`` (and its UI when ``ui``); no wait."""
     home.mkdir(parents=True, exist_ok=True)
-    port = port or free_port()
     log = open(home / "server.log", "ab")  # noqa: SIM115 - the server process owns it
-    proc = subprocess.Popen(
+    return subprocess.Popen(
         [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
         env=prefect_env(home, port if ui else None),
         stdout=log,
@@ -91,13 +126,23 @@ def start_prefect_server(
         start_new_session=True,
         preexec_fn=die_with_parent,
     )
-    url = f"http://127.0.0.1:{port}/api"
-    try:
-        wait_http(f"{url}/health", timeout_s, proc)
-    except BaseException:  # a signal while waiting too: nothing started here outlives the call
-        stop_process_group(proc)
-        raise
-    return PrefectServer(url=url, proc=proc, home=home)
+
+
+def prefect_health(port: int) -> str:
+    return f"http://127.0.0.1:{port}/api/health"
+
+
+def start_prefect_server(
+    home: str | Path, port: int | None = None, timeout_s: float = 90.0, ui: bool = False
+) -> PrefectServer:
+    """Start ``prefect server start`` on ``port`` (default: a free one, another if it is taken meanwhile) and
+    wait until healthy."""
+    home = Path(home).resolve()
+    proc, port = wait_up(
+        lambda p: spawn_prefect_server(home, p, ui), port or free_port(), prefect_health, timeout_s,
+        moved=None if port else (lambda old, new: None),
+    )  # fmt: skip
+    return PrefectServer(url=f"http://127.0.0.1:{port}/api", proc=proc, home=home)
 
 
 if __name__ == "__main__":

@@ -10,11 +10,12 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 from infra import home
 from infra.env import apply_defaults, free_port
-from infra.prefect_server import die_with_parent, start_prefect_server, stop_process_group, wait_http
+from infra.prefect_server import die_with_parent, spawn_prefect_server, stop_process_group, wait_up
 
 
 def start_mlflow_server(directory: Path, port: int, log_path: Path | None = None) -> subprocess.Popen:
@@ -33,47 +34,55 @@ def start_mlflow_server(directory: Path, port: int, log_path: Path | None = None
     )
 
 
-def _port(what: str, wanted: int) -> int:
-    port = free_port(wanted)
-    if port != wanted:
-        print(f"rlstage ui: port {wanted} is taken; the {what} UI uses port {port}", file=sys.stderr, flush=True)
-    return port
+def _say(line: str) -> None:
+    print(f"rlstage ui: {line}", file=sys.stderr, flush=True)
+
+
+def _spawn(name: str, port: int) -> subprocess.Popen:
+    if name == home.MLFLOW_SERVICE:
+        return start_mlflow_server(home.mlflow_dir(), port)
+    return spawn_prefect_server(home.prefect_home(), port, ui=True)
+
+
+def _health(name: str, port: int) -> str:
+    return f"{home.service_url(name, port)}/health"
 
 
 def serve(prefect_port: int, mlflow_port: int) -> int:
     """Both UIs until SIGINT/SIGTERM (or until a server this command started exits)."""
     home.state_dir().mkdir(parents=True, exist_ok=True)
-    started: list[tuple[str, subprocess.Popen, int]] = []  # (service, process, port)
+    wanted = {home.MLFLOW_SERVICE: ("MLflow", mlflow_port), home.PREFECT_SERVICE: ("Prefect", prefect_port)}
+    urls = {name: home.running_service(name) for name in wanted}
+    started: dict[str, tuple[subprocess.Popen, int]] = {}  # service -> (process, port)
     try:
-        mlflow_url = home.running_service(home.MLFLOW_SERVICE)
-        if mlflow_url is None:  # started first: it takes the longer to answer
-            port = _port("MLflow", mlflow_port)
-            started.append((home.MLFLOW_SERVICE, start_mlflow_server(home.mlflow_dir(), port), port))
-            mlflow_url = home.service_url(home.MLFLOW_SERVICE, port)
-        prefect_url = home.running_service(home.PREFECT_SERVICE)
-        if prefect_url is None:
-            port = _port("Prefect", prefect_port)
-            server = start_prefect_server(home.prefect_home(), port, timeout_s=120, ui=True)
-            started.append((home.PREFECT_SERVICE, server.proc, port))
-            prefect_url = server.url
-        for name, proc, port in started:
-            if name == home.MLFLOW_SERVICE:
-                wait_http(f"{mlflow_url}/health", 120, proc)
-            home.record_service(name, proc, port)
-        print(f"Prefect UI: {prefect_url.removesuffix('/api')}", flush=True)
+        for name, (what, preferred) in wanted.items():  # both start at once, MLflow first: it answers later
+            if urls[name] is None:
+                if (port := free_port(preferred)) != preferred:
+                    _say(f"port {preferred} is taken; the {what} UI uses port {port}")
+                started[name] = (_spawn(name, port), port)
+        for name in sorted(started, key=lambda name: name == home.MLFLOW_SERVICE):
+            what = wanted[name][0]
+            proc, port = started.pop(name)  # where it fails, wait_up has stopped it
+            started[name] = wait_up(
+                partial(_spawn, name), port, partial(_health, name), 120, proc,
+                moved=lambda old, new, what=what: _say(f"port {old} was taken meanwhile; the {what} UI uses port {new}"),
+            )  # fmt: skip
+            home.record_service(name, *started[name])
+            urls[name] = home.service_url(name, started[name][1])
+        print(f"Prefect UI: {urls[home.PREFECT_SERVICE].removesuffix('/api')}", flush=True)
         # MLflow 3's UI opens in its GenAI mode (a per-browser setting) unless the link names the mode.
-        print(f"MLflow UI:  {mlflow_url}/#/experiments?workflowType=machine_learning", flush=True)
+        print(f"MLflow UI:  {urls[home.MLFLOW_SERVICE]}/#/experiments?workflowType=machine_learning", flush=True)
         if not started:
             print(f"(both run on {home.home()} already; rlstage ui leaves them running)", file=sys.stderr)
             return 0
-        while all(proc.poll() is None for _, proc, _ in started):
+        while all(proc.poll() is None for proc, _ in started.values()):
             time.sleep(0.5)
-        name = next(name for name, proc, _ in started if proc.poll() is not None)
-        print(f"rlstage ui: the {name} server exited (log: {home.state_dir()})", file=sys.stderr)
+        name = next(name for name, (proc, _) in started.items() if proc.poll() is not None)
+        _say(f"the {name} server exited (log: {home.state_dir()})")
         return 1
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM (flows/cli.py): stop what this command started
         return 0
     finally:
-        for name, proc, _ in reversed(started):
+        for name, (proc, _) in started.items():
             home.forget_service(name, proc)
             stop_process_group(proc)

@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from infra.env import free_port, pid_alive
+from infra.prefect_server import stop_process_group, wait_up
 from tests_support import tiny_overrides
 
 pytestmark = pytest.mark.slow
@@ -50,8 +51,12 @@ def ui(tmp_path_factory, migrated_prefect_home):
             cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
         try:
-            urls = dict(proc.stdout.readline().split(":", 1) for _ in range(2))
-            assert set(urls) == {"Prefect UI", "MLflow UI"}, (urls, proc.stderr.read() if proc.poll() else "")
+            lines = [proc.stdout.readline() for _ in range(2)]
+            if not all(":" in line for line in lines):  # it exited: say why
+                proc.wait(30)
+                pytest.fail(f"rlstage ui printed {lines} and exited {proc.returncode}: {proc.stderr.read()[-3000:]}")
+            urls = dict(line.split(":", 1) for line in lines)
+            assert set(urls) == {"Prefect UI", "MLflow UI"}, urls
             print(f"ui: {time.perf_counter() - t0:.1f}s")
             stack = tmp / "home" / "stack"
             pids = [int((stack / f"{name}.pid").read_text()) for name in ("prefect-server", "mlflow")]
@@ -111,3 +116,28 @@ def test_sigterm_stops_both_servers(ui):
     for url in (ui["prefect"], ui["mlflow"]):
         with pytest.raises(httpx.ConnectError):
             httpx.get(url, timeout=2)
+
+
+def test_a_server_whose_free_port_is_taken_before_it_binds_starts_on_another(tmp_path):
+    """The race CI met once (a server exited before answering): another process binds the free port first."""
+
+    def spawn(port: int) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "http.server", "--bind", "127.0.0.1", str(port)]
+        return subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+    def health(port: int) -> str:
+        return f"http://127.0.0.1:{port}/"
+
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        taken = other.getsockname()[1]
+        moves = []
+        proc, port = wait_up(spawn, taken, health, 30, moved=lambda old, new: moves.append((old, new)))
+        try:
+            assert port != taken and moves == [(taken, port)]
+            assert httpx.get(health(port)).status_code == 200
+        finally:
+            stop_process_group(proc)
+        with pytest.raises(RuntimeError, match="exited"):  # a caller that named its port gets the failure
+            wait_up(spawn, taken, health, 30)
