@@ -93,9 +93,14 @@ def save_adapters(model: PeftModel, tokenizer, folder: str | Path, base: PolicyR
     folder = Path(folder)
     model.save_pretrained(folder, safe_serialization=True)
     tokenizer.save_pretrained(folder)
-    # peft records the folder the base was loaded from (a scratch path): the reference names it instead.
+    # peft records the folder the base was loaded from (a scratch path): the reference names it instead, and
+    # peft's model card (a template naming that folder) is left out, so a rerun or a replay commits the same bytes.
+    (folder / "README.md").unlink(missing_ok=True)
     config = json.loads((folder / ADAPTER_CONFIG).read_text())
-    config["base_model_name_or_path"] = base.path or f"{base.run}/iter-{base.iteration}/{base.stage}"
+    where = base.stage if base.iteration is None else f"iter-{base.iteration}/{base.stage}"
+    config["base_model_name_or_path"] = base.path or f"{base.run}/{where}"
+    # target_modules expanded from all-linear is a set, listed in the process's string-hash order
+    config = {k: sorted(v) if isinstance(v, list) and all(isinstance(x, str) for x in v) else v for k, v in config.items()}
     (folder / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True))
     (folder / BASE_REF).write_text(base.model_dump_json())
 

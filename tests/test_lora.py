@@ -118,6 +118,26 @@ def test_checkpoint_holds_the_adapter_and_a_base_reference_and_resumes(kit, tmp_
         load_policy_model(full, store, ckpt_ref, ckpt / "model", tmp_path / "scratch", trainable=True)
 
 
+def test_fresh_adapters_are_drawn_from_the_run_seed(kit, tmp_path: Path) -> None:
+    """A rerun (or a replay of the first update) starts from the same adapters, whatever its process drew before."""
+    cfg, tok, base = kit
+    base_dir = save_model_dir(base, tok, tmp_path / "base")
+    base_ref = PolicyRef(version=f"path:{base_dir}", path=str(base_dir))
+    store = ArtifactStore(str(tmp_path / "store"))
+
+    def adapters(config, draws: int) -> dict[str, torch.Tensor]:
+        torch.rand(draws)  # what ran in the process before: another stage, another model
+        state = torch.random.get_rng_state()
+        policy, _ = load_policy_model(config, store, base_ref, base_dir, tmp_path / "scratch", trainable=True)
+        assert torch.equal(torch.random.get_rng_state(), state)  # the process's own draws are not moved
+        return {n: p.detach().clone() for n, p in policy.named_parameters() if "lora_A" in n}
+
+    first, again = adapters(cfg, 1), adapters(cfg, 1000)
+    assert first and all(torch.equal(first[n], again[n]) for n in first)
+    other = adapters(load_config(None, [*LORA, "trainer.seed=1"]), 1)
+    assert not any(torch.equal(first[n], other[n]) for n in first)
+
+
 @pytest.mark.parametrize(
     "overrides, line",
     [
@@ -156,6 +176,7 @@ def test_lora_grpo_run_learns_and_stores_only_adapters(prefect_api, tmp_path: Pa
     from safetensors.torch import load, load_file
 
     from flows.cli import main
+    from flows.replay import replay
     from flows.training import train
     from tasks.kit import kit_run_name
     from tasks.runtime import store_for
@@ -172,14 +193,17 @@ def test_lora_grpo_run_learns_and_stores_only_adapters(prefect_api, tmp_path: Pa
         adapters.append(load(store.read_bytes(update, "model/adapter_model.safetensors")))
     assert all(adapters[0][k].abs().max() > 0 for k in adapters[0] if "lora_B" in k)  # moved off zero
     assert any(not torch.equal(adapters[0][k], adapters[-1][k]) for k in adapters[0])
+    # The first update draws fresh adapters, from the run's seed: replayed after the run, the same bytes.
+    replayed = replay(run_name="lora", iteration=1, stage="update", store_root=cfg.store.root)
+    assert replayed["identical"], replayed["files_identical"]
     # The KL reference is the base: equal to the policy before the first update, apart after it.
     exp1, exp2 = (store.read_table(store.manifest("lora", it, "advantage"), "experience.parquet") for it in (1, 2))
     assert exp1.column("ref_log_probs").to_pylist() == exp1.column("old_log_probs").to_pylist()
     assert exp2.column("ref_log_probs").to_pylist() != exp2.column("old_log_probs").to_pylist()
     reward = {h["iteration"]: h["critic/score/mean"] for h in result["history"] if "critic/score/mean" in h}
-    # Means of four iterations (512 samples each: a mean's noise ~0.011, a difference's ~0.015; with three, a CI
-    # run of 3329127 gave +0.025, the LoRA update differing from run to run, as before it). Over three: 0.250 ->
-    # 0.326 on one machine, 0.333 -> 0.367 in a CI run of 3c56462; over four, here: 0.326 -> 0.360, 0.331 -> 0.394.
+    # Means of four iterations (512 samples each: a mean's noise ~0.011, a difference's ~0.015). The run repeats
+    # exactly on one machine, not across CPUs: 0.253 -> 0.311 here. Before the fresh adapters were drawn from the
+    # run's seed, runs differed on one machine too (0.326 -> 0.360, 0.331 -> 0.394; +0.025 in a CI run of 3329127).
     first, last = (sum(reward[it] for it in its) / 4 for its in ((1, 2, 3, 4), (9, 10, 11, 12)))
     assert last > first + 0.03, reward
     # The merged export: the base's untargeted weights unchanged, the targeted ones moved by the adapters.

@@ -119,7 +119,11 @@ def load_policy_model(cfg: RunConfig, store: ArtifactStore, ref: PolicyRef, path
         return load_adapters(model, path, trainable, cfg.model if trainable else None).eval(), base
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(cfg)).eval()
     if lora and trainable:
-        return with_adapters(model, cfg.model).eval(), ref
+        # The adapters' A matrices are drawn at random: from the run's seed, so that a rerun or a replay of the first
+        # update draws the same ones whatever the process ran before (the global RNG is left as it was).
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.trainer.seed)
+            return with_adapters(model, cfg.model).eval(), ref
     return model, None
 
 
