@@ -41,6 +41,11 @@ def _vllm_processes() -> list[str]:
     return names
 
 
+def _in_shm(path: str) -> bool:
+    """A file of /dev/shm itself (the test folders may lie in a folder of it: scripts/test.sh), not unlinked."""
+    return os.path.dirname(path) == "/dev/shm" and not path.endswith("(deleted)")
+
+
 def _shm_files(pids: list[int]) -> set[str]:
     """The /dev/shm files these processes have mapped or open (unlinked ones excluded: they go with the process)."""
     found: set[str] = set()
@@ -49,11 +54,11 @@ def _shm_files(pids: list[int]) -> set[str]:
             for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
                 fields = line.split(maxsplit=5)  # address, perms, offset, dev, inode[, path]
                 path = fields[5] if len(fields) == 6 else ""
-                if path.startswith("/dev/shm/") and not path.endswith("(deleted)"):
+                if _in_shm(path):
                     found.add(path)
             for fd in Path(f"/proc/{pid}/fd").iterdir():
                 target = os.readlink(fd)
-                if target.startswith("/dev/shm/") and not target.endswith("(deleted)"):
+                if _in_shm(target):
                     found.add(target)
         except OSError:  # gone meanwhile
             pass
