@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import queue
 import random
 
 import pytest
@@ -233,12 +234,8 @@ def test_bad_zero_stage_is_a_clear_error(tok, weights):
     assert not torch.distributed.is_initialized()  # rejected before any process group starts
 
 
-def _dp_worker(rank: int, world: int, port: int, weights: dict, batch: dict, cfg_json: dict, out: str) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)  # two processes on two cores
-    deepspeed.utils.logger.setLevel("WARNING")
-    tok = build_char_tokenizer()
+def _dp_case(rank: int, tok, weights: dict, batch: dict, cfg_json: dict, out: str) -> None:
+    """One case on one rank of the group: an update of the whole batch, rank 0 saving the result."""
     cfg = ActorConfig.model_validate(cfg_json)
     engine = DeepSpeedActor if cfg.engine == "deepspeed" else DataParallelTorchActor
     actor = engine(new_model(tok, weights), cfg, tok.pad_token_id, 20)
@@ -253,13 +250,70 @@ def _dp_worker(rank: int, world: int, port: int, weights: dict, batch: dict, cfg
         save_file({f"w/{k}": v.clone() for k, v in state.items()}, out)  # clone: tied weights share storage
         with open(out + ".json", "w") as f:
             json.dump({"metrics": metrics, "owned": sum(owned)}, f)
-    # Both ranks tear gloo down together: a rank that left while its peer still wrote aborted (SIGABRT) in CI.
+    # Both ranks leave the case together: a rank that went on while its peer still wrote aborted (SIGABRT) in CI.
     torch.distributed.barrier()
-    actor.close()
-    if cfg.engine == "deepspeed":
+    actor.close()  # the engine goes, the process group stays for the next case (as in a policy worker)
+
+
+def _dp_rank(rank: int, world: int, port: int, jobs, done) -> None:
+    """A rank of the two-process gloo group that serves every data-parallel case of the module in turn."""
+    import traceback
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)  # two processes on two cores
+    deepspeed.utils.logger.setLevel("WARNING")
+    tok = build_char_tokenizer()
+    while (job := jobs.get()) is not None:
+        try:
+            _dp_case(rank, tok, *job)
+            done.put(None)
+        except BaseException:
+            done.put(traceback.format_exc())
+            raise
+    if torch.distributed.is_initialized():
         deepspeed.comm.destroy_process_group()
-    else:
-        torch.distributed.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def dp_group():
+    """Two spawned ranks, started once for the module's data-parallel cases (each process imports torch,
+    DeepSpeed and transformers: ~6 s a process, which a pair per case paid nine times). Call it with a case;
+    it returns when both ranks are done, or fails with a rank's traceback."""
+    world = 2
+    ctx = torch.multiprocessing.get_context("spawn")
+    jobs, done = [ctx.Queue() for _ in range(world)], ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_dp_rank, args=(r, world, port, jobs[r], done)) for r in range(world)]
+    for p in procs:
+        p.start()
+    broken: list[str] = []
+
+    def run(*case) -> None:
+        assert not broken, f"an earlier case left the group broken: {broken[0]}"
+        for q in jobs:
+            q.put(case)
+        errors = []
+        for _ in range(world):
+            try:
+                answer = done.get(timeout=180)
+            except queue.Empty:  # a rank hangs (its peer failed inside a collective)
+                errors.append(f"no answer from a rank in 180 s; exit codes {[p.exitcode for p in procs]}")
+                break
+            if answer is not None:
+                errors.append(answer)
+        if errors:
+            broken.append(errors[0])
+            pytest.fail(errors[0])
+
+    yield run
+    for q in jobs:
+        q.put(None)
+    for p in procs:
+        p.join(timeout=60)
+        if p.is_alive():
+            p.kill()
+    assert broken or [p.exitcode for p in procs] == [0, 0]
 
 
 @pytest.mark.parametrize(
@@ -272,7 +326,7 @@ def _dp_worker(rank: int, world: int, port: int, weights: dict, batch: dict, cfg
         ("deepspeed", 3, 24, "seq-mean-token-mean", (2, 11)),
     ],
 )  # fmt: skip
-def test_data_parallel_matches_single_process(tok, weights, tmp_path, engine, stage, budget, mode, live):
+def test_data_parallel_matches_single_process(tok, weights, dp_group, tmp_path, engine, stage, budget, mode, live):
     """Two gloo ranks, each given the whole batch, equal one TorchActor on it.
 
     Global mini-batch 8 = 2 ranks x 4, shuffled alike on every rank, 2 epochs. Fixed count (micro-batch 2):
@@ -291,20 +345,7 @@ def test_data_parallel_matches_single_process(tok, weights, tmp_path, engine, st
     cfg = actor_cfg(stage, ppo_mini_batch_size=mini, micro_batch_size=2, ppo_epochs=2, loss_agg_mode=mode, engine=engine, **kw)
     ref_metrics, ref_params = torch_reference(tok, weights, cfg, batch, [7])
     out = str(tmp_path / "rank0.safetensors")
-    ctx = torch.multiprocessing.get_context("spawn")
-    port = free_port()
-    procs = [
-        ctx.Process(target=_dp_worker, args=(r, world, port, weights, batch, cfg.model_dump(), out))
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=120)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    assert [p.exitcode for p in procs] == [0, 0]
+    dp_group(weights, batch, cfg.model_dump(), out)
     from safetensors.torch import load_file
 
     with open(out + ".json") as f:
