@@ -234,6 +234,9 @@ def test_bad_zero_stage_is_a_clear_error(tok, weights):
     assert not torch.distributed.is_initialized()  # rejected before any process group starts
 
 
+DP_WORLD = 2  # the data-parallel cases' ranks
+
+
 def _dp_case(rank: int, tok, weights: dict, batch: dict, cfg_json: dict, out: str) -> None:
     """One case on one rank of the group: an update of the whole batch, rank 0 saving the result."""
     cfg = ActorConfig.model_validate(cfg_json)
@@ -250,16 +253,16 @@ def _dp_case(rank: int, tok, weights: dict, batch: dict, cfg_json: dict, out: st
         save_file({f"w/{k}": v.clone() for k, v in state.items()}, out)  # clone: tied weights share storage
         with open(out + ".json", "w") as f:
             json.dump({"metrics": metrics, "owned": sum(owned)}, f)
-    # Both ranks leave the case together: a rank that went on while its peer still wrote aborted (SIGABRT) in CI.
+    # Both ranks end the case together: a rank that tore gloo down while its peer still wrote aborted (SIGABRT) in CI.
     torch.distributed.barrier()
     actor.close()  # the engine goes, the process group stays for the next case (as in a policy worker)
 
 
-def _dp_rank(rank: int, world: int, port: int, jobs, done) -> None:
+def _dp_rank(rank: int, port: int, jobs, done) -> None:
     """A rank of the two-process gloo group that serves every data-parallel case of the module in turn."""
     import traceback
 
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(DP_WORLD))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)  # two processes on two cores
     deepspeed.utils.logger.setLevel("WARNING")
@@ -280,11 +283,10 @@ def dp_group():
     """Two spawned ranks, started once for the module's data-parallel cases (each process imports torch,
     DeepSpeed and transformers: ~6 s a process, which a pair per case paid nine times). Call it with a case;
     it returns when both ranks are done, or fails with a rank's traceback."""
-    world = 2
     ctx = torch.multiprocessing.get_context("spawn")
-    jobs, done = [ctx.Queue() for _ in range(world)], ctx.Queue()
+    jobs, done = [ctx.Queue() for _ in range(DP_WORLD)], ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_dp_rank, args=(r, world, port, jobs[r], done)) for r in range(world)]
+    procs = [ctx.Process(target=_dp_rank, args=(r, port, jobs[r], done)) for r in range(DP_WORLD)]
     for p in procs:
         p.start()
     broken: list[str] = []
@@ -294,7 +296,7 @@ def dp_group():
         for q in jobs:
             q.put(case)
         errors = []
-        for _ in range(world):
+        for _ in range(DP_WORLD):
             try:
                 answer = done.get(timeout=180)
             except queue.Empty:  # a rank hangs (its peer failed inside a collective)
@@ -337,7 +339,7 @@ def test_data_parallel_matches_single_process(tok, weights, dp_group, tmp_path, 
     with policy tokens), a rank has too few samples that count. AdamW and clipping hide a uniform gradient
     scale in the parameters, so the compared ``actor/grad_norm`` metric pins the scaling down.
     """
-    world, n, mini = 2, 16, 8
+    n, mini = 16, 8
     batch = make_batch(tok, n, seed=3)
     if live:
         batch["response_mask"] = [m if i in live else [0] * len(m) for i, m in enumerate(batch["response_mask"])]
@@ -355,7 +357,7 @@ def test_data_parallel_matches_single_process(tok, weights, dp_group, tmp_path, 
     assert_close_state(state, ref_params)
     if stage == 3:
         total = sum(p.numel() for p in new_model(tok, weights).parameters())
-        assert 0 < result["owned"] <= total // world + 64
+        assert 0 < result["owned"] <= total // DP_WORLD + 64
 
 
 # ---------------------------------------------------------------- token budgets and packing on the engine
