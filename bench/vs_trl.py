@@ -33,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 TRL_VENV = ROOT / "bench" / ".trl-venv"
 TRL_VERSION = "1.16.0"
-STAGE_TIMINGS = [f"timing_s/{s}" for s in ("rollout", "reward", "advantage", "update", "eval", "iteration")]
+STAGE_TIMINGS = [f"timing_s/{s}" for s in ("rollout", "filter_groups", "reward", "advantage", "update", "eval", "iteration")]
 
 
 def trl_python() -> Path:

@@ -38,6 +38,10 @@ class TorchActor(MiniBatchTrainer):
     def _shared(self) -> bool:
         return self.cfg.share_prompts
 
+    @property
+    def _whole_groups(self) -> bool:
+        return self.cfg.group_mini_batches
+
     @torch.no_grad()
     def compute_log_probs(
         self, prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]], temperature: float

@@ -567,6 +567,11 @@ class MiniBatchTrainer:
         """Whether the samples of a prompt share its forward (``actor.share_prompts``; the critic does not)."""
         return False
 
+    @property
+    def _whole_groups(self) -> bool:
+        """Whether a mini-batch holds a prompt's samples together (``actor.group_mini_batches``; not the critic)."""
+        return False
+
     # ---- inputs (these use only model, cfg and pad_id: a bare instance can run the no-grad passes)
     @property
     def device(self) -> torch.device:
@@ -657,6 +662,19 @@ class MiniBatchTrainer:
         return [idx for idx in plans if any(any(batch["response_mask"][i]) for i in idx)]
 
     # ---- the loop
+    def _epoch_order(self, batch: dict[str, list], gen: torch.Generator) -> list[int]:
+        """The samples in this epoch's order: as stored, shuffled, or with whole prompt groups shuffled."""
+        n = len(batch["prompt_ids"])
+        if not self.cfg.shuffle:
+            return list(range(n))
+        if not self._whole_groups:
+            return torch.randperm(n, generator=gen).tolist()
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for i, p in enumerate(batch["prompt_ids"]):
+            groups.setdefault(tuple(p), []).append(i)
+        runs = list(groups.values())
+        return [i for g in torch.randperm(len(runs), generator=gen).tolist() for i in runs[g]]
+
     def _rank_slice(self, mini: list[int], rank: int | None = None) -> list[int]:
         if len(mini) % self.dp_size:
             raise ValueError(f"a mini-batch of {len(mini)} samples does not split over {self.dp_size} data-parallel ranks")
@@ -689,7 +707,7 @@ class MiniBatchTrainer:
         sums: dict[str, list[float]] = defaultdict(list)
         self.model.train()
         for _epoch in range(cfg.ppo_epochs):
-            order = torch.randperm(n, generator=gen).tolist() if cfg.shuffle else list(range(n))
+            order = self._epoch_order(batch, gen)
             for m in range(0, n, mini_size):
                 mini = order[m : m + mini_size]
                 self._zero_grad()

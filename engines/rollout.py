@@ -45,10 +45,11 @@ class HFRolloutEngine:
     keeps its stop token, so its mask ends there.
     """
 
-    def __init__(self, model: torch.nn.Module, tokenizer, batch_size: int = 512) -> None:
+    def __init__(self, model: torch.nn.Module, tokenizer, batch_size: int = 512, share_prompts: bool = False) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.batch_size = batch_size
+        self.share_prompts = share_prompts
         self.stop_ids = stop_token_ids(tokenizer)
 
     def generate(self, prompts: list[str], params: SamplingParams) -> list[Completion]:
@@ -88,7 +89,8 @@ class HFRolloutEngine:
             ).to(model_device(self.model))
             # One seed per batch: the same config and model give the same samples on a rerun.
             torch.manual_seed(params.seed * 1_000_003 + b)
-            res = self.model.generate(**batch, generation_config=gen_cfg)
+            shared = self._prefill_once(batch, [i for i, _ in chunk]) if self.share_prompts else {}
+            res = self.model.generate(**batch, generation_config=gen_cfg, **shared)
             P = batch["input_ids"].shape[1]
             seqs = res.sequences[:, P:]
             logits = torch.stack(res.logits, dim=1).float()
@@ -115,3 +117,22 @@ class HFRolloutEngine:
                 )
         self.model.train(was_training)
         return out
+
+    def _prefill_once(self, batch, prompt_index: list[int]) -> dict:
+        """``rollout.share_prompts``: each distinct prompt of the batch through the model once (all but its last
+        token), its key/value cache indexed out to every sample of it; ``generate`` then runs only each sample's
+        last prompt token and what it samples (GRPO's n samples would otherwise repeat the prompt's prefill n
+        times). Nothing to share (every prompt once, or one-token prompts): an empty dict, the plain path."""
+        first: dict[int, int] = {}
+        group = [first.setdefault(i, len(first)) for i in prompt_index]
+        ids, mask = batch["input_ids"][:, :-1], batch["attention_mask"][:, :-1]
+        if len(first) == len(prompt_index) or ids.shape[1] == 0:
+            return {}
+        rows = torch.as_tensor([group.index(g) for g in range(len(first))], device=ids.device)
+        ids, mask = ids[rows], mask[rows]
+        positions = (mask.long().cumsum(-1) - 1).masked_fill_(mask == 0, 1)  # as generate numbers left-padded prompts
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
+        cache = out.past_key_values
+        cache.batch_select_indices(torch.as_tensor(group, device=ids.device))
+        return {"past_key_values": cache}
+

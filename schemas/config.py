@@ -188,6 +188,9 @@ class RolloutConfig(_Section):
     top_k: int = Field(0, ge=0)  # 0 disables top-k
     max_new_tokens: int = Field(8, ge=1)
     batch_size: int = Field(512, ge=1)  # sequences per generate call
+    # engine=hf: the n samples of a prompt share one prefill of it (its key/value cache indexed out to each), as
+    # vLLM's prefix caching does; the prefill of a short answer's prompt is most of a generate call otherwise.
+    share_prompts: bool = Field(False, json_schema_extra=HASHED_WHEN_SET)
     seed: int = 0
     # The advantage stage fails when mean |rollout log-prob - trainer's recompute| exceeds this
     # (a stale or wrong weight sync); fp32 engines agree to ~1e-6. None: only logged.
@@ -400,6 +403,9 @@ class ActorConfig(_Section):
     kl_loss_coef: float = Field(0.001, ge=0)
     kl_loss_type: KLType = "low_var_kl"
     shuffle: bool = True
+    # A mini-batch holds whole prompt groups (the shuffle moves a prompt's samples together), as verl's mini-batches
+    # of ppo_mini_batch_size prompts x n: with share_prompts each prompt's forward is then shared by all its samples.
+    group_mini_batches: bool = Field(False, json_schema_extra=HASHED_WHEN_SET)
     # The old-log-prob pass also returns sum_v pi_v^2 per token (optimal_token_baseline needs it), as verl's.
     calculate_sum_pi_squared: bool = False
 

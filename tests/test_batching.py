@@ -507,6 +507,39 @@ def test_shared_prompt_updates_equal_padded(tok, weights, budget):
     assert_same_update(run_actor(tok, weights, cfg, batch), want)
 
 
+class MiniBatchRecordingActor(GradRecordingActor):
+    def _micro_batches(self, batch, mini, local):
+        self.minis = getattr(self, "minis", [])
+        self.minis.append(list(mini))
+        return super()._micro_batches(batch, mini, local)
+
+
+def test_group_mini_batches_hold_whole_groups_and_share_each_prompt_once(tok, weights):
+    """``group_mini_batches``: the shuffle moves a prompt's samples together (found by prompt, wherever they lie),
+    so a mini-batch of 6 holds two whole groups of 3; with ``share_prompts`` each prompt then runs once per
+    micro-batch, and the update equals the padded layout's over the same mini-batches."""
+    batch = grouped_batch(tok, 12, 3, seed=5)
+    perm = random.Random(2).sample(range(12), 12)  # the groups' samples interleaved
+    batch = {k: [v[i] for i in perm] for k, v in batch.items()}
+    prompts = batch["prompt_ids"]
+
+    def run(**kw):
+        model = new_model(tok, weights)
+        actor = MiniBatchRecordingActor(model, actor_cfg("seq-mean-token-mean", group_mini_batches=True, **kw), tok.pad_token_id, 20)
+        metrics = actor.update(batch, 0.9, 5)
+        return actor.minis, (metrics, actor.grads, {k: v.detach().clone() for k, v in model.state_dict().items()})
+
+    minis, want = run()
+    assert len(minis) == 4 and want[0]["actor/grad_norm"] > 0.5
+    for mini in minis:
+        held = {tuple(prompts[i]) for i in mini}
+        assert len(held) == 2 and sorted(mini) == sorted(i for i in range(12) if tuple(prompts[i]) in held)
+    assert minis[:2] != minis[2:]  # each epoch shuffles the groups anew
+    shared_minis, got = run(share_prompts=True)
+    assert shared_minis == minis
+    assert_same_update(got, want)
+
+
 def test_shared_prompts_with_packing_is_one_line():
     with pytest.raises(ConfigError, match="share_prompts needs the padded layout"):
         load_config(None, ["actor.share_prompts=true", "actor.packing=true"])

@@ -143,7 +143,10 @@ def test_required_maj_with_an_extracting_reward_function_loads():
     assert cfg.trainer.eval_require_maj
 
 
-@pytest.mark.parametrize("late", ["actor.share_prompts", "actor.optim.fused"])
+LATE_SETTINGS = ["actor.share_prompts", "actor.optim.fused", "actor.group_mini_batches", "rollout.share_prompts"]
+
+
+@pytest.mark.parametrize("late", LATE_SETTINGS)
 def test_a_run_recorded_before_a_late_setting_continues_after_the_upgrade(tmp_path, late):
     """A nightly run recorded by a version without a setting (``hashed_when_set``) continues under a version
     with it, while the setting stays at its default: the same stage keys, the same run identity. Set, it
@@ -165,12 +168,13 @@ def test_a_run_recorded_before_a_late_setting_continues_after_the_upgrade(tmp_pa
     for doc in (stored["config"], stored["identity"]):  # as the older version wrote it
         node, leaf = section(doc, late)
         node.pop(leaf, None)
-    other = next(p for p in ("actor.share_prompts", "actor.optim.fused") if p != late)
+    other = next(p for p in LATE_SETTINGS if p != late)
     node, leaf = section(stored["identity"], other)
     node[leaf] = False  # the other one recorded at its default, as versions before this check's fix wrote it
     store.put_json("nightly", "run.json", stored)
     assert check_run_config(store, cfg) is True
-    assert cfg.stage_hash("actor") == load_config(None, []).stage_hash("actor")
+    section_name = late.split(".")[0]
+    assert cfg.stage_hash(section_name) == load_config(None, []).stage_hash(section_name)
     assert late.rsplit(".", 1)[-1] not in json.dumps(_identity(cfg))
     with pytest.raises(ConfigError, match=rf"exists with another config \({late}: stored None, given True\)"):
         check_run_config(store, load_config(None, ["run_name=nightly", f"{late}=true"]))

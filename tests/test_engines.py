@@ -62,6 +62,48 @@ def test_rollout_is_seeded(kit):
     assert [x.response_ids for x in a] != [x.response_ids for x in c]
 
 
+def wide_forwards(model, run) -> list[tuple[int, int]]:
+    """(rows, width) of every forward of ``run()`` over more than one position: the prefills (a decoding step
+    runs one position per row)."""
+    seen: list[tuple[int, int]] = []
+
+    def record(_module, args, kwargs):
+        ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
+        if ids.shape[1] > 1:
+            seen.append(tuple(ids.shape))
+
+    hook = model.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        run()
+    finally:
+        hook.remove()
+    return seen
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7], ids=["greedy", "sampled"])
+def test_shared_prefill_samples_as_the_plain_engine(kit, temperature):
+    """``rollout.share_prompts``: each distinct prompt of a generate batch is prefilled once, and the samples,
+    their log-probs and their seeds are the plain engine's (left-padded prompts of unequal lengths; a batch of 6
+    that cuts after two prompts' 3 samples)."""
+    tok, model = kit
+    prompts = ["What is 1+2? ", "What is 10+20? ", "Hi "]
+    params = SamplingParams(n=3, temperature=temperature, seed=4)
+    got: dict[bool, list] = {}
+    wide = {
+        share: wide_forwards(model, lambda share=share: got.setdefault(share, HFRolloutEngine(model, tok, 6, share).generate(prompts, params)))
+        for share in (False, True)
+    }  # fmt: skip
+    P = [len(p) for p in prompts]
+    assert wide[False] == [(6, max(P[:2])), (3, P[2])]
+    assert wide[True] == [(2, max(P[:2]) - 1), (1, P[2] - 1)]  # all but the last prompt token, once per prompt
+    assert [c.response_ids for c in got[True]] == [c.response_ids for c in got[False]]
+    for a, b in zip(got[True], got[False], strict=True):
+        assert max(abs(x - y) for x, y in zip(a.log_probs, b.log_probs, strict=True)) < 1e-5
+    # one sample per prompt (the greedy eval): nothing to share, the plain path
+    single = SamplingParams(n=1, temperature=0)
+    assert wide_forwards(model, lambda: HFRolloutEngine(model, tok, 6, True).generate(prompts, single)) == [(3, max(P))]
+
+
 def test_ppo_update_raises_probability_of_positive_advantage(kit):
     tok, model = kit
     model = build_tiny_llama(KitConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64), tok)

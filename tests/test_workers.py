@@ -32,17 +32,20 @@ def _cfg(root, run: str, *extra: str):
 )
 def test_two_trainer_ranks_train_the_policy_one_rank_does(prefect_api, tmp_path, mode, budget, engines):
     """World size 2 (two Ray actors over gloo: DeepSpeed ZeRO-2 and 3, and the torch engine's all-reduce)
-    gives world size 1's (torch engine) policy; under ZeRO 1-3 each rank stores its own optimizer partition."""
+    gives world size 1's (torch engine) policy; under ZeRO 1-3 each rank stores its own optimizer partition.
+    Both ranks generate a share of the rollout (its two HF batches) where each holds the whole policy (not ZeRO-3),
+    and the samples are one rank's."""
     from flows.training import train
     from tasks.runtime import store_for
 
-    common = ["trainer.iterations=1", f"actor.loss_agg_mode={mode}", "actor.ppo_epochs=2"]
+    common = ["trainer.iterations=1", f"actor.loss_agg_mode={mode}", "actor.ppo_epochs=2", "rollout.batch_size=16"]
     if budget:
         common += [f"actor.micro_batch_tokens={budget}", "data.max_prompt_length=16"]
     one = _cfg(tmp_path, "dp1", *common)
     train(config=one)
     store = store_for(one)
     w1 = update_weights(store, "dp1", 1)
+    samples = store.read_table(store.manifest("dp1", 1, "rollout"), "rollouts.parquet").column("response_ids")
     results = {}
     for engine, zero in engines:
         run = f"dp2-{engine}-{zero}"
@@ -50,6 +53,10 @@ def test_two_trainer_ranks_train_the_policy_one_rank_does(prefect_api, tmp_path,
         results[engine, zero] = train(config=two)
         shards = sorted({n.split("/")[1] for n in store.manifest(run, 1, "update").files if n.startswith("trainer_state/rank-")})
         assert shards == (["rank-0", "rank-1"] if zero else [])
+        rollout = store.manifest(run, 1, "rollout")
+        assert rollout.meta["generated_by"].get("ranks", 1) == (1 if zero == 3 else 2)
+        got = store.read_table(rollout, "rollouts.parquet").column("response_ids")
+        assert got.equals(samples)
         w2 = update_weights(store, two.run_name, 1)
         init_ref = store.manifest(two.run_name, 1, "update").meta["policy_ref"]
         init = store.manifest(init_ref["run"], init_ref["iteration"], init_ref["stage"])

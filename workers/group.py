@@ -29,7 +29,7 @@ from infra.store import store_identity
 from schemas.config import ConfigError, RunConfig
 from schemas.manifest import Manifest, PolicyRef
 from schemas.stages import ConfigView, whole_config
-from workers.policy import CRITIC_INIT, PolicyWorker
+from workers.policy import CRITIC_INIT, PolicyWorker, every_rank_generates
 from workers.rollout import RolloutWorker
 
 RESTART_WAIT_S = 120.0  # how long a call waits for Ray to restart a killed worker (7-19 s seen on 2 cores)
@@ -73,6 +73,7 @@ class PolicyGroup:
     hf_batch: int = 0  # the HF engine's batch in samples (0: vLLM): a split of a generation lands on its bounds
     # role -> its placement group ("trainer", "rollout", "ref_critic": the roles that ask for GPUs), removed on release
     placements: dict[str, Any] = field(default_factory=dict)
+    ranks_generate: bool = False  # colocated generation split over every rank (workers.policy.every_rank_generates)
 
     @property
     def actors(self) -> list[Any]:
@@ -147,12 +148,14 @@ class PolicyGroup:
 
     def generate(self, method: str, version: str, items: list, params: dict) -> Any:
         """A generation call (``generate_ids`` or ``agent_generate``) on the role that generates. Over several
-        rollout actors the prompts are split in contiguous shares, each sampled with its global prompt
-        indices (``first_prompt``), so the completions equal one actor's, in the same order."""
-        if not self.rollouts:
+        rollout actors, or over the trainer ranks when each generates (``ranks_generate``), the prompts are split
+        in contiguous shares, each sampled with its global prompt indices (``first_prompt``), so the completions
+        equal one actor's, in the same order."""
+        generators = self.rollouts or (self.ranks if self.ranks_generate and method == "generate_ids" else [])
+        if not generators:
             return self.call(method, version, items, params)
-        shares = self._shares(len(items), params["n"]) if method == "generate_ids" and items else [(0, len(items))]
-        actors = self.rollouts[: len(shares)]
+        shares = self._shares(len(items), params["n"], len(generators)) if method == "generate_ids" and items else [(0, len(items))]
+        actors = generators[: len(shares)]
 
         def calls() -> list:  # submitted again on each try: a restarted actor needs a new call, not the failed one
             return [
@@ -165,17 +168,17 @@ class PolicyGroup:
         parts = _wait_restart(lambda: ray.get(calls()))
         return parts[0] if len(parts) == 1 else [c for part in parts for c in part]
 
-    def _shares(self, prompts: int, n: int) -> list[tuple[int, int]]:
-        """Contiguous prompt ranges, one per rollout actor, cut at the HF engine's batch bounds."""
+    def _shares(self, prompts: int, n: int, actors: int) -> list[tuple[int, int]]:
+        """Contiguous prompt ranges, one per generating actor, cut at the HF engine's batch bounds."""
         unit = self.hf_batch // math.gcd(self.hf_batch, n) if self.hf_batch else 1  # prompts a batch bound falls on
         blocks = -(-prompts // unit)
-        per = -(-blocks // len(self.rollouts))
+        per = -(-blocks // actors)
         return [(lo, min(lo + per * unit, prompts)) for lo in range(0, prompts, per * unit)]
 
     def generator_info(self) -> dict:
         """Where generation ran and how its weights arrived."""
         if not self.rollouts:
-            return {"placement": "colocated", **self.call("info")}
+            return {"placement": "colocated", **self.call("info"), **({"ranks": len(self.ranks)} if self.ranks_generate else {})}
         infos = ray.get([a.info.remote() for a in self.rollouts])
         return {"placement": "separate", **infos[0], **({"workers": infos} if len(infos) > 1 else {})}
 
@@ -315,7 +318,7 @@ def open_group(cfg: RunConfig | ConfigView, version: str = "main") -> PolicyGrou
     # vLLM seeds each prompt: any split samples alike; HF seeds each batch of rollout.batch_size samples
     hf_batch = cfg.rollout.batch_size if cfg.rollout.engine == "hf" else 0
     name = actor_name(cfg.run_name, cfg.store.root, version)
-    return PolicyGroup(ranks, name, rollouts, drills, ref_critic, hf_batch, placements)
+    return PolicyGroup(ranks, name, rollouts, drills, ref_critic, hf_batch, placements, every_rank_generates(cfg) and len(ranks) > 1)
 
 
 def _role_bundles(cfg: RunConfig, version: str, role: str, bundle: dict[str, float], count: int):

@@ -137,7 +137,7 @@ def rollout_engine(cfg: RunConfig, model, tokenizer, path: str, current=None):
     """
     r = cfg.rollout
     if r.engine == "hf":
-        return HFRolloutEngine(model, tokenizer, r.batch_size)
+        return HFRolloutEngine(model, tokenizer, r.batch_size, r.share_prompts)
     from engines.rollout_vllm import VLLMRolloutEngine  # lazy: vllm is an optional extra
 
     adapter = is_peft(model)
@@ -162,6 +162,14 @@ def rollout_engine(cfg: RunConfig, model, tokenizer, path: str, current=None):
 
 
 SCRATCH = re.compile(r"^rlstage-(?:worker|rollout)-p(\d+)-")
+
+
+def every_rank_generates(cfg: RunConfig) -> bool:
+    """Whether colocated generation runs on every data-parallel rank, each a share of the prompts (verl's rollout
+    is data parallel too): the HF engine over a rank's whole policy (ZeRO 0-2). Under ZeRO-3 the other ranks keep
+    a partition only, and a vLLM engine is started once, on rank 0."""
+    zero3 = cfg.actor.engine == "deepspeed" and cfg.actor.zero_stage == 3
+    return cfg.ray.rollout_placement == "colocated" and cfg.rollout.engine == "hf" and not zero3
 
 
 def scratch_dir(kind: str, run: str) -> Path:
@@ -406,8 +414,8 @@ class PolicyWorker:
             self.actor = self._new_actor(pad_id)
             if state is not None:
                 self.actor.load_state_dict(state)
-            # Rank 0 generates unless the rollout role is placed apart; the other ranks only train.
-            colocated = self.rank == 0 and self.cfg.ray.rollout_placement == "colocated"
+            # Rank 0 generates unless the rollout role is placed apart; the other ranks too where they can.
+            colocated = self.cfg.ray.rollout_placement == "colocated" and (self.rank == 0 or every_rank_generates(self.cfg))
             self.rollout = rollout_engine(self.cfg, self.model, self.tokenizer, self._engine_dir(path), self.rollout) if colocated else None
         elif role == "ref":
             self.ref_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval().requires_grad_(False).to(device)
@@ -489,7 +497,7 @@ class PolicyWorker:
     def generate_ids(self, version: str, prompt_ids: list[list[int]], params: dict) -> list[dict]:
         """Completions of rendered prompts (the stage renders chat messages with the policy's template)."""
         self._require(version)
-        self.drill.point("rollout")
+        self.drill.point("rollout" if self.rank == 0 else f"rank{self.rank}")
         return [asdict(c) for c in self.rollout.generate_ids(prompt_ids, SamplingParams(**params))]
 
     def agent_generate(self, version: str, rows: list[dict], params: dict) -> tuple[list[dict], dict]:
