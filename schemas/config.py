@@ -698,6 +698,16 @@ class RunConfig(_Section):
             )
         if self.critic.ppo_mini_batch_size % self.critic.micro_batch_size:
             raise ValueError("critic.ppo_mini_batch_size must be a multiple of critic.micro_batch_size")
+        if self.actor.group_mini_batches and self.actor.ppo_mini_batch_size % self.rollout.n:
+            raise ValueError(
+                f"actor.group_mini_batches: actor.ppo_mini_batch_size={self.actor.ppo_mini_batch_size} must be a multiple of "
+                f"rollout.n={self.rollout.n}, so that a mini-batch holds whole groups"
+            )
+        if self.rollout.share_prompts and self.rollout.engine != "hf":
+            raise ValueError(
+                f"rollout.share_prompts is the HF engine's; rollout.engine={self.rollout.engine} shares a prompt's prefill "
+                "through its own prefix cache"
+            )
         # A remainder would be a short last mini-batch each epoch, a step on fewer samples than configured.
         samples = self.data.prompts_per_iteration * self.rollout.n
         for name, section in (("actor", self.actor), ("critic", self.critic)):

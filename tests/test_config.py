@@ -37,6 +37,9 @@ def test_yaml_and_dotted_overrides(tmp_path):
         (["algorithm.adv_estimator=gae"], "needs a critic"),
         (["data.source=gsm8k"], "data.train_path is required"),
         (["nonsense"], "is not of the form key=value"),
+        (["actor.group_mini_batches=true", "actor.ppo_mini_batch_size=12", "actor.micro_batch_size=12", "data.prompts_per_iteration=12"],
+         "actor.group_mini_batches: actor.ppo_mini_batch_size=12 must be a multiple of rollout.n=8"),
+        (["rollout.share_prompts=true", "rollout.engine=vllm"], "rollout.share_prompts is the HF engine's"),
     ],
 )
 def test_bad_config_names_the_key(overrides, needle):
