@@ -514,10 +514,10 @@ class MiniBatchRecordingActor(GradRecordingActor):
         return super()._micro_batches(batch, mini, local)
 
 
-def test_group_mini_batches_hold_whole_groups_and_share_each_prompt_once(tok, weights):
+def test_group_mini_batches_hold_whole_groups(tok, weights):
     """``group_mini_batches``: the shuffle moves a prompt's samples together (found by prompt, wherever they lie),
-    so a mini-batch of 6 holds two whole groups of 3; with ``share_prompts`` each prompt then runs once per
-    micro-batch, and the update equals the padded layout's over the same mini-batches."""
+    so a mini-batch of 6 holds two whole groups of 3, reshuffled each epoch; with ``share_prompts`` (each prompt's
+    forward shared by its samples) the update equals the padded layout's over the same mini-batches."""
     batch = grouped_batch(tok, 12, 3, seed=5)
     perm = random.Random(2).sample(range(12), 12)  # the groups' samples interleaved
     batch = {k: [v[i] for i in perm] for k, v in batch.items()}
