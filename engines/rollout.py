@@ -123,12 +123,16 @@ class HFRolloutEngine:
         token), its key/value cache indexed out to every sample of it; ``generate`` then runs only each sample's
         last prompt token and what it samples (GRPO's n samples would otherwise repeat the prompt's prefill n
         times). Nothing to share (every prompt once, or one-token prompts): an empty dict, the plain path."""
-        first: dict[int, int] = {}
-        group = [first.setdefault(i, len(first)) for i in prompt_index]
+        place: dict[int, int] = {}  # prompt index -> its place among the batch's distinct prompts
+        rows: list[int] = []  # the batch row of each distinct prompt's first sample
+        for row, i in enumerate(prompt_index):
+            if i not in place:
+                place[i] = len(rows)
+                rows.append(row)
         ids, mask = batch["input_ids"][:, :-1], batch["attention_mask"][:, :-1]
-        if len(first) == len(prompt_index) or ids.shape[1] == 0:
+        if len(rows) == len(prompt_index) or ids.shape[1] == 0:
             return {}
-        rows = torch.as_tensor([group.index(g) for g in range(len(first))], device=ids.device)
+        group = [place[i] for i in prompt_index]
         ids, mask = ids[rows], mask[rows]
         positions = (mask.long().cumsum(-1) - 1).masked_fill_(mask == 0, 1)  # as generate numbers left-padded prompts
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
