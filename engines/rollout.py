@@ -139,4 +139,3 @@ class HFRolloutEngine:
         cache = out.past_key_values
         cache.batch_select_indices(torch.as_tensor(group, device=ids.device))
         return {"past_key_values": cache}
-
