@@ -255,7 +255,7 @@ def iteration_flow(cfg: RunConfig, iteration: int, prompts: Manifest, models: Mo
             held[name] = _output(spec, result)
             made_by[name] = future
         if spec.name == "rollout" and cfg.trainer.async_staleness and iteration < last:
-            ahead = stages.submit_stage(cfg, "rollout", iteration + 1, prompts, models.policy)
+            ahead = stages.submit_stage(cfg, "rollout", iteration + 1, prompts, models.policy, ahead=True)
     if handoff is not None:
         handoff.stages_ended()
     return out

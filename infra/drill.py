@@ -53,3 +53,4 @@ class WorkerDrill:
     def point(self, role: str) -> None:
         if self.at is not None:
             fault_point(self.cfg, f"{self.at[0]}@{role}", self.at[1], where="kill_worker_at")
+            hold_point(self.cfg, f"{self.at[0]}@{role}:{self.at[1]}")

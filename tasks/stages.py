@@ -225,24 +225,39 @@ def prompts_per_round(cfg: ConfigView) -> int:
 
 @stage_task("rollout")
 def rollout(
-    cfg: ConfigView, iteration: int, prompts: Manifest, policy: PolicyRef, version: str = "main", meta: dict | None = None
+    cfg: ConfigView,
+    iteration: int,
+    prompts: Manifest,
+    policy: PolicyRef,
+    version: str = "main",
+    meta: dict | None = None,
+    ahead: bool = False,
 ) -> StageResult:
+    """``ahead``: submitted by a pipelined run while the trainer trains the previous iteration; it then asks
+    nothing of the trainer (the weights come from the store), so it computes beside the update."""
+
     def produce() -> StageOutput:
         train = _read(cfg, prompts, "train.parquet")
         rows = prompt_batch(train.num_rows, iteration, prompts_per_round(cfg), cfg.data.shuffle_seed)
-        return generate_round(cfg, iteration, train.take(rows).to_pylist(), policy, version)
+        return generate_round(cfg, iteration, train.take(rows).to_pylist(), policy, version, ahead=ahead)
 
     inputs = {"prompts": prompts.artifact_id, "policy": policy.version}
     return run_stage(cfg, "rollout", iteration, inputs, produce, version=version, meta=meta)
 
 
 def generate_round(
-    cfg: ConfigView, iteration: int, batch: list[dict], policy: PolicyRef, version: str = "main", round_: int = 0
+    cfg: ConfigView,
+    iteration: int,
+    batch: list[dict],
+    policy: PolicyRef,
+    version: str = "main",
+    round_: int = 0,
+    ahead: bool = False,
 ) -> StageOutput:
     """One generation round over prompts-table rows: the rollout stage's (round 0), or one of dynamic sampling's."""
     group = open_group(cfg, version)
     group.arm("rollout", iteration)
-    group.acquire_rollout(policy, update_hash(cfg))
+    group.acquire_rollout(policy, update_hash(cfg), ask_trainer=not ahead)
     comps, stats = _complete(cfg, group, policy.version, batch, _sampling(cfg, iteration, round_=round_))
     if cfg.algorithm.adv_estimator == "remax":
         # ReMax's baseline: one greedy answer per prompt, scored like the samples (sample_index -1).

@@ -428,33 +428,59 @@ def _interval(m) -> tuple[float, float]:
 
 def test_pipelined_iterations_overlap_rollout_with_training(prefect_api, tmp_path):
     """trainer.async_staleness=1: the rollout of iteration k+1 is submitted beside iteration k's reward, on
-    the rollout role, before its advantage and update; each rollout records the policy it sampled with."""
+    the rollout role, and computes while update k trains; each rollout records the policy it sampled with.
+
+    Overlap by construction, without a race on timestamps: update k holds inside the trainer's call (a drill
+    point) and the rollout of k+1 holds inside its generate call; both are released only once both are held.
+    Were rollout k+1 waiting on anything update k holds (the trainer, a CPU), the two would never be held at once.
+    """
+    import threading
+    import time
+
     from flows.training import train
     from tasks.runtime import policy_ref_from, store_for
 
     stages_cpu = "ray.stages={" + ", ".join(f"{s}: {{num_cpus: 0.25}}" for s in ("data_prep", "rollout", "reward", "advantage", "update", "eval")) + "}"
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    pairs = [(f"update-{k}", f"rollout@rollout-{k + 1}") for k in (1, 2)]
+    holds = [f"'{p.replace('-', ':')}'" for pair in pairs for p in pair]
     cfg = _cfg(
         tmp_path, "async", "trainer.iterations=3", "trainer.async_staleness=1", "ray.rollout_placement=separate",
         "ray.worker_num_cpus=0.5", "ray.rollout_num_cpus=0.5", stages_cpu, "rollout.n=16", "data.prompts_per_iteration=32",
-        "algorithm.rollout_correction.rollout_is=token",
+        "algorithm.rollout_correction.rollout_is=token", "trainer.eval_every=2", f"drill.hold_worker_at=[{', '.join(holds)}]", f"drill.markers={markers}",
     )  # fmt: skip
+    together: list[str] = []
+
+    def release_pairs() -> None:  # each pair released once both halves are held (a missing half: 240 s, then released)
+        for update, rollout in pairs:
+            deadline = time.monotonic() + 240
+            while not all((markers / f"held-{p}").exists() for p in (update, rollout)) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if all((markers / f"held-{p}").exists() for p in (update, rollout)):
+                together.append(update)
+            for p in (update, rollout):
+                (markers / f"release-{p}").touch()
+
+    releaser = threading.Thread(target=release_pairs, daemon=True)
+    releaser.start()
     result = train(config=cfg)
+    releaser.join(timeout=5)
+    assert together == ["update-1", "update-2"], together  # rollout k+1 generated while update k trained
     store = store_for(cfg)
     m = {(k, s): store.manifest("async", k, s) for k in (1, 2, 3) for s in ("rollout", "advantage", "update")}
     start = m[1, "update"].meta["policy_ref"]["version"]
     # rollout k samples with the policy iteration k-1 started from: lag 1 from iteration 2 on
     assert m[1, "rollout"].inputs["policy"] == start and m[2, "rollout"].inputs["policy"] == start
     assert m[3, "rollout"].inputs["policy"] == policy_ref_from(m[1, "update"]).version
+    # no eval in iteration 1 to load update 1's policy: rollout 3 read it from the store, asking nothing of the trainer
+    assert m[3, "rollout"].meta["generated_by"]["weights"] == "store"
     assert m[2, "update"].inputs["policy"] == policy_ref_from(m[1, "update"]).version
     hist = {h["iteration"]: h for h in result["history"]}
     assert hist[1]["rollout/off_policy"] == 0 and hist[2]["rollout/off_policy"] == 1
     assert hist[3]["rollout/logprob_gap"] > 1e-4  # sampled by an older policy: the guard is off, IS weights on
     assert "rollout_corr/rollout_is_mean" in hist[3]
-    for k in (1, 2):
-        # Submitted ahead, beside reward k: rollout k+1 started computing before update k committed, which a
-        # synchronous run never does (which of it and advantage k starts first is Ray's scheduling: under CI's
-        # load the rollout worker once began 25 s after advantage k; test_rollout_placed_apart... shows overlap).
-        assert _interval(m[k + 1, "rollout"])[0] < _interval(m[k, "update"])[1]
+    assert weights_moved(update_weights(store, "async", 1), update_weights(store, "async", 3))
     assert train(config=cfg)["executed"] == []  # rerun: every stage committed, nothing executes
 
 

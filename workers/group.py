@@ -83,10 +83,19 @@ class PolicyGroup:
         """The actor holding ``role``: the reference and critic may have one of their own, the rest is rank 0."""
         return self.ref_critic if role in ("ref", "critic") and self.ref_critic is not None else self.ranks[0]
 
+    @property
+    def generators(self) -> list[Any]:
+        """The actors that generate: the rollout role's own when placed apart, else the trainer ranks."""
+        return self.rollouts or self.ranks
+
     def arm(self, stage: str, iteration: int) -> None:
-        """Failure drills only: tell every actor which stage and iteration its next calls serve."""
+        """Failure drills only: tell the actors that serve ``stage`` which stage and iteration their next calls
+        serve: the generators for rollout and eval, the others for the rest. Never an actor busy with another
+        stage: a pipelined rollout runs beside the update (the trainer's calls), the advantage beside it."""
         if self.drills:
-            _wait_restart(lambda: ray.get([a.arm.remote(stage, iteration) for a in self.actors]))
+            generate = stage in ("rollout", "eval")
+            targets = self.generators if generate else self.ranks + ([self.ref_critic] if self.ref_critic is not None else [])
+            _wait_restart(lambda: ray.get([a.arm.remote(stage, iteration) for a in targets]))
 
     def call(self, method: str, *args: Any, role: str = "policy") -> Any:
         """One call on the actor that holds ``role``: rank 0 (the policy and every colocated role), or the
@@ -133,9 +142,11 @@ class PolicyGroup:
         self.call_all("join", addr, port)
         return self.call_all("acquire", *args)[0]
 
-    def acquire_rollout(self, ref: PolicyRef, update_hash: str | None = None) -> None:
+    def acquire_rollout(self, ref: PolicyRef, update_hash: str | None = None, ask_trainer: bool = True) -> None:
         """Make the generating role hold ``ref``: rank 0 when colocated, else every rollout actor, which takes
-        the trainer's same-node handoff when the trainer holds ``ref`` and reads the store otherwise."""
+        the trainer's same-node handoff when the trainer holds ``ref`` and reads the store otherwise.
+        ``ask_trainer=False`` (a pipelined rollout, submitted while the trainer trains) reads the store at once:
+        a handoff call would queue behind the running update, and the overlap would be lost."""
         if not self.rollouts:
             self.acquire(ref, "policy", update_hash)
             return
@@ -143,7 +154,7 @@ class PolicyGroup:
         behind = [a for a, v in zip(self.rollouts, versions, strict=True) if v != ref.version]
         if not behind:
             return
-        handoff = self.call("handoff", ref.version)
+        handoff = self.call("handoff", ref.version) if ask_trainer else None
         _wait_restart(lambda: ray.get([a.acquire.remote(ref.model_dump(mode="json"), handoff) for a in behind]))
 
     def generate(self, method: str, version: str, items: list, params: dict) -> Any:
@@ -258,12 +269,18 @@ def check_placement(cfg: RunConfig) -> None:
     trainer = asks["trainer"]
     apart = [a for role, a in asks.items() if role != "trainer" and a.count and a.cpus]
     stage = max([cfg.ray.resources(s).num_cpus for s in ("rollout", "advantage", "update", "eval")])
+    tasks = "a stage task's"
+    if cfg.trainer.async_staleness:
+        # pipelined: the next rollout's task computes beside this iteration's reward, advantage or update task,
+        # so both are reserved up front (else Ray would start the rollout only once the update ended)
+        stage = cfg.ray.resources("rollout").num_cpus + max(cfg.ray.resources(s).num_cpus for s in ("reward", "advantage", "update"))
+        tasks = "the pipelined rollout's task beside another stage task's"
     need = sum(a.cpus * a.count for a in [trainer, *apart]) + stage
     if need > have:
         roles = "".join(f" + {f'{a.count} x ' if a.count > 1 else ''}ray.{a.prefix}_num_cpus={a.cpus:g}" for a in apart)
         raise ConfigError(
-            f"config error: ray.trainer_world_size={trainer.count} x ray.worker_num_cpus={trainer.cpus:g}{roles} plus a "
-            f"stage task's {stage:g} CPUs need {need:g} CPUs; the Ray cluster has {have:g}"
+            f"config error: ray.trainer_world_size={trainer.count} x ray.worker_num_cpus={trainer.cpus:g}{roles} plus "
+            f"{tasks} {stage:g} CPUs need {need:g} CPUs; the Ray cluster has {have:g}"
         )
     gpu_roles = [a for a in asks.values() if a.gpus and a.count]
     need_gpus = sum(a.gpus * a.count for a in gpu_roles)
@@ -314,7 +331,8 @@ def open_group(cfg: RunConfig | ConfigView, version: str = "main") -> PolicyGrou
         # A worker of the trainer's kind that never acquires the policy: it holds only the reference and critic.
         name = actor_name(cfg.run_name, cfg.store.root, version) + "-ref-critic"
         ref_critic = ray.remote(PolicyWorker).options(name=name, **options("ref_critic", 0)).remote(cfg_json, total_update_steps(cfg))
-    drills = bool(cfg.drill.kill_worker_at)
+    # a hold point naming a role ("rollout@rollout:2") is announced from the worker too, as kill points are
+    drills = bool(cfg.drill.kill_worker_at) or any("@" in p for p in cfg.drill.hold_worker_at)
     # vLLM seeds each prompt: any split samples alike; HF seeds each batch of rollout.batch_size samples
     hf_batch = cfg.rollout.batch_size if cfg.rollout.engine == "hf" else 0
     name = actor_name(cfg.run_name, cfg.store.root, version)
