@@ -21,8 +21,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def call_quality(cfg, iteration: int) -> dict[str, float]:
     """Where the policy's tool use goes right: operands copied into the call, the result copied out."""
-    from engines.tools import parse_tool_calls
-    from tasks.runtime import store_for
+    from rlstage.engines.tools import parse_tool_calls
+    from rlstage.tasks.runtime import store_for
 
     store = store_for(cfg)
     rows = store.read_table(store.manifest(cfg.run_name, iteration, "rollout"), "rollouts.parquet").to_pylist()
@@ -43,16 +43,16 @@ def main() -> None:
     parser.add_argument("--store", default="/tmp/rlstage-agent")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
-    from flows.cli import prefect_api
-    from infra.env import apply_defaults
+    from rlstage.flows.cli import prefect_api
+    from rlstage.infra.env import apply_defaults
 
     apply_defaults()
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
     with prefect_api():
-        from flows.training import train
-        from schemas.config import load_config
-        from tasks.kit import sft_warm_start
-        from tasks.stages import result_of
+        from rlstage.flows.training import train
+        from rlstage.schemas.config import load_config
+        from rlstage.tasks.kit import sft_warm_start
+        from rlstage.tasks.stages import result_of
 
         cfg = load_config(ROOT / "configs" / "agent_calc.yaml", [f"store.root={args.store}", *args.overrides])
         t0 = time.perf_counter()

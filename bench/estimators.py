@@ -55,14 +55,14 @@ def main() -> None:
             print(f"{name}: configs/{config}.yaml {' '.join(overrides)}")
         return
     sys.path.insert(0, str(ROOT))
-    from flows.cli import prefect_api
-    from infra.env import apply_defaults
+    from rlstage.flows.cli import prefect_api
+    from rlstage.infra.env import apply_defaults
 
     apply_defaults()
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
     with prefect_api():
-        from flows.training import train
-        from schemas.config import load_config
+        from rlstage.flows.training import train
+        from rlstage.schemas.config import load_config
 
         for name in args.names:
             config, overrides = RUNS[name]

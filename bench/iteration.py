@@ -27,13 +27,13 @@ def main() -> None:
     parser.add_argument("--store", default="/tmp/rlstage-bench-iter")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
-    from flows.cli import prefect_api
-    from infra.env import apply_defaults
+    from rlstage.flows.cli import prefect_api
+    from rlstage.infra.env import apply_defaults
 
     apply_defaults()
     with prefect_api():
-        from flows.training import train
-        from schemas.config import load_config
+        from rlstage.flows.training import train
+        from rlstage.schemas.config import load_config
 
         cfg = load_config(
             ROOT / "configs" / "demo.yaml",

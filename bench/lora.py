@@ -6,7 +6,7 @@ prints one JSON line: trained parameters, the bytes the trainer keeps beside the
 AdamW moments, counted from the tensors after an update), the process's peak RSS, and the median wall time
 of ``--repeats`` timed updates after one warm-up.
 
-    .venv/bin/python bench/lora.py                  # SmolLM2 from `python -m infra.models smollm2`
+    .venv/bin/python bench/lora.py                  # SmolLM2 from `python -m rlstage.infra.models smollm2`
     .venv/bin/python bench/lora.py --model DIR --samples 32 --repeats 3
 """
 
@@ -27,9 +27,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.update_throughput import ragged_batch  # noqa: E402
-from engines.actor import TorchActor  # noqa: E402
-from engines.lora import with_adapters  # noqa: E402
-from schemas.config import ActorConfig, ModelConfig, OptimConfig  # noqa: E402
+from rlstage.engines.actor import TorchActor  # noqa: E402
+from rlstage.engines.lora import with_adapters  # noqa: E402
+from rlstage.schemas.config import ActorConfig, ModelConfig, OptimConfig  # noqa: E402
 
 VARIANTS = {"full": None, "lora_r8": ModelConfig(lora_rank=8, lora_alpha=16), "lora_r32": ModelConfig(lora_rank=32, lora_alpha=64)}
 
@@ -78,7 +78,7 @@ def main() -> None:
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # the subprocess of one variant
     args = ap.parse_args()
     if args.model is None:
-        from infra.models import fetch_model
+        from rlstage.infra.models import fetch_model
 
         args.model = str(fetch_model("smollm2"))
     if args.one is not None:

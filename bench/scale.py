@@ -34,7 +34,7 @@ def build_model(folder: Path, dtype: str, layers: int) -> int:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from engines.tinykit import build_char_tokenizer
+    from rlstage.engines.tinykit import build_char_tokenizer
 
     tok = build_char_tokenizer()
     tok.add_tokens([f"<x{i}>" for i in range(QWEN2_05B["vocab_size"] - len(tok))])
@@ -85,8 +85,8 @@ def main() -> None:
     import sys
 
     sys.path.insert(0, str(ROOT))
-    from flows.cli import prefect_api
-    from infra.env import apply_defaults
+    from rlstage.flows.cli import prefect_api
+    from rlstage.infra.env import apply_defaults
 
     apply_defaults()
     folder = Path(args.store) / ("qwen2-0.5b-random" if args.layers == 24 else f"qwen2-0.5b-{args.layers}-layers-random")
@@ -96,9 +96,9 @@ def main() -> None:
     monitor = PeakMemory()
     monitor.start()
     with prefect_api():
-        from flows.training import train
-        from schemas.config import load_config
-        from tasks.runtime import store_for
+        from rlstage.flows.training import train
+        from rlstage.schemas.config import load_config
+        from rlstage.tasks.runtime import store_for
 
         cfg = load_config(
             None,

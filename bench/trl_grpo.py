@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from source_tree import import_rlstage  # noqa: E402  (bench/ is this script's folder)
+
+import_rlstage()  # the TRL venv has no rlstage installed: the checkout's own code
 
 import pyarrow.parquet as pq  # noqa: E402  (the TRL venv has pyarrow through datasets)
 import torch  # noqa: E402
@@ -28,8 +29,8 @@ from datasets import Dataset  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
-from engines.rewards import exact_match  # noqa: E402  (the criterion rlstage's reward and eval stages use)
-from engines.rollout import HFRolloutEngine, SamplingParams  # noqa: E402  (the engine rlstage's eval stage uses)
+from rlstage.engines.rewards import exact_match  # noqa: E402  (the criterion rlstage's reward and eval stages use)
+from rlstage.engines.rollout import HFRolloutEngine, SamplingParams  # noqa: E402  (the engine rlstage's eval stage uses)
 
 MAX_NEW_TOKENS = 8
 # Every bench run of TRL: on the CPU, nothing saved or reported, no progress bars.

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from source_tree import import_rlstage  # noqa: E402  (bench/ is this script's folder)
+
+import_rlstage()  # the TRL venv has no rlstage installed: the checkout's own code
 
 import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
@@ -28,8 +29,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback  #
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 from trl_grpo import CPU_RUN  # noqa: E402
 
-from engines.datasets import load_gsm8k  # noqa: E402  (rlstage's GSM8K prompts: verl's instruction)
-from engines.rewards import gsm8k  # noqa: E402  (the scorer rlstage's reward stage runs)
+from rlstage.engines.datasets import load_gsm8k  # noqa: E402  (rlstage's GSM8K prompts: verl's instruction)
+from rlstage.engines.rewards import gsm8k  # noqa: E402  (the scorer rlstage's reward stage runs)
 
 PROMPTS, SAMPLES, MINI_BATCH, MAX_NEW_TOKENS = 4, 8, 16, 256
 

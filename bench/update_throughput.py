@@ -4,7 +4,7 @@ Prints one JSON line per (model, variant). ``tokens_per_s`` counts the real (unp
 tokens that go through forward and backward in one ``update`` call (times ``ppo_epochs``), divided by the
 median wall time of ``--repeats`` timed updates after one warm-up update. DeepSpeed's engine set-up is
 reported separately as ``init_s``. Models: the tiny kit Llama, a ~20M-parameter random-init Llama and
-``smollm2``, the real SmolLM2-135M-Instruct (``python -m infra.models smollm2`` fetches it) on a batch shaped
+``smollm2``, the real SmolLM2-135M-Instruct (``python -m rlstage.infra.models smollm2`` fetches it) on a batch shaped
 like its GSM8K rollouts (prompts of 100-200 tokens, responses of 32-256).
 
 Batching section (``--batching``, on by default): TorchActor on a second ragged batch whose sequence lengths
@@ -36,11 +36,11 @@ from collections.abc import Callable
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from engines import algorithms as algos
-from engines.actor import TorchActor
-from engines.batching import build_inputs, micro_batch_cost, pad_right, response_log_probs
-from engines.tinykit import build_char_tokenizer, build_tiny_llama
-from schemas.config import ActorConfig, KitConfig, OptimConfig
+from rlstage.engines import algorithms as algos
+from rlstage.engines.actor import TorchActor
+from rlstage.engines.batching import build_inputs, micro_batch_cost, pad_right, response_log_probs
+from rlstage.engines.tinykit import build_char_tokenizer, build_tiny_llama
+from rlstage.schemas.config import ActorConfig, KitConfig, OptimConfig
 
 # name -> (model kwargs, samples in the batch, torch threads, timed updates per variant)
 MODELS: dict[str, tuple[dict, int, int, int]] = {
@@ -59,7 +59,7 @@ DEFAULT_SHAPE = ((8, 24), (1, 32))
 
 
 def real_path(name: str) -> str:
-    from infra.models import fetch_model
+    from rlstage.infra.models import fetch_model
 
     return str(fetch_model(name))
 
@@ -232,7 +232,7 @@ def run_variant(
         actor = TorchActor(model, cfg.model_copy(update={"share_prompts": variant.endswith("shared")}), tok.pad_token_id, 1000)
         update = actor.update
     else:
-        from engines.actor_deepspeed import DeepSpeedActor
+        from rlstage.engines.actor_deepspeed import DeepSpeedActor
 
         stage = int(variant[-1])
         actor = DeepSpeedActor(

@@ -63,17 +63,17 @@ def _median(times: list[float | None]) -> float | None:
 def run_rlstage(args: argparse.Namespace, seed: int, out: Path) -> dict:
     """One seed of rlstage, in this process (the ``--side rlstage`` child): the curve from the run's history."""
     sys.path.insert(0, str(ROOT))
-    from flows.cli import prefect_api
-    from infra.env import apply_defaults
-    from infra.store import ArtifactStore
-    from schemas.stages import kit_run_name
+    from rlstage.flows.cli import prefect_api
+    from rlstage.infra.env import apply_defaults
+    from rlstage.infra.store import ArtifactStore
+    from rlstage.schemas.stages import kit_run_name
 
     apply_defaults()
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
     t0 = time.perf_counter()
     with prefect_api():
-        from flows.training import train
-        from schemas.config import load_config
+        from rlstage.flows.training import train
+        from rlstage.schemas.config import load_config
 
         # One run per config, overrides and seed: another setting is another run, never a refused resume.
         tag = hashlib.sha1(json.dumps(args.overrides).encode()).hexdigest()[:6] if args.overrides else "base"

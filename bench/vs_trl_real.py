@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/vs_trl_real.py [--iterations 3] [--store /tmp/rlstage-vs-trl-real] [overrides...]
 
-Both sides train SmolLM2-135M-Instruct (``python -m infra.models smollm2``) with GRPO on GSM8K train
+Both sides train SmolLM2-135M-Instruct (``python -m rlstage.infra.models smollm2``) with GRPO on GSM8K train
 questions with equal batch shapes: 4 prompts x 8 samples a generation, at most 256 new tokens, two
 optimizer steps of 16 samples per generation, lr 2e-5, no KL, fp32, two torch threads. rlstage runs
 ``configs/gsm8k-smollm2.yaml`` through the real pipeline (Prefect, Ray, store, MLflow, vLLM rollout) in a
@@ -34,14 +34,14 @@ GSM8K_TRAIN = ROOT.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
 def run_rlstage(args: argparse.Namespace, out: Path) -> dict:
     """The ``--side rlstage`` child: the config's run for ``--iterations``, timed from its history."""
     sys.path.insert(0, str(ROOT))
-    from flows.cli import prefect_api
-    from infra.env import apply_defaults
+    from rlstage.flows.cli import prefect_api
+    from rlstage.infra.env import apply_defaults
 
     apply_defaults()
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
     with prefect_api():
-        from flows.training import train
-        from schemas.config import load_config
+        from rlstage.flows.training import train
+        from rlstage.schemas.config import load_config
 
         overrides = [f"trainer.iterations={args.iterations}", f"store.root={args.store}",
                      f"run_name=vs-trl-real-{int(time.time())}", *args.overrides]  # fmt: skip
@@ -100,7 +100,7 @@ def main() -> None:
         run_rlstage(args, Path(args.out))
         return
     sys.path.insert(0, str(ROOT))
-    from infra.models import fetch_model
+    from rlstage.infra.models import fetch_model
 
     model = fetch_model("smollm2")
     work = Path(args.store) / "vs-trl-real"

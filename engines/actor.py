@@ -12,8 +12,8 @@ from collections.abc import Sequence
 
 import torch
 
-from engines import algorithms as algos
-from engines.batching import (
+from rlstage.engines import algorithms as algos
+from rlstage.engines.batching import (
     MicroBatch,
     MiniBatchTrainer,
     lr_lambda,

@@ -35,11 +35,11 @@ from contextlib import nullcontext
 
 import torch
 
-from engines.actor import TorchActor, check_equal_shards, rank_mean
-from engines.batching import adamw, check_packing_supported, lr_lambda, trainable_parameters
-from engines.checkpoint import register_type
-from infra.env import free_port
-from schemas.config import ActorConfig
+from rlstage.engines.actor import TorchActor, check_equal_shards, rank_mean
+from rlstage.engines.batching import adamw, check_packing_supported, lr_lambda, trainable_parameters
+from rlstage.engines.checkpoint import register_type
+from rlstage.infra.env import free_port
+from rlstage.schemas.config import ActorConfig
 
 
 def _register_state_types() -> None:

@@ -30,8 +30,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Protocol
 
-from engines.rollout import Completion, SamplingParams
-from engines.tools import (
+from rlstage.engines.rollout import Completion, SamplingParams
+from rlstage.engines.tools import (
     LIMIT,
     OK,
     TIMEOUT,
@@ -39,8 +39,10 @@ from engines.tools import (
     ToolConfigError,
     ToolOutcome,
     ToolSpec,
+    agent_tokenizer,
     execute_tool_call,
     parse_tool_calls,
+    resolve_template,
     sample_tools,
 )
 
@@ -593,7 +595,7 @@ def run_agent_config(
     engine: RolloutEngine, agent: Any, rows: Sequence[dict], params: SamplingParams
 ) -> tuple[list[dict], dict[str, float]]:
     """``run_agent_batch`` with everything taken from the ``agent`` config section."""
-    from engines.tools import load_tools, resolve_template
+    from rlstage.engines.tools import load_tools, resolve_template
 
     fmt = ChatFormat(engine.tokenizer, resolve_template(agent.chat_template))
     limits = AgentLimits(agent.max_turns, agent.max_tool_calls, agent.max_response_tokens, agent.max_tool_output_chars)
@@ -650,3 +652,12 @@ def demonstrations(
         return asyncio.run(run_requests(requests))
     finally:
         executor.shutdown(wait=False, cancel_futures=True)
+
+
+def check_agent_template(cfg: Any) -> None:
+    """Agent mode needs a chat template that renders tool messages incrementally: fail at config load."""
+    template = resolve_template(cfg.agent.chat_template)
+    tok = agent_tokenizer(cfg)
+    if tok is None:
+        return
+    ChatFormat(tok, template)

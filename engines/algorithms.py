@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from schemas.config import parse_is_threshold
+from rlstage.schemas.config import parse_is_threshold
 
 Tensor = torch.Tensor
 GroupIndex = Sequence[Hashable] | np.ndarray

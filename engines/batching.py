@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from schemas.config import ActorConfig, CriticConfig, OptimConfig
+from rlstage.schemas.config import ActorConfig, CriticConfig, OptimConfig
 
 # Attention implementations that honour packed position ids (the mask builders of transformers'
 # masking_utils, or flash-attention's varlen path). Only sdpa and eager are exercised on CPU here.

@@ -12,7 +12,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from schemas.config import ConfigError
+from rlstage.schemas.config import ConfigError
 
 _PROBE = "@@rlstage-assistant@@"
 
@@ -28,7 +28,7 @@ def policy_tokenizer(model_path: str | None) -> Any:
     Callers only read it (padding side is passed explicitly where it matters).
     """
     if model_path is None:
-        from engines.tinykit import build_char_tokenizer
+        from rlstage.engines.tinykit import build_char_tokenizer
 
         return build_char_tokenizer()
     from transformers import AutoTokenizer

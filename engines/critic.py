@@ -6,8 +6,8 @@ from collections.abc import Sequence
 
 import torch
 
-from engines import algorithms as algos
-from engines.batching import MicroBatch, MiniBatchTrainer, micro_weight, response_logits
+from rlstage.engines import algorithms as algos
+from rlstage.engines.batching import MicroBatch, MiniBatchTrainer, micro_weight, response_logits
 
 
 def response_values(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:

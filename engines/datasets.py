@@ -15,8 +15,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from schemas.artifacts import PROMPTS, conform
-from schemas.config import KitConfig
+from rlstage.schemas.artifacts import PROMPTS, conform
+from rlstage.schemas.config import KitConfig
 
 ADDITION_SOURCE = "synthetic/addition"
 MULTIPLY_SOURCE = "synthetic/multiply"
@@ -96,7 +96,7 @@ def multiply_question(a: int, b: int) -> str:
 
 
 def _multiply_table(pairs: Sequence[tuple[int, int]], split: str) -> pa.Table:
-    from engines.tinykit import build_char_tokenizer
+    from rlstage.engines.tinykit import build_char_tokenizer
 
     kit_tokenizer = build_char_tokenizer()
     rows = []
@@ -306,7 +306,7 @@ def load_verl_parquet(path: str, split: str | None = None) -> pa.Table:
 def drop_overlong(table: pa.Table, tokenizer: Any, max_prompt_length: int) -> tuple[pa.Table, int]:
     """Rows whose rendered prompt (``engines.chat.render_prompt_ids``) fits ``max_prompt_length`` tokens, and
     how many were dropped (verl's ``filter_overlong_prompts``)."""
-    from engines.chat import render_batch
+    from rlstage.engines.chat import render_batch
 
     lengths = [len(ids) for ids in render_batch(tokenizer, table.to_pylist())]
     keep = pa.array([n <= max_prompt_length for n in lengths], pa.bool_())

@@ -23,7 +23,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from schemas.artifacts import GROUPS, REWARDS, ROLLOUTS, conform
+from rlstage.schemas.artifacts import GROUPS, REWARDS, ROLLOUTS, conform
 
 __all__ = ["FILTER_METRICS", "DynamicSamplingExhausted", "GenRound", "Selection", "group_stats", "select_groups"]
 

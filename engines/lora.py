@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from schemas.config import ConfigError, ModelConfig
-from schemas.manifest import PolicyRef
+from rlstage.schemas.config import ConfigError, ModelConfig
+from rlstage.schemas.manifest import PolicyRef
 
 ADAPTER = "default"  # peft's name of the one adapter a policy holds
 ADAPTER_CONFIG = "adapter_config.json"

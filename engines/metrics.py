@@ -27,8 +27,13 @@ from typing import Any
 
 import numpy as np
 
-from engines.datasets import GSM8K_SOURCE
-from engines.rewards import exact_match_answer, extract_gsm8k_answer, gsm8k_flexible, verl_gsm8k_answer
+from rlstage.engines.datasets import GSM8K_SOURCE
+from rlstage.engines.rewards import (
+    exact_match_answer,
+    extract_gsm8k_answer,
+    gsm8k_flexible,
+    verl_gsm8k_answer,
+)
 
 __all__ = [
     "ANSWER_EXTRACTORS",

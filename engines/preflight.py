@@ -12,9 +12,10 @@ import json
 import os
 from pathlib import Path
 
-from engines.rewards import check_reward_fn
-from engines.tools import ToolConfigError, check_agent_template, check_parameters_schema, resolve_callable
-from schemas.config import ConfigError, RunConfig
+from rlstage.engines.agent_loop import check_agent_template
+from rlstage.engines.rewards import check_reward_fn
+from rlstage.engines.tools import ToolConfigError, check_parameters_schema, resolve_callable
+from rlstage.schemas.config import ConfigError, RunConfig
 
 
 def check_model(cfg: RunConfig) -> None:
@@ -25,7 +26,7 @@ def check_model(cfg: RunConfig) -> None:
     if cfg.model.path is not None and cfg.model.path.lower().endswith(".gguf"):
         return  # converted into a folder at run start (flows/training.py: with_model_folder), checked then
     if cfg.model.path is not None and cfg.data.source != "synthetic":  # gsm8k and verl rows are chat messages
-        from engines.chat import check_chat_template, policy_tokenizer
+        from rlstage.engines.chat import check_chat_template, policy_tokenizer
 
         check_chat_template(policy_tokenizer(cfg.model.path), f"data.source={cfg.data.source}")
     if cfg.model.path is not None:
@@ -49,8 +50,8 @@ def check_lora(cfg: RunConfig) -> None:
         return  # a .gguf file is converted at run start (flows/training.py: with_model_folder), checked then
     from transformers import AutoConfig
 
-    from engines.lora import missing_targets, model_skeleton
-    from engines.tinykit import build_char_tokenizer, tiny_llama_config
+    from rlstage.engines.lora import missing_targets, model_skeleton
+    from rlstage.engines.tinykit import build_char_tokenizer, tiny_llama_config
 
     config = tiny_llama_config(cfg.kit, build_char_tokenizer()) if m.path is None else AutoConfig.from_pretrained(m.path)
     missing = missing_targets(model_skeleton(config), m.target_modules)
@@ -94,7 +95,7 @@ def check_reward_model(cfg: RunConfig) -> None:
     if not rm.enable:
         return
     # Imported here: it imports torch, which a command without a reward model need not pay for.
-    from engines.reward_model import check_reward_model_path, check_server
+    from rlstage.engines.reward_model import check_reward_model_path, check_server
 
     if rm.model.path is not None:
         problem = check_reward_model_path(rm.model.path)

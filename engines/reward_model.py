@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 
 import torch
 
-from engines.batching import plan_micro_batches
+from rlstage.engines.batching import plan_micro_batches
 
 RM_SETTING = "reward_model.forward_max_token_len_per_gpu"
 
@@ -282,8 +282,8 @@ def policy_samples(
     The policy's own samples are what RL will show the reward model; one-digit near misses alone leave it
     blind to the rest of that distribution, which a policy trained on it then exploits.
     """
-    from engines import rewards
-    from engines.rollout import HFRolloutEngine, SamplingParams
+    from rlstage.engines import rewards
+    from rlstage.engines.rollout import HFRolloutEngine, SamplingParams
 
     torch.manual_seed(seed)
     comps = HFRolloutEngine(model, tokenizer, batch_size=1024).generate(

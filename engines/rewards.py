@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
+from rlstage.engines.modpath import import_module
+
 RewardFn = Callable[[str, str, dict], float]
 
 REWARD_FNS: dict[str, RewardFn] = {}
@@ -193,7 +195,7 @@ def _on_alarm(signum: int, frame: Any) -> None:
 def _load_ref(ref: _Ref) -> RewardFn:
     module_name, qualname, file = ref
     try:
-        module = importlib.import_module(module_name)
+        module = import_module(module_name)
     except ModuleNotFoundError:
         if not file:
             raise

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engines.batching import model_device
-from engines.chat import stop_token_ids
+from rlstage.engines.batching import model_device
+from rlstage.engines.chat import stop_token_ids
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
-from schemas.config import KitConfig
+from rlstage.schemas.config import KitConfig
 
 if TYPE_CHECKING:  # imported where used: a process that never builds the kit skips transformers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast

@@ -17,7 +17,6 @@ from __future__ import annotations
 import ast
 import asyncio
 import functools
-import importlib
 import inspect
 import json
 import math
@@ -31,6 +30,9 @@ from pathlib import Path
 from typing import Any
 
 import jsonschema
+
+from rlstage.engines.modpath import import_module
+from rlstage.schemas.config import CALCULATOR_PATHS  # noqa: F401  re-exported: the tools' own names
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 _CALL = re.compile(re.escape(CALL_OPEN) + r"(.*?)" + re.escape(CALL_CLOSE), re.S)
@@ -85,7 +87,7 @@ def resolve_callable(path: str) -> Callable[..., Any]:
     else:
         raise ToolConfigError(f"{path!r} is not an import path (write package.module:function)")
     try:
-        obj: Any = importlib.import_module(module_name)
+        obj: Any = import_module(module_name)
     except Exception as err:  # ImportError, or whatever the module raised while importing
         raise ToolConfigError(f"cannot import {path!r}: {type(err).__name__}: {err}") from None
     for part in qualname.split("."):
@@ -409,7 +411,6 @@ def calculator(expression: str) -> str:
     return format_number(calculate(expression))
 
 
-CALCULATOR_PATHS = ("engines.tools:calculator", "engines.tools.calculator")
 CALCULATOR_PARAMETERS: dict = {
     "type": "object",
     "properties": {"expression": {"type": "string", "description": "arithmetic, e.g. 123*456"}},
@@ -435,19 +436,8 @@ def resolve_template(value: str | None) -> str | None:
 
 def agent_tokenizer(cfg: Any) -> Any | None:
     """The tokenizer the run's policy will have: ``model.path``'s, else the tiny kit's (None if unreadable yet)."""
-    from engines.chat import policy_tokenizer
+    from rlstage.engines.chat import policy_tokenizer
 
     if cfg.model.path is not None and not Path(cfg.model.path).expanduser().is_dir():
         return None  # check_inputs reports the missing model directory (a .gguf is converted at run start)
     return policy_tokenizer(cfg.model.path)
-
-
-def check_agent_template(cfg: Any) -> None:
-    """Agent mode needs a chat template that renders tool messages incrementally: fail at config load."""
-    from engines.agent_loop import ChatFormat
-
-    template = resolve_template(cfg.agent.chat_template)
-    tok = agent_tokenizer(cfg)
-    if tok is None:
-        return
-    ChatFormat(tok, template)

@@ -11,10 +11,10 @@ import struct
 import urllib.request
 from pathlib import Path
 
-from infra.store import ArtifactStore
-from schemas.config import ConfigError, RunConfig, drop_unset_late_settings, stored_config_from
-from schemas.manifest import Manifest, unsafe_checkpoint_file
-from schemas.stages import EXECUTION, REPLAYABLE, STAGES, covers, kit_run_name, view_paths
+from rlstage.infra.store import ArtifactStore
+from rlstage.schemas.config import ConfigError, RunConfig, drop_unset_late_settings, stored_config_from
+from rlstage.schemas.manifest import Manifest, unsafe_checkpoint_file
+from rlstage.schemas.stages import EXECUTION, REPLAYABLE, STAGES, covers, kit_run_name, view_paths
 
 # Fields that may differ between invocations of one run: where and how it executes, and how long
 # (unless a stage's view holds the length: a decaying schedule derives its steps from it).
@@ -222,7 +222,7 @@ def _check_safetensors(file: Path, label: str) -> None:
 
 def check_inputs(cfg: RunConfig) -> None:
     """Fail before anything is written when a named input does not exist or cannot be read."""
-    from engines.datasets import DatasetError, load_prompts
+    from rlstage.engines.datasets import DatasetError, load_prompts
 
     if cfg.model.path is not None and not cfg.model.path.lower().endswith(".gguf"):  # a .gguf is converted at run start
         check_model_dir(cfg.model.path)

@@ -12,8 +12,8 @@ import traceback
 from contextlib import contextmanager
 from pathlib import Path
 
-from infra.env import apply_defaults
-from schemas.stages import REPLAYABLE
+from rlstage.infra.env import apply_defaults
+from rlstage.schemas.stages import REPLAYABLE
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
 
@@ -25,7 +25,7 @@ class PrefectLost(RuntimeError):
 @contextmanager
 def _lost_if_down(url: str):
     """A failure while the Prefect server at ``url`` no longer answers is said as that."""
-    from flows.checks import InputError, check_prefect_api
+    from rlstage.flows.checks import InputError, check_prefect_api
 
     try:
         yield url
@@ -42,7 +42,7 @@ def prefect_api():
     """The Prefect API of this command: ``PREFECT_API_URL`` if set, else the server that runs on the local
     home (``infra/home.py``: ``rlstage ui``, ``infra/stack.sh``), else a server on that home started for the
     duration. The home's MLflow server, when one runs, is the default tracking URI meanwhile."""
-    from infra import home
+    from rlstage.infra import home
 
     mlflow_url = home.running_service(home.MLFLOW_SERVICE)
     if mlflow_url and not os.environ.get("MLFLOW_TRACKING_URI"):
@@ -58,7 +58,7 @@ def prefect_api():
         with _lost_if_down(url):
             yield url
         return
-    from infra.prefect_server import start_prefect_server
+    from rlstage.infra.prefect_server import start_prefect_server
 
     print(f"starting a local Prefect server on 127.0.0.1 (home {home.prefect_home()}) ...", file=sys.stderr, flush=True)
     server = start_prefect_server(home.prefect_home())
@@ -74,14 +74,14 @@ def prefect_api():
 
 
 def _load(args) -> object:
-    from schemas.config import load_config
+    from rlstage.schemas.config import load_config
 
     return load_config(args.config, args.overrides)
 
 
 def _check_services() -> None:
     """A Prefect API named by ``PREFECT_API_URL`` must answer before anything starts."""
-    from flows.checks import check_prefect_api
+    from rlstage.flows.checks import check_prefect_api
 
     if os.environ.get("PREFECT_API_URL"):
         check_prefect_api(os.environ["PREFECT_API_URL"])
@@ -89,9 +89,9 @@ def _check_services() -> None:
 
 def _check_new_run(cfg, tracking: bool = True):
     """Inputs, store and services of a train / data-prep command, checked before any flow run; returns the store."""
-    from engines.preflight import preflight
-    from flows.checks import check_inputs, check_run_config
-    from infra.store import ArtifactStore
+    from rlstage.engines.preflight import preflight
+    from rlstage.flows.checks import check_inputs, check_run_config
+    from rlstage.infra.store import ArtifactStore
 
     check_inputs(cfg)
     preflight(cfg)  # the model, engines, tools and reward function this config names
@@ -99,7 +99,7 @@ def _check_new_run(cfg, tracking: bool = True):
     store.check_writable()
     check_run_config(store, cfg)
     if tracking:
-        from infra.tracking import check_reachable, tracking_uri_for
+        from rlstage.infra.tracking import check_reachable, tracking_uri_for
 
         check_reachable(tracking_uri_for(cfg))
     _check_services()
@@ -107,13 +107,13 @@ def _check_new_run(cfg, tracking: bool = True):
 
 
 def cmd_train(args) -> int:
-    from flows.checks import check_policy, last_completed_iteration
+    from rlstage.flows.checks import check_policy, last_completed_iteration
 
     cfg = _load(args)
     store = _check_new_run(cfg)
     check_policy(store, cfg, last_completed_iteration(store, cfg.run_name))  # what the run would start from
     with prefect_api():
-        from flows.training import train
+        from rlstage.flows.training import train
 
         result = train(config=cfg)
     _summary(result)
@@ -129,15 +129,15 @@ def cmd_demo(args) -> int:
 
 
 def cmd_nightly(args) -> int:
-    from flows.checks import (
+    from rlstage.flows.checks import (
         check_inputs,
         check_policy,
         continuation_end,
         last_completed_iteration,
         stored_config,
     )
-    from infra.store import ArtifactStore
-    from schemas.config import ConfigError
+    from rlstage.infra.store import ArtifactStore
+    from rlstage.schemas.config import ConfigError
 
     if args.iterations < 1:
         raise ConfigError(f"config error: --iterations: must be >= 1, got {args.iterations}")
@@ -149,7 +149,7 @@ def cmd_nightly(args) -> int:
     check_policy(store, cfg, done)
     _check_services()
     with prefect_api():
-        from flows.nightly import nightly
+        from rlstage.flows.nightly import nightly
 
         result = nightly(run_name=args.run, iterations=args.iterations, store_root=args.store)
     _summary(result)
@@ -157,13 +157,13 @@ def cmd_nightly(args) -> int:
 
 
 def cmd_replay(args) -> int:
-    from flows.checks import check_replay, stored_config_with
+    from rlstage.flows.checks import check_replay, stored_config_with
 
     store, _ = stored_config_with(args.store, args.run, args.overrides, "a replay")
     check_replay(store, args.run, args.iteration, args.stage)
     _check_services()
     with prefect_api():
-        from flows.replay import format_summary, replay
+        from rlstage.flows.replay import format_summary, replay
 
         summary = replay(
             run_name=args.run, iteration=args.iteration, stage=args.stage, store_root=args.store, overrides=args.overrides
@@ -173,14 +173,14 @@ def cmd_replay(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from flows.checks import check_eval, check_policy, stored_config_with
+    from rlstage.flows.checks import check_eval, check_policy, stored_config_with
 
     store, cfg = stored_config_with(args.store, args.run, args.overrides, "an evaluation")
     check_policy(store, cfg, check_eval(store, args.run, args.iteration))
     _check_services()
     with prefect_api():
-        from flows.evaluate import evaluate_run
-        from infra.story import published
+        from rlstage.flows.evaluate import evaluate_run
+        from rlstage.infra.story import published
 
         result = evaluate_run(
             run_name=args.run, iteration=args.iteration, store_root=args.store, overrides=args.overrides
@@ -194,7 +194,7 @@ def cmd_eval(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from flows.export import export_policy
+    from rlstage.flows.export import export_policy
 
     result = export_policy(args.store, args.run, args.iteration, args.out)
     kind = "its LoRA adapter merged into its base" if result["merged"] else "full weights"
@@ -206,7 +206,7 @@ def cmd_data_prep(args) -> int:
     cfg = _load(args)
     _check_new_run(cfg, tracking=False)
     with prefect_api():
-        from flows.data_prep import prepare_data
+        from rlstage.flows.data_prep import prepare_data
 
         result = prepare_data(config=cfg)
     print(f"prompts of run {result['run']}: {result['train_rows']} train, {result['test_rows']} test")
@@ -217,10 +217,10 @@ def cmd_data_prep(args) -> int:
 def cmd_reward_model(args) -> int:
     import json
 
-    from flows.checks import check_inputs
-    from flows.reward_kit import RMKitSettings, build_kit_reward_model, check_kit_reward_model
-    from infra.store import ArtifactStore
-    from schemas.config import load_config
+    from rlstage.flows.checks import check_inputs
+    from rlstage.flows.reward_kit import RMKitSettings, build_kit_reward_model, check_kit_reward_model
+    from rlstage.infra.store import ArtifactStore
+    from rlstage.schemas.config import load_config
 
     # The config of the run the RM is for: its kit and SFT; its reward_model section names what is built here.
     cfg = load_config(args.config, [*args.overrides, "reward_model.enable=false"])
@@ -237,7 +237,7 @@ def cmd_reward_model(args) -> int:
 
 
 def cmd_compare(args) -> int:
-    from flows.compare import main as compare_main
+    from rlstage.flows.compare import main as compare_main
 
     return compare_main(args.rest)
 
@@ -245,8 +245,8 @@ def cmd_compare(args) -> int:
 def cmd_inspect(args) -> int:
     import polars as pl
 
-    from infra.explore import Experience, run_query
-    from infra.store import ArtifactStore
+    from rlstage.infra.explore import Experience, run_query
+    from rlstage.infra.store import ArtifactStore
 
     exp = Experience.open(ArtifactStore(args.store), args.run, None if args.iteration is None else [args.iteration])
     frame = run_query(exp, args.query, args.limit).collect()
@@ -256,7 +256,7 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_ui(args) -> int:
-    from infra.ui import serve
+    from rlstage.infra.ui import serve
 
     return serve(args.prefect_port, args.mlflow_port)
 
@@ -368,13 +368,13 @@ def _one_line(err: BaseException) -> str:
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions that mean the user's input is wrong (exit 2): each carries one line naming it."""
-    from engines.datasets import DatasetError
-    from engines.rewards import RewardFailure
-    from flows.checks import InputError
-    from infra.lease import RunLocked
-    from infra.store import StoreError
-    from infra.tracking import TrackingUnavailable
-    from schemas.config import ConfigError
+    from rlstage.engines.datasets import DatasetError
+    from rlstage.engines.rewards import RewardFailure
+    from rlstage.flows.checks import InputError
+    from rlstage.infra.lease import RunLocked
+    from rlstage.infra.store import StoreError
+    from rlstage.infra.tracking import TrackingUnavailable
+    from rlstage.schemas.config import ConfigError
 
     return (ConfigError, InputError, DatasetError, RewardFailure, FileNotFoundError, StoreError, RunLocked, TrackingUnavailable)
 
@@ -439,7 +439,7 @@ def build_parser() -> _Parser:
     p.add_argument("rest", nargs=argparse.REMAINDER, help="RUN [RUN ...] [--tracking-uri URI] [--png out.png]")
     p.set_defaults(fn=cmd_compare)
 
-    from infra.explore import QUERIES
+    from rlstage.infra.explore import QUERIES
 
     p = sub.add_parser("inspect", help="query a run's rollouts, rewards and experience (polars)")
     p.add_argument("run", help="run name")

@@ -1,7 +1,7 @@
 """Compare training runs side by side from MLflow: final/best key metrics, s/iteration, optional plots.
 
-``python -m flows.compare RUN [RUN ...] --tracking-uri URI [--experiment E] [--png out.png]``
-``python -m flows.compare RUN [RUN ...] --store ROOT``: the same table from the store's manifests.
+``python -m rlstage.flows.compare RUN [RUN ...] --tracking-uri URI [--experiment E] [--png out.png]``
+``python -m rlstage.flows.compare RUN [RUN ...] --store ROOT``: the same table from the store's manifests.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from infra.env import apply_defaults
-from infra.home import mlflow_uri
-from infra.tracking import RUN_NAME_TAG, metric_name
+from rlstage.infra.env import apply_defaults
+from rlstage.infra.home import mlflow_uri
+from rlstage.infra.tracking import RUN_NAME_TAG, metric_name
 
 # Which way is "best" per metric: "max", "min_abs" (KL estimators: closest to 0; k1-style ones can go
 # negative from sampling noise) or None (entropy and length have no better direction, so final only).
@@ -194,8 +194,8 @@ def compare_stored_runs(
     """The same rows as ``compare_runs``, from the store alone (no MLflow): the metrics each stage
     committed in its manifest (infra.explore). s/iteration is the stages' compute time (source
     ``compute_s``), without the orchestration time MLflow's ``timing_s/iteration`` includes."""
-    from infra.explore import Experience
-    from infra.store import ArtifactStore
+    from rlstage.infra.explore import Experience
+    from rlstage.infra.store import ArtifactStore
 
     if not run_names:
         raise ValueError("no run names given")
@@ -355,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if args.store:
-        from infra.store import StoreError
+        from rlstage.infra.store import StoreError
 
         try:
             rows = compare_stored_runs(args.runs, args.store, out_png=args.png)

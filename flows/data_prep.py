@@ -8,14 +8,14 @@ from __future__ import annotations
 
 from prefect import flow
 
-from engines.preflight import preflight
-from flows.checks import check_inputs, check_run_config, record_run_config
-from flows.training import resolve_config
-from infra.env import apply_defaults
-from infra.lease import run_lease
-from schemas.config import RunConfig
-from tasks import stages
-from tasks.runtime import store_for
+from rlstage.engines.preflight import preflight
+from rlstage.flows.checks import check_inputs, check_run_config, record_run_config
+from rlstage.flows.training import resolve_config
+from rlstage.infra.env import apply_defaults
+from rlstage.infra.lease import run_lease
+from rlstage.schemas.config import RunConfig
+from rlstage.tasks import stages
+from rlstage.tasks.runtime import store_for
 
 
 @flow(name="rlstage-data-prep")

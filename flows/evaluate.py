@@ -10,15 +10,15 @@ from __future__ import annotations
 
 from prefect import flow
 
-from engines.preflight import preflight
-from flows.checks import check_eval, stored_config_with
-from flows.replay import stage_inputs
-from infra.ray_runtime import ensure_ray
-from infra.story import publish_eval
-from schemas.config import RunConfig
-from schemas.stages import STAGE_FILES, view_hash
-from tasks import stages
-from workers.group import check_placement, open_group
+from rlstage.engines.preflight import preflight
+from rlstage.flows.checks import check_eval, stored_config_with
+from rlstage.flows.replay import stage_inputs
+from rlstage.infra.ray_runtime import ensure_ray
+from rlstage.infra.story import publish_eval
+from rlstage.schemas.config import RunConfig
+from rlstage.schemas.stages import STAGE_FILES, view_hash
+from rlstage.tasks import stages
+from rlstage.workers.group import check_placement, open_group
 
 
 def eval_version(cfg: RunConfig) -> str:

@@ -7,12 +7,12 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from engines.lora import save_hf
-from flows.checks import check_eval, stored_config_with
-from flows.replay import stage_inputs
-from flows.retention import stored_checkpoints
-from schemas.config import ConfigError
-from workers.policy import fetch_model, load_policy_model
+from rlstage.engines.lora import save_hf
+from rlstage.flows.checks import check_eval, stored_config_with
+from rlstage.flows.replay import stage_inputs
+from rlstage.flows.retention import stored_checkpoints
+from rlstage.schemas.config import ConfigError
+from rlstage.workers.policy import fetch_model, load_policy_model
 
 
 def export_policy(store_root: str, run: str, iteration: int | None, out: str | Path) -> dict:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from prefect import flow
 
-from flows.checks import _diff, _identity, continuation_end, last_completed_iteration, stored_config
-from flows.training import resolve_config, run_training
-from infra.store import ArtifactStore
-from schemas.config import ConfigError, RunConfig, code_settings
+from rlstage.flows.checks import _diff, _identity, continuation_end, last_completed_iteration, stored_config
+from rlstage.flows.training import resolve_config, run_training
+from rlstage.infra.store import ArtifactStore
+from rlstage.schemas.config import ConfigError, RunConfig, code_settings
 
 
 def continuation_config(

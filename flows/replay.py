@@ -12,19 +12,19 @@ import json
 
 from prefect import flow
 
-from engines.preflight import preflight
-from flows.checks import check_replay, need, stored_config_with
-from flows.training import Models, models_before
-from infra.ray_runtime import ensure_ray
-from infra.store import ArtifactStore
-from infra.story import publish_replay, published
-from schemas.config import ConfigError, RunConfig
-from schemas.manifest import Manifest, PolicyRef
-from schemas.stages import SPECS, STAGE_FILES, spec
-from tasks import stages
-from tasks.kit import initial_policy, kit_run_name
-from tasks.runtime import policy_ref_from, store_for
-from workers.group import check_placement, open_group
+from rlstage.engines.preflight import preflight
+from rlstage.flows.checks import check_replay, need, stored_config_with
+from rlstage.flows.training import Models, models_before
+from rlstage.infra.ray_runtime import ensure_ray
+from rlstage.infra.store import ArtifactStore
+from rlstage.infra.story import publish_replay, published
+from rlstage.schemas.config import ConfigError, RunConfig
+from rlstage.schemas.manifest import Manifest, PolicyRef
+from rlstage.schemas.stages import SPECS, STAGE_FILES, spec
+from rlstage.tasks import stages
+from rlstage.tasks.kit import initial_policy, kit_run_name
+from rlstage.tasks.runtime import policy_ref_from, store_for
+from rlstage.workers.group import check_placement, open_group
 
 
 def policy_before(cfg: RunConfig, store: ArtifactStore, iteration: int) -> PolicyRef:

@@ -10,9 +10,9 @@ re-running the updates from stored experience, exactly as for a policy between c
 
 from __future__ import annotations
 
-from infra.store import ArtifactStore
-from schemas.config import RunConfig
-from schemas.manifest import MODEL_DIR, STATE_DIR, Manifest
+from rlstage.infra.store import ArtifactStore
+from rlstage.schemas.config import RunConfig
+from rlstage.schemas.manifest import MODEL_DIR, STATE_DIR, Manifest
 
 PRUNED = (MODEL_DIR + "/", STATE_DIR + "/")
 

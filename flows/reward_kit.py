@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 from prefect import flow
 
-from engines import datasets
-from engines.reward_model import (
+from rlstage.engines import datasets
+from rlstage.engines.reward_model import (
     Labelled,
     answer_swaps,
     classification_accuracy,
@@ -28,14 +28,14 @@ from engines.reward_model import (
     score_texts,
     train_reward_model,
 )
-from engines.tinykit import save_model_dir
-from flows.training import resolve_config
-from infra.env import apply_defaults
-from schemas.config import ConfigError, RunConfig
-from tasks import stages
-from tasks.kit import sft_warm_start
-from tasks.runtime import policy_ref_from, store_for
-from workers.policy import fetch_model
+from rlstage.engines.tinykit import save_model_dir
+from rlstage.flows.training import resolve_config
+from rlstage.infra.env import apply_defaults
+from rlstage.schemas.config import ConfigError, RunConfig
+from rlstage.tasks import stages
+from rlstage.tasks.kit import sft_warm_start
+from rlstage.tasks.runtime import policy_ref_from, store_for
+from rlstage.workers.policy import fetch_model
 
 
 @dataclass(frozen=True)

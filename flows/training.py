@@ -24,28 +24,35 @@ from prefect.futures import PrefectFuture
 from prefect.logging.handlers import APILogHandler
 from prefect.settings import temporary_settings
 
-from engines.preflight import preflight
-from flows.checks import check_inputs, check_run_config, record_run_config
-from flows.retention import prune_checkpoints
-from flows.terminal import TERMINAL, verbose
-from infra.bookkeeping import Bookkeeper, Meanwhile
-from infra.drill import fault_point
-from infra.env import apply_defaults
-from infra.lease import run_lease
-from infra.progress import open_board
-from infra.ray_runtime import STOPPING, ensure_ray, wait_result
-from infra.store import ArtifactStore
-from infra.story import artifact_key
-from infra.tracking import Tracker, check_reachable, tracking_uri_for
-from schemas.config import ConfigError, RunConfig, build_config, load_config, merge_dicts, parse_overrides
-from schemas.manifest import Manifest, PolicyRef
-from schemas.stages import SPECS, StageSpec
-from tasks import stages
-from tasks.kit import initial_policy, kit_run_name  # also registers the sft stage's task
-from tasks.runtime import policy_ref_from, store_for
-from workers.group import check_placement, critic_init_ref, open_group
-from workers.policy import MODEL_DIR
-from workers.reward_model import open_reward_model
+from rlstage.engines.preflight import preflight
+from rlstage.flows.checks import check_inputs, check_run_config, record_run_config
+from rlstage.flows.retention import prune_checkpoints
+from rlstage.flows.terminal import TERMINAL, verbose
+from rlstage.infra.bookkeeping import Bookkeeper, Meanwhile
+from rlstage.infra.drill import fault_point
+from rlstage.infra.env import apply_defaults
+from rlstage.infra.lease import run_lease
+from rlstage.infra.progress import open_board
+from rlstage.infra.ray_runtime import STOPPING, ensure_ray, wait_result
+from rlstage.infra.store import ArtifactStore
+from rlstage.infra.story import artifact_key
+from rlstage.infra.tracking import Tracker, check_reachable, tracking_uri_for
+from rlstage.schemas.config import (
+    ConfigError,
+    RunConfig,
+    build_config,
+    load_config,
+    merge_dicts,
+    parse_overrides,
+)
+from rlstage.schemas.manifest import Manifest, PolicyRef
+from rlstage.schemas.stages import SPECS, StageSpec
+from rlstage.tasks import stages
+from rlstage.tasks.kit import initial_policy, kit_run_name  # also registers the sft stage's task
+from rlstage.tasks.runtime import policy_ref_from, store_for
+from rlstage.workers.group import check_placement, critic_init_ref, open_group
+from rlstage.workers.policy import MODEL_DIR
+from rlstage.workers.reward_model import open_reward_model
 
 
 @dataclass
@@ -348,7 +355,7 @@ def with_model_folder(cfg: RunConfig) -> RunConfig:
     """``cfg`` with ``model.path`` a Hugging Face folder: a .gguf file is converted once (infra/models.py)."""
     if cfg.model.path is None or not cfg.model.path.lower().endswith(".gguf"):
         return cfg
-    from infra.models import resolve_model_path
+    from rlstage.infra.models import resolve_model_path
 
     return cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": resolve_model_path(cfg.model.path)})})
 

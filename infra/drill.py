@@ -6,7 +6,7 @@ import os
 import signal
 import time
 
-from schemas.config import RunConfig
+from rlstage.schemas.config import RunConfig
 
 
 def fault_point(cfg: RunConfig, stage: str, iteration: int | None, where: str = "kill_at") -> None:

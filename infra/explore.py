@@ -1,6 +1,6 @@
 """Look into a run's experience with polars: lazy frames over the store's committed Parquet.
 
-    from infra.explore import Experience
+    from rlstage.infra.explore import Experience
     exp = Experience.open(ArtifactStore("./rlstage-runs"), "demo")
     exp.samples().filter(pl.col("score") == 0).select("iteration", "prompt", "response_text").collect()
     run_query(exp, "rewards").collect()
@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import polars as pl
 
-from infra.store import MAIN, ArtifactStore, StoreError
-from schemas.manifest import Manifest
-from schemas.stages import STAGE_FILES
+from rlstage.infra.store import MAIN, ArtifactStore, StoreError
+from rlstage.schemas.manifest import Manifest
+from rlstage.schemas.stages import STAGE_FILES
 
 # Frame name -> the stage that commits it.
 TABLES = {"rollouts": "rollout", "rewards": "reward", "experience": "advantage", "eval": "eval"}

@@ -14,7 +14,7 @@ import os
 import subprocess
 from pathlib import Path
 
-from infra.env import pid_alive
+from rlstage.infra.env import pid_alive
 
 HOME_ENV = "RLSTAGE_HOME"
 # The names under which stack.sh (and rlstage ui) record a server: <home>/stack/<name>.pid and .port.

@@ -9,8 +9,8 @@ import uuid
 from collections.abc import Callable
 from contextlib import contextmanager
 
-from infra.env import pid_alive
-from infra.store import ArtifactStore, CommitConflict
+from rlstage.infra.env import pid_alive
+from rlstage.infra.store import ArtifactStore, CommitConflict
 
 LEASE = "lease"
 

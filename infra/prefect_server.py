@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from infra.env import apply_defaults, free_port, pid_alive
+from rlstage.infra.env import apply_defaults, free_port, pid_alive
 
 
 def wait_http(url: str, timeout_s: float, proc: subprocess.Popen | int | None = None) -> None:

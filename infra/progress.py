@@ -7,7 +7,7 @@ import time
 
 import ray
 
-from infra.ray_runtime import RAY_NAMESPACE
+from rlstage.infra.ray_runtime import RAY_NAMESPACE
 
 BOARD = "rlstage-progress"
 POST_EVERY_S = 0.5  # a Ray call per SFT step would cost more than the display is worth

@@ -10,8 +10,8 @@ from collections.abc import Callable
 
 import ray
 
-from infra.env import apply_defaults
-from schemas.config import RunConfig
+from rlstage.infra.env import apply_defaults
+from rlstage.schemas.config import RunConfig
 
 RAY_NAMESPACE = "rlstage"
 WORKERS_SOFT_LIMIT = 16  # idle workers kept: the role actors plus the stage tasks a schedule has in flight

@@ -48,7 +48,7 @@ running() {
 
 # The preferred port when it is free on 127.0.0.1, else one the kernel picks; with a second
 # argument "strict", only the given port will do (infra/prefect_server.py: free_port).
-pick_port() { PYTHONPATH=$REPO "$PY" -m infra.prefect_server port "$@"; }
+pick_port() { PYTHONPATH=$REPO "$PY" -m rlstage.infra.prefect_server port "$@"; }
 
 # RLSTAGE_<NAME>_PORT when set (must be free), else the port of the last start, else the default.
 choose_port() { # name env_value default
@@ -60,7 +60,7 @@ choose_port() { # name env_value default
 }
 
 wait_http() { # url timeout_s pid name
-  if ! PYTHONPATH=$REPO "$PY" -m infra.prefect_server wait "$1" "$2" "$3"; then
+  if ! PYTHONPATH=$REPO "$PY" -m rlstage.infra.prefect_server wait "$1" "$2" "$3"; then
     echo "--- last lines of $STATE/$4.log:" >&2
     tail -n 25 "$STATE/$4.log" >&2
     stop_service "$4" >&2

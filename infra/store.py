@@ -42,8 +42,8 @@ import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 from pydantic import ValidationError
 
-from schemas.artifacts import SCHEMA_VERSION
-from schemas.manifest import FileEntry, Manifest
+from rlstage.schemas.artifacts import SCHEMA_VERSION
+from rlstage.schemas.manifest import FileEntry, Manifest
 
 log = logging.getLogger(__name__)
 

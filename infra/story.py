@@ -6,8 +6,8 @@ from __future__ import annotations
 import re
 import sys
 
-from infra.tracking import log_result
-from schemas.config import RunConfig
+from rlstage.infra.tracking import log_result
+from rlstage.schemas.config import RunConfig
 
 
 def artifact_key(run_name: str, what: str) -> str:

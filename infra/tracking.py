@@ -15,12 +15,12 @@ from typing import Any
 
 import pyarrow as pa
 
-from infra.env import apply_defaults
-from infra.home import mlflow_uri
-from infra.store import ArtifactStore, store_identity
-from schemas.artifacts import PROMPTS
-from schemas.config import RunConfig
-from schemas.manifest import Manifest
+from rlstage.infra.env import apply_defaults
+from rlstage.infra.home import mlflow_uri
+from rlstage.infra.store import ArtifactStore, store_identity
+from rlstage.schemas.artifacts import PROMPTS
+from rlstage.schemas.config import RunConfig
+from rlstage.schemas.manifest import Manifest
 
 # A new SQLite store announces its table creation at INFO on every first run: noise in the command's output.
 logging.getLogger("mlflow.store.db.utils").setLevel(logging.WARNING)

@@ -13,9 +13,9 @@ import time
 from functools import partial
 from pathlib import Path
 
-from infra import home
-from infra.env import apply_defaults, free_port
-from infra.prefect_server import die_with_parent, spawn_prefect_server, stop_process_group, wait_up
+from rlstage.infra import home
+from rlstage.infra.env import apply_defaults, free_port
+from rlstage.infra.prefect_server import die_with_parent, spawn_prefect_server, stop_process_group, wait_up
 
 
 def start_mlflow_server(directory: Path, port: int, log_path: Path | None = None) -> subprocess.Popen:

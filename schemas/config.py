@@ -451,7 +451,7 @@ class FilterGroupsConfig(_Section):
     @field_validator("metric")
     @classmethod
     def _metric(cls, v: str) -> str:
-        from engines.dynamic_sampling import FILTER_METRICS
+        from rlstage.engines.dynamic_sampling import FILTER_METRICS
 
         if v not in FILTER_METRICS:
             raise ValueError(f"unknown metric {v!r}; valid: {', '.join(FILTER_METRICS)}")
@@ -531,7 +531,7 @@ class RayConfig(_Section):
     @field_validator("stages")
     @classmethod
     def _known_stages(cls, v: dict[str, StageResources]) -> dict[str, StageResources]:
-        from schemas.stages import STAGES
+        from rlstage.schemas.stages import STAGES
 
         for name in v:
             if name not in STAGES:
@@ -746,9 +746,9 @@ class RunConfig(_Section):
             return self
         if t.eval_n < 2:
             raise ValueError(f"trainer.eval_require_maj: maj@N votes over trainer.eval_n >= 2 sampled answers, got {t.eval_n}")
-        from engines.datasets import ADDITION_SOURCE, GSM8K_SOURCE, MULTIPLY_SOURCE
-        from engines.metrics import ANSWER_EXTRACTORS
-        from engines.rewards import DATA_SOURCE_FNS
+        from rlstage.engines.datasets import ADDITION_SOURCE, GSM8K_SOURCE, MULTIPLY_SOURCE
+        from rlstage.engines.metrics import ANSWER_EXTRACTORS
+        from rlstage.engines.rewards import DATA_SOURCE_FNS
 
         # a verl parquet's sources are known only from its rows: the eval stage checks those
         kit = {"addition": ADDITION_SOURCE, "multiply": MULTIPLY_SOURCE}[self.kit.task]
@@ -765,12 +765,11 @@ class RunConfig(_Section):
     @model_validator(mode="after")
     def _agent_calculator(self) -> RunConfig:
         # Whether the tools import, and the chat template, are checked by engines/preflight.py before any stage.
-        calculators = ("engines.tools:calculator", "engines.tools.calculator")
         if self.agent.enable and self.kit.task == "multiply" and self.model.path is None:
-            if not any(t.callable in calculators for t in self.agent.tools):
+            if not any(t.callable in CALCULATOR_PATHS for t in self.agent.tools):
                 raise ValueError(
                     "agent.tools: kit.task=multiply warm-starts on calculator demonstrations; "
-                    "declare a tool with callable engines.tools:calculator"
+                    "declare a tool with callable rlstage.engines.tools:calculator"
                 )
         return self
 
@@ -874,6 +873,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     return build_config(merge_dicts(data, parse_overrides(overrides)))
 
 
+# The built-in calculator tool (rlstage.engines.tools), by its name and by its name before 0.2.0 (engines.modpath).
+CALCULATOR_PATHS = (
+    "rlstage.engines.tools:calculator",
+    "rlstage.engines.tools.calculator",
+    "engines.tools:calculator",
+    "engines.tools.calculator",
+)
 # Import paths a *stored* config may name, besides the built-in tools: the allow-list lives outside
 # any store (the environment and the user's config folder), since whoever writes the store is not trusted.
 ALLOWED_CALLABLES_ENV = "RLSTAGE_ALLOWED_CALLABLES"  # comma- or whitespace-separated import paths
@@ -920,8 +926,6 @@ def stored_config_from(stored: Any, where: str, overrides: list[str] | tuple[str
     or it is built in, or allow-listed outside the store; otherwise it is refused before validation
     (which would import it).
     """
-    from engines.tools import CALCULATOR_PATHS
-
     base = stored.get("config") if isinstance(stored, dict) else None
     if not isinstance(base, dict):
         raise ConfigError(f"config error: {where} holds no config mapping")

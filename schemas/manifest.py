@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from schemas.artifacts import SCHEMA_VERSION
+from rlstage.schemas.artifacts import SCHEMA_VERSION
 
 
 class FileEntry(BaseModel):

@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from schemas.config import NEEDS_SUM_PI_SQUARED, RunConfig
+from rlstage.schemas.config import NEEDS_SUM_PI_SQUARED, RunConfig
 
 # Where and how a run executes, never what a stage computes: readable by every stage, never hashed.
 EXECUTION = ("run_name", "store", "ray", "tracking", "drill")

@@ -70,4 +70,4 @@ fi
 stale=$(.venv/bin/python -c "import importlib.util as u; print(' '.join(p for p in ('torchvision', 'torchaudio', 'torchcodec') if u.find_spec('vllm') and u.find_spec(p)))")
 [ -z "$stale" ] || .venv/bin/python -m pip uninstall -y -q $stale
 # apply_defaults first: its DS_ACCELERATOR=cpu (no NVIDIA device) keeps DeepSpeed's accelerator warning off the screen
-.venv/bin/python -c "from infra.env import apply_defaults; apply_defaults(); import torch, prefect, ray, mlflow, transformers, deepspeed, pyarrow, polars; print('rlstage: environment ready (torch', torch.__version__ + ')')"
+.venv/bin/python -c "from rlstage.infra.env import apply_defaults; apply_defaults(); import torch, prefect, ray, mlflow, transformers, deepspeed, pyarrow, polars; print('rlstage: environment ready (torch', torch.__version__ + ')')"

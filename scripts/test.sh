@@ -5,6 +5,8 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export PYTHONUNBUFFERED=1
 .venv/bin/ruff check .
+# The layers of pyproject.toml's [tool.importlinter] contracts (flows -> tasks -> workers -> engines, ...)
+.venv/bin/lint-imports --no-cache
 # The tests' folders (stores, SQLite databases of Prefect and MLflow) in memory where /dev/shm has 8 GiB free:
 # their commits wait on fsync, and on a virtual disk that left the CPUs idle (measured: the suite 10 % faster).
 # RLSTAGE_TEST_BASETEMP names another folder; an empty one keeps pytest's own under /tmp.

@@ -12,18 +12,24 @@ from pathlib import Path
 
 import torch
 
-from engines import datasets, rewards
-from engines.agent_loop import AgentLimits, ChatFormat, agent_metrics, demonstrations, run_agent_config
-from engines.rollout import HFRolloutEngine, SamplingParams
-from engines.sft import sft_train, sft_train_ids
-from engines.tinykit import build_char_tokenizer, build_tiny_llama, save_model_dir
-from engines.tools import CALCULATOR_PATHS, load_tools, resolve_template
-from infra.progress import Poster
-from schemas.config import RunConfig
-from schemas.manifest import PolicyRef
-from schemas.stages import ConfigView, kit_run_name
-from tasks.runtime import policy_ref_from
-from tasks.stages import StageOutput, StageResult, run_stage, stage_task
+from rlstage.engines import datasets, rewards
+from rlstage.engines.agent_loop import (
+    AgentLimits,
+    ChatFormat,
+    agent_metrics,
+    demonstrations,
+    run_agent_config,
+)
+from rlstage.engines.rollout import HFRolloutEngine, SamplingParams
+from rlstage.engines.sft import sft_train, sft_train_ids
+from rlstage.engines.tinykit import build_char_tokenizer, build_tiny_llama, save_model_dir
+from rlstage.engines.tools import CALCULATOR_PATHS, load_tools, resolve_template
+from rlstage.infra.progress import Poster
+from rlstage.schemas.config import RunConfig
+from rlstage.schemas.manifest import PolicyRef
+from rlstage.schemas.stages import ConfigView, kit_run_name
+from rlstage.tasks.runtime import policy_ref_from
+from rlstage.tasks.stages import StageOutput, StageResult, run_stage, stage_task
 
 
 def greedy_accuracy(model, tokenizer, prompts: list[str], answers: list[str], data_source: str) -> float:
@@ -49,7 +55,7 @@ def multiply_demo_turns(cfg: ConfigView, row: dict) -> list[str]:
     """The demonstration of one multiply row: call the calculator with the operands, then answer."""
     tool = next((t.name for t in cfg.agent.tools if t.callable in CALCULATOR_PATHS), None)
     if tool is None:
-        raise ValueError("kit.task=multiply with agent.enable needs a tool whose callable is engines.tools:calculator")
+        raise ValueError("kit.task=multiply with agent.enable needs a tool whose callable is rlstage.engines.tools:calculator")
     info = json.loads(row["extra_info"])
     call = {"name": tool, "arguments": {"expression": f"{info['a']}*{info['b']}"}}
     return [f"<tool_call>{json.dumps(call, separators=(',', ':'))}</tool_call>", row["ground_truth"]]

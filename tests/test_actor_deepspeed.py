@@ -11,15 +11,15 @@ import random
 import pytest
 import torch
 
-from engines.actor import DataParallelTorchActor, TorchActor
-from engines.tinykit import build_char_tokenizer, build_tiny_llama
-from schemas.config import ActorConfig, KitConfig, OptimConfig
+from rlstage.engines.actor import DataParallelTorchActor, TorchActor
+from rlstage.engines.tinykit import build_char_tokenizer, build_tiny_llama
+from rlstage.schemas.config import ActorConfig, KitConfig, OptimConfig
 
 pytestmark = pytest.mark.slow
 
 deepspeed = pytest.importorskip("deepspeed")
-from engines.actor_deepspeed import DeepSpeedActor  # noqa: E402
-from infra.env import free_port  # noqa: E402
+from rlstage.engines.actor_deepspeed import DeepSpeedActor  # noqa: E402
+from rlstage.infra.env import free_port  # noqa: E402
 
 KIT = KitConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64)
 TOL = 1e-5
@@ -158,8 +158,8 @@ def test_shared_prompts_equal_the_padded_torch_update(tok, weights):
 @pytest.mark.parametrize("stage", [0, 2])
 def test_lora_update_matches_torch_actor(tok, weights, stage):
     """A peft LoRA policy under DeepSpeed: the adapters step as in the torch loop, the base stays put."""
-    from engines.lora import with_adapters
-    from schemas.config import ModelConfig
+    from rlstage.engines.lora import with_adapters
+    from rlstage.schemas.config import ModelConfig
 
     lora = ModelConfig(lora_rank=4, lora_alpha=8)
     batch = make_batch(tok, 7, seed=4)
@@ -378,7 +378,7 @@ def test_token_budget_and_packing_match_torch_actor(tok, weights, stage):
 
 # ---------------------------------------------------------------- the policy worker on DeepSpeed
 def worker_cfg(tmp_path, engine: str, stage: int) -> dict:
-    from schemas.config import load_config
+    from rlstage.schemas.config import load_config
 
     overrides = [
         f"store.root={tmp_path / 'store'}",
@@ -401,7 +401,7 @@ def commit_experience(store, batch: dict, iteration: int):
     """The experience artifact an advantage stage would commit for ``batch`` (the worker reads it itself)."""
     import pyarrow as pa
 
-    from schemas import artifacts as A
+    from rlstage.schemas import artifacts as A
 
     n = len(batch["prompt_ids"])
     table = pa.table(
@@ -427,10 +427,10 @@ def commit_experience(store, batch: dict, iteration: int):
 def test_policy_worker_checkpoint_round_trip(tok, weights, tmp_path, stage):
     """PolicyWorker with actor.engine=deepspeed: update, commit its checkpoint to the store (safetensors + a
     pickle-free trainer state), a second worker acquires it from the store and updates again == torch."""
-    from engines.tinykit import save_model_dir
-    from schemas.manifest import PolicyRef
-    from tasks.runtime import policy_ref_from
-    from workers.policy import PolicyWorker
+    from rlstage.engines.tinykit import save_model_dir
+    from rlstage.schemas.manifest import PolicyRef
+    from rlstage.tasks.runtime import policy_ref_from
+    from rlstage.workers.policy import PolicyWorker
 
     start = save_model_dir(new_model(tok, weights), tok, tmp_path / "start")
     batch = make_batch(tok, 8, seed=5)
@@ -474,9 +474,9 @@ def test_torch_engine_refuses_a_deepspeed_optimizer_state(tok, weights):
 
 def test_pipeline_runs_on_deepspeed_zero2_like_torch(prefect_api, tmp_path):
     """Two iterations through Prefect + Ray with actor.engine=deepspeed ZeRO-2 equal the torch engine's."""
-    from flows.training import train
-    from schemas.config import load_config
-    from tasks.runtime import store_for
+    from rlstage.flows.training import train
+    from rlstage.schemas.config import load_config
+    from rlstage.tasks.runtime import store_for
     from tests_support import tiny_overrides
 
     results = {}

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from schemas.config import load_config
+from rlstage.schemas.config import load_config
 from tests_support import tiny_overrides
 
 pytestmark = pytest.mark.slow
@@ -18,7 +18,7 @@ AGENT = [
     "sft.lr=3e-3",
     "rollout.max_new_tokens=80",
     "agent.enable=true",
-    "agent.tools=[{name: calculator, callable: 'engines.tools:calculator', "
+    "agent.tools=[{name: calculator, callable: 'rlstage.engines.tools:calculator', "
     "parameters: {type: object, properties: {expression: {type: string}}, required: [expression]}}]",
     "agent.max_turns=3",
     "agent.max_response_tokens=160",
@@ -27,7 +27,7 @@ AGENT = [
 
 @pytest.fixture(scope="module")
 def agent_run(prefect_api, tmp_path_factory):
-    from flows.training import train
+    from rlstage.flows.training import train
 
     tmp = tmp_path_factory.mktemp("agent-pipeline")
     cfg = load_config(None, [f"store.root={tmp / 'store'}", "run_name=agent", *tiny_overrides(), *AGENT])
@@ -35,7 +35,7 @@ def agent_run(prefect_api, tmp_path_factory):
 
 
 def test_rollouts_carry_the_trajectory_masks_and_turns(agent_run):
-    from tasks.runtime import store_for
+    from rlstage.tasks.runtime import store_for
 
     cfg, result = agent_run
     store = store_for(cfg)
@@ -73,7 +73,7 @@ def test_rollouts_carry_the_trajectory_masks_and_turns(agent_run):
 def test_agent_metrics_reach_mlflow(agent_run):
     from mlflow.tracking import MlflowClient
 
-    from infra.tracking import tracking_uri_for
+    from rlstage.infra.tracking import tracking_uri_for
 
     cfg, result = agent_run
     run = MlflowClient(tracking_uri_for(cfg)).get_run(result["mlflow_run_id"])

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from engines import algorithms as A
-from schemas.config import AdvEstimator, KLType, LossAggMode, PolicyLoss
+from rlstage.engines import algorithms as A
+from rlstage.schemas.config import AdvEstimator, KLType, LossAggMode, PolicyLoss
 
 T = torch.tensor
 
@@ -836,7 +836,7 @@ def test_rollout_correction_token_sequence_icepop_and_normalisation():
 
 
 def test_config_refuses_bad_settings_in_one_line():
-    from schemas.config import ConfigError, load_config
+    from rlstage.schemas.config import ConfigError, load_config
 
     bad = {
         "rollout_is_threshold": (["algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.rollout_is_threshold='2_0.5'"], "IcePop band needs low < high"),
@@ -867,7 +867,7 @@ def test_overlong_penalty_by_hand():
 
 
 def test_overlong_buffer_config():
-    from schemas.config import ConfigError, load_config
+    from rlstage.schemas.config import ConfigError, load_config
 
     cfg = load_config(None, ["reward.overlong_buffer.enable=true", "reward.overlong_buffer.len=4", "rollout.max_new_tokens=8"])
     assert cfg.max_response_tokens == 8 and cfg.reward.overlong_buffer.penalty_factor == 1.0

@@ -52,9 +52,9 @@ class _Payload:
 
 def _world(w: Path) -> dict[str, str]:
     """Files, model folders and a store holding the runs the table refers to."""
-    from flows.checks import record_run_config
-    from infra.store import ArtifactStore
-    from schemas.config import RunConfig
+    from rlstage.flows.checks import record_run_config
+    from rlstage.infra.store import ArtifactStore
+    from rlstage.schemas.config import RunConfig
 
     p: dict[str, str] = {"w": str(w), "store": str(w / "store"), "marker": str(w / "marker")}
     data = w / "data"
@@ -115,7 +115,7 @@ def _world(w: Path) -> dict[str, str]:
         path.write_text(json.dumps(doc))
     # Checkpoints a writer of the store planted pickles in (each with a matching manifest): a run's iteration 1,
     # which a resume or an eval would load, and the kit's SFT, which a new run with the default settings shares.
-    from schemas.stages import kit_run_name
+    from rlstage.schemas.stages import kit_run_name
 
     pickled = {"model/model.safetensors": _safetensors(), "model/config.json": b"{}"}
     record_run_config(store, RunConfig(run_name="pickled"))
@@ -127,7 +127,7 @@ def _world(w: Path) -> dict[str, str]:
     kit = kit_run_name(RunConfig(run_name="fresh"))
     store.commit(kit, None, "sft", blobs={**pickled, "model/pytorch_model.bin": payload}, **kw)
     # A run that has run its length, over which its lr decays.
-    from schemas.config import load_config
+    from rlstage.schemas.config import load_config
 
     record_run_config(store, load_config(None, ["run_name=done", "trainer.iterations=1", "actor.optim.lr_schedule=linear"]))
     store.commit("done", 1, "update", blobs=pickled, **kw)
@@ -246,7 +246,7 @@ def outcomes(tmp_path_factory) -> dict:
         name, argv, extra, _ = case
         args = [a.format(**paths) for a in argv]
         proc = subprocess.run(
-            [sys.executable, "-m", "flows.cli", *args], cwd=cwd, env={**env, **extra}, capture_output=True, text=True, timeout=120
+            [sys.executable, "-m", "rlstage.flows.cli", *args], cwd=cwd, env={**env, **extra}, capture_output=True, text=True, timeout=120
         )
         return name, proc
 
@@ -276,7 +276,7 @@ def test_nothing_written_and_no_stored_code_ran(outcomes) -> None:
 def test_verbose_prints_the_traceback(tmp_path) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO), "RLSTAGE_DEBUG": "1"}
     proc = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "replay", "nope", "1", "reward", "--store", str(tmp_path)],
+        [sys.executable, "-m", "rlstage.flows.cli", "replay", "nope", "1", "reward", "--store", str(tmp_path)],
         env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode == 2

@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import LlamaForTokenClassification
 
-from engines.actor import TorchActor
-from engines.batching import (
+from rlstage.engines.actor import TorchActor
+from rlstage.engines.batching import (
     MICRO_BATCH_OVERHEAD_TOKENS,
     build_inputs,
     build_packed_inputs,
@@ -19,9 +19,9 @@ from engines.batching import (
     response_log_probs,
     split_to_count,
 )
-from engines.critic import TorchCritic, response_values
-from engines.tinykit import build_char_tokenizer, build_tiny_llama
-from schemas.config import (
+from rlstage.engines.critic import TorchCritic, response_values
+from rlstage.engines.tinykit import build_char_tokenizer, build_tiny_llama
+from rlstage.schemas.config import (
     ActorConfig,
     ConfigError,
     CriticConfig,
@@ -88,8 +88,8 @@ def test_the_output_layer_runs_on_response_positions_only(tok, weights, packed):
     """``response_logits`` asks the model for the logits of the positions that predict response tokens alone;
     they equal the same columns of a full forward, also through peft, and a critic's token classifier (which has
     no ``logits_to_keep``) keeps its full forward."""
-    from engines.batching import response_logits, takes_logits_to_keep
-    from engines.lora import with_adapters
+    from rlstage.engines.batching import response_logits, takes_logits_to_keep
+    from rlstage.engines.lora import with_adapters
 
     model = new_model(tok, weights).eval()
     batch = make_batch(tok, 9)
@@ -176,7 +176,7 @@ def test_sum_pi_squared_is_the_softmax_squared_at_the_temperature_in_every_batch
     """verl's calculate_sum_pi_squared (optimal_token_baseline's input): sum over the vocabulary of pi^2 at the
     sampling temperature, computed in log space; the engine pass gives it with the same log-probs, padded,
     packed or by token budget."""
-    from engines.batching import response_logits
+    from rlstage.engines.batching import response_logits
 
     model = new_model(tok, weights).eval()
     batch = make_batch(tok, 9, seed=3)
@@ -475,7 +475,7 @@ def grouped_batch(tok, n: int, per_prompt: int, seed: int) -> dict[str, list]:
 
 @pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
 def test_shared_prompt_log_probs_equal_padded(tok, weights, training):
-    from engines.batching import build_shared_inputs
+    from rlstage.engines.batching import build_shared_inputs
 
     model = new_model(tok, weights).train(training)
     batch = grouped_batch(tok, 9, 3, seed=1)

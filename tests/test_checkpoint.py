@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from schemas.config import ConfigError, load_config
+from rlstage.schemas.config import ConfigError, load_config
 from tests_support import tiny_overrides
 
 pytestmark = pytest.mark.slow
@@ -27,9 +27,9 @@ def _checksums(store, iterations: int) -> dict[str, str]:
 
 
 def test_resume_between_checkpoints_matches_an_uninterrupted_run(prefect_api, tmp_path):
-    from flows.replay import replay
-    from flows.training import train
-    from tasks.runtime import store_for
+    from rlstage.flows.replay import replay
+    from rlstage.flows.training import train
+    from rlstage.tasks.runtime import store_for
 
     reference = train(config=_cfg(tmp_path / "ref", 2))
     # Stopped after iteration 1, between checkpoints: the policy worker dies with the flow.
@@ -58,12 +58,12 @@ def test_retention_prunes_old_weights_and_a_pruned_policy_is_rebuilt_exactly(pre
     the policy's and the critic's (GAE). They stay reachable: a replay of update 4 rebuilds the policy of
     iteration 3 from iteration 2's checkpoint and commits the same bytes, a replay of advantage 4 the critic
     likewise; an export names the iterations with stored weights."""
-    from flows.cli import main
-    from flows.replay import replay
-    from flows.retention import kept_iterations, stored_checkpoints
-    from flows.training import train
-    from infra.tracking import CHECKPOINT_TAG, PRUNED_TAG
-    from tasks.runtime import store_for
+    from rlstage.flows.cli import main
+    from rlstage.flows.replay import replay
+    from rlstage.flows.retention import kept_iterations, stored_checkpoints
+    from rlstage.flows.training import train
+    from rlstage.infra.tracking import CHECKPOINT_TAG, PRUNED_TAG
+    from rlstage.tasks.runtime import store_for
 
     assert kept_iterations([1, 2, 3, 4, 5], 2, 3) == {3, 4, 5} and kept_iterations([2, 4, 6], 1, None) == {6}
     root = tmp_path / "store"
@@ -90,7 +90,7 @@ def test_retention_prunes_old_weights_and_a_pruned_policy_is_rebuilt_exactly(pre
     # Each invocation logs the policy it ends with in MLflow; iteration 3's was pruned a night later and says so.
     from mlflow import MlflowClient
 
-    from infra.tracking import tracking_uri_for
+    from rlstage.infra.tracking import tracking_uri_for
 
     client = MlflowClient(tracking_uri_for(cfg))
     models = client.search_logged_models([client.get_run(result["mlflow_run_id"]).info.experiment_id])

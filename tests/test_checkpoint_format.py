@@ -8,10 +8,10 @@ import pickle
 import pytest
 import torch
 
-from engines.actor import TorchActor
-from engines.checkpoint import STATE_JSON, UnsafeStateError, load_trainer_state, save_trainer_state
-from engines.tinykit import build_char_tokenizer, build_tiny_llama
-from schemas.config import ActorConfig, ConfigError, KitConfig, OptimConfig
+from rlstage.engines.actor import TorchActor
+from rlstage.engines.checkpoint import STATE_JSON, UnsafeStateError, load_trainer_state, save_trainer_state
+from rlstage.engines.tinykit import build_char_tokenizer, build_tiny_llama
+from rlstage.schemas.config import ActorConfig, ConfigError, KitConfig, OptimConfig
 
 KIT = KitConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64)
 
@@ -91,10 +91,10 @@ class _Payload:
 
 
 def test_a_pickled_state_in_a_stored_checkpoint_is_refused_unread(tmp_path):
-    from engines.tinykit import save_model_dir
-    from schemas.config import load_config
-    from schemas.manifest import PolicyRef
-    from workers.policy import PolicyWorker
+    from rlstage.engines.tinykit import save_model_dir
+    from rlstage.schemas.config import load_config
+    from rlstage.schemas.manifest import PolicyRef
+    from rlstage.workers.policy import PolicyWorker
 
     tok = build_char_tokenizer()
     model_dir = save_model_dir(build_tiny_llama(KIT, tok), tok, tmp_path / "m")

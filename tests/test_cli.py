@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from flows.cli import main
-from schemas.stages import REPLAYABLE
+from rlstage.flows.cli import main
+from rlstage.schemas.stages import REPLAYABLE
 
 
 def _out(capsys, argv: list[str]) -> str:
@@ -31,7 +31,7 @@ def test_help_lists_choices_and_defaults(capsys):
 def test_overrides_anywhere_and_a_mistyped_run_lists_the_runs(capsys, tmp_path):
     """`eval exp1 -i 7 trainer.eval_n=16` parses (overrides after options); a run that does not exist is one
     line naming the runs the store holds."""
-    from infra.store import ArtifactStore
+    from rlstage.infra.store import ArtifactStore
 
     ArtifactStore(str(tmp_path)).put_json("exp1", "run.json", {"config": {}})
     for argv in (
@@ -48,7 +48,7 @@ def test_a_signal_raised_while_c_code_runs_is_reported_as_a_stop(capsys, monkeyp
     (seen when a training run was stopped mid-update): still a stop, not an internal error."""
     import signal
 
-    from flows import cli
+    from rlstage.flows import cli
 
     def stopped_inside_c_code(args):
         try:
@@ -69,7 +69,7 @@ def test_the_flows_import_without_the_model_libraries():
     import sys
 
     code = (
-        "import sys, flows.training, flows.replay, flows.evaluate, tasks.stages; "
+        "import sys, rlstage.flows.training, rlstage.flows.replay, rlstage.flows.evaluate, rlstage.tasks.stages; "
         "print(sorted(m for m in ('transformers', 'peft', 'sklearn') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)

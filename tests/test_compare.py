@@ -10,8 +10,8 @@ import pytest
 from mlflow.entities import Metric
 from mlflow.tracking import MlflowClient
 
-from flows.compare import compare_runs, format_table, main
-from infra.tracking import RUN_NAME_TAG, metric_name
+from rlstage.flows.compare import compare_runs, format_table, main
+from rlstage.infra.tracking import RUN_NAME_TAG, metric_name
 
 T0 = 1_700_000_000_000  # ms; fixed timestamps make the timestamp fallback deterministic
 VAL_CORE = metric_name("val-core/synthetic/addition/reward/mean@1")

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from schemas.config import ConfigError, RunConfig, load_config, parse_overrides
+from rlstage.schemas.config import ConfigError, RunConfig, load_config, parse_overrides
 
 
 def test_defaults_validate():
@@ -80,10 +80,10 @@ def test_the_config_package_imports_no_engine_task_or_flow_module():
 
     code = (
         "import sys\n"
-        "from schemas.config import load_config\n"
-        "import schemas.stages, schemas.artifacts, schemas.manifest\n"
-        "load_config('configs/agent_calc.yaml', ['rollout.engine=vllm', \"agent.tools=[{name: c, callable: 'engines.tools:calculator'}, {name: t, callable: 'no_such:fn'}]\"])\n"
-        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('engines', 'tasks', 'flows')))\n"
+        "from rlstage.schemas.config import load_config\n"
+        "import rlstage.schemas.stages, rlstage.schemas.artifacts, rlstage.schemas.manifest\n"
+        "load_config('configs/agent_calc.yaml', ['rollout.engine=vllm', \"agent.tools=[{name: c, callable: 'rlstage.engines.tools:calculator'}, {name: t, callable: 'no_such:fn'}]\"])\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[:2] in (['rlstage', 'engines'], ['rlstage', 'tasks'], ['rlstage', 'flows'])))\n"
     )
     root = Path(__file__).resolve().parent.parent
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
@@ -95,7 +95,7 @@ def test_the_config_package_imports_no_engine_task_or_flow_module():
     ("overrides", "needle"),
     [
         (["agent.tools=[{name: c, callable: 'no_such_module:fn'}]"], "config error: agent.tools.0.callable: cannot import 'no_such_module:fn'"),
-        (["agent.tools=[{name: c, callable: 'engines.tools:calculator', parameters: {type: objekt}}]"], "config error: agent.tools.0.parameters: not a valid JSON schema"),
+        (["agent.tools=[{name: c, callable: 'rlstage.engines.tools:calculator', parameters: {type: objekt}}]"], "config error: agent.tools.0.parameters: not a valid JSON schema"),
         (["agent.enable=true", "agent.chat_template=/no/such/template.jinja"], "config error: agent.chat_template: "),
         (["model.path=/no/such/model"], "model.path /no/such/model: not a directory"),
     ],
@@ -103,8 +103,8 @@ def test_the_config_package_imports_no_engine_task_or_flow_module():
 def test_preflight_checks_give_one_line(overrides, needle):
     """Checks that need a user's module, a template file or a model directory: before any stage (the CLI and
     every flow run flows/checks.py's input checks, then engines/preflight.py's)."""
-    from engines.preflight import preflight
-    from flows.checks import InputError, check_inputs
+    from rlstage.engines.preflight import preflight
+    from rlstage.flows.checks import InputError, check_inputs
 
     cfg = load_config(None, overrides)  # the config itself is valid
     with pytest.raises((ConfigError, InputError)) as err:
@@ -114,7 +114,7 @@ def test_preflight_checks_give_one_line(overrides, needle):
 
 
 def test_preflight_accepts_the_agent_demo_config():
-    from engines.preflight import preflight
+    from rlstage.engines.preflight import preflight
 
     preflight(load_config("configs/agent_calc.yaml"))
 
@@ -154,8 +154,8 @@ def test_a_run_recorded_before_a_late_setting_continues_after_the_upgrade(tmp_pa
     """A nightly run recorded by a version without a setting (``hashed_when_set``) continues under a version
     with it, while the setting stays at its default: the same stage keys, the same run identity. Set, it
     conflicts (the stored stages were computed without it)."""
-    from flows.checks import _identity, check_run_config, record_run_config
-    from infra.store import ArtifactStore
+    from rlstage.flows.checks import _identity, check_run_config, record_run_config
+    from rlstage.infra.store import ArtifactStore
 
     store = ArtifactStore(str(tmp_path))
     cfg = load_config(None, ["run_name=nightly"])

@@ -10,9 +10,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from engines import datasets as D
-from engines import rewards as R
-from schemas.artifacts import PROMPTS
+from rlstage.engines import datasets as D
+from rlstage.engines import rewards as R
+from rlstage.schemas.artifacts import PROMPTS
 
 GSM8K_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "gsm8k"
 

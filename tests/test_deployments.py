@@ -25,8 +25,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from infra.env import LOOPBACK_DEFAULTS
-from schemas.stages import STAGE_FILES, spec
+from rlstage.infra.env import LOOPBACK_DEFAULTS
+from rlstage.schemas.stages import STAGE_FILES, spec
 
 pytestmark = pytest.mark.slow
 
@@ -157,7 +157,7 @@ def kill_leftovers(marker: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, migrated_prefect_home) -> Iterator[Stack]:
-    from infra.prefect_server import start_prefect_server
+    from rlstage.infra.prefect_server import start_prefect_server
 
     tmp = tmp_path_factory.mktemp("deployments")
     # Short: Ray's Unix socket paths under it must stay below 108 bytes.
@@ -239,7 +239,7 @@ def _train_params(stack: Stack) -> dict:
 def _mlflow_run(stack: Stack):
     from mlflow.tracking import MlflowClient
 
-    from infra.tracking import RUN_NAME_TAG
+    from rlstage.infra.tracking import RUN_NAME_TAG
 
     client = MlflowClient(stack.tracking_uri)
     exp = client.get_experiment_by_name("rlstage")
@@ -272,7 +272,7 @@ def test_deployments_are_declared(deployed: Stack):
         assert d.pull_steps == [
             {"prefect.deployments.steps.set_working_directory": {"directory": str(REPO)}}
         ], d.pull_steps
-    assert train.entrypoint == "flows.training:train"
+    assert train.entrypoint == "rlstage.flows.training:train"
     # The config model as a form, plus the YAML path and dotted overrides.
     props = train.parameter_openapi_schema["properties"]
     assert set(props) == {"config", "config_path", "overrides"}
@@ -286,7 +286,7 @@ def test_deployments_are_declared(deployed: Stack):
 
 
 def test_the_train_deployment_runs_on_the_worker(deployed: Stack):
-    from infra.store import ArtifactStore
+    from rlstage.infra.store import ArtifactStore
 
     stack = deployed
     store = ArtifactStore(str(stack.store))
@@ -333,7 +333,7 @@ def test_the_train_deployment_runs_on_the_worker(deployed: Stack):
 
 
 def test_eval_and_data_prep_deployments(deployed: Stack):
-    from infra.store import ArtifactStore
+    from rlstage.infra.store import ArtifactStore
 
     stack = deployed
     store = ArtifactStore(str(stack.store))

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from schemas.config import RunConfig, load_config
-from schemas.stages import SPECS
+from rlstage.schemas.config import RunConfig, load_config
+from rlstage.schemas.stages import SPECS
 from tests_support import moving_overrides, tiny_overrides, update_weights, weights_moved
 
 pytestmark = pytest.mark.slow
@@ -55,8 +55,8 @@ def _checksums(store, run: str) -> dict[str, str]:
 
 
 def test_a_full_store_stops_with_one_line_and_the_rerun_continues(prefect_api, tmp_path, small_disk):
-    from flows.training import train
-    from tasks.runtime import store_for
+    from rlstage.flows.training import train
+    from rlstage.tasks.runtime import store_for
 
     common = [*tiny_overrides(), *moving_overrides(), "run_name=full", f"tracking.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}"]
     reference = load_config(None, [*common, f"store.root={tmp_path / 'ref'}"])
@@ -68,7 +68,7 @@ def test_a_full_store_stops_with_one_line_and_the_rerun_continues(prefect_api, t
     # Room for a few small files of iteration 2, not for its checkpoint.
     _resize(small_disk, _used(small_disk) + 64 * 1024)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    cli = [sys.executable, "-m", "flows.cli", "train", *args]
+    cli = [sys.executable, "-m", "rlstage.flows.cli", "train", *args]
     full = subprocess.run(cli, env=env, capture_output=True, text=True, timeout=600)
     lines = full.stderr.strip().splitlines()
     assert full.returncode == 2, full.stderr[-3000:]

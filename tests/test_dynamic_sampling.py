@@ -6,10 +6,10 @@ from __future__ import annotations
 import pyarrow as pa
 import pytest
 
-from engines.cursor import extra_prompt_batch, prompt_batch
-from engines.dynamic_sampling import DynamicSamplingExhausted, GenRound, select_groups
-from schemas import artifacts as A
-from schemas.config import ConfigError, load_config
+from rlstage.engines.cursor import extra_prompt_batch, prompt_batch
+from rlstage.engines.dynamic_sampling import DynamicSamplingExhausted, GenRound, select_groups
+from rlstage.schemas import artifacts as A
+from rlstage.schemas.config import ConfigError, load_config
 from tests_support import tiny_overrides
 
 
@@ -138,8 +138,8 @@ def test_a_run_drops_flat_groups_generates_again_and_a_resumed_iteration_commits
     import numpy as np
     from safetensors.torch import load
 
-    from flows.training import train
-    from tasks.runtime import store_for
+    from rlstage.flows.training import train
+    from rlstage.tasks.runtime import store_for
     from tests_support import moving_overrides, update_weights, weights_moved
 
     cfg = load_config(
@@ -186,6 +186,6 @@ def test_a_run_drops_flat_groups_generates_again_and_a_resumed_iteration_commits
     assert again["executed"] == ["iter-1/filter_groups", "iter-1/advantage", "iter-1/update", "iter-1/eval"]
     assert {s: store.manifest("ds", 1, s).files for s in before} == before
     # a replay of the advantage stage finds its inputs: dynamic sampling's batch, not the first round's rollouts
-    from flows.replay import replay
+    from rlstage.flows.replay import replay
 
     assert replay(run_name="ds", iteration=1, stage="advantage", store_root=str(tmp_path))["identical"]

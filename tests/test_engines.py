@@ -3,13 +3,13 @@
 import pytest
 import torch
 
-from engines import datasets
-from engines.actor import TorchActor
-from engines.cursor import prompt_batch
-from engines.rollout import HFRolloutEngine, SamplingParams
-from engines.sft import sft_train
-from engines.tinykit import build_char_tokenizer, build_tiny_llama, save_model_dir
-from schemas.config import ActorConfig, KitConfig, OptimConfig
+from rlstage.engines import datasets
+from rlstage.engines.actor import TorchActor
+from rlstage.engines.cursor import prompt_batch
+from rlstage.engines.rollout import HFRolloutEngine, SamplingParams
+from rlstage.engines.sft import sft_train
+from rlstage.engines.tinykit import build_char_tokenizer, build_tiny_llama, save_model_dir
+from rlstage.schemas.config import ActorConfig, KitConfig, OptimConfig
 
 
 @pytest.fixture(scope="module")

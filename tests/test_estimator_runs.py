@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from schemas.config import load_config
+from rlstage.schemas.config import load_config
 from tests_support import tiny_overrides
 
 pytestmark = pytest.mark.slow
@@ -24,8 +24,8 @@ def shared_root(tmp_path_factory):
     "name", ["dr_grpo", "rloo", "reinforce_plus_plus", "remax", "ppo_gae", "gspo", "sapo", "gmpo", "dapo", "rollout_corr"]
 )
 def test_estimator_config_runs(prefect_api, shared_root, name):
-    from flows.training import train
-    from tasks.runtime import store_for
+    from rlstage.flows.training import train
+    from rlstage.tasks.runtime import store_for
 
     overrides = [f"store.root={shared_root}", *tiny_overrides()]
     if name == "ppo_gae":

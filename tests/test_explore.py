@@ -13,8 +13,8 @@ import polars as pl
 import pytest
 from test_store_s3 import BUCKET, CREDS, endpoint  # noqa: F401 - moto's S3 server on loopback (a fixture)
 
-from infra.explore import QUERIES, Experience, NotCommitted, run_query
-from infra.store import ArtifactStore
+from rlstage.infra.explore import QUERIES, Experience, NotCommitted, run_query
+from rlstage.infra.store import ArtifactStore
 
 pytestmark = pytest.mark.slow
 
@@ -24,8 +24,8 @@ RUN = "explore"
 @pytest.fixture(scope="module")
 def first_run(prefect_api, tmp_path_factory):
     """A tiny two-iteration run of its own (a run name no other module trains: see the closing note)."""
-    from flows.training import train
-    from schemas.config import load_config
+    from rlstage.flows.training import train
+    from rlstage.schemas.config import load_config
     from tests_support import tiny_overrides
 
     tmp = tmp_path_factory.mktemp("explore")
@@ -133,7 +133,7 @@ def test_queries_on_a_local_run(local: ArtifactStore):
 
 
 def test_inspect_cli(local: ArtifactStore, capsys):
-    from flows.cli import main
+    from rlstage.flows.cli import main
 
     assert main(["inspect", RUN, "--store", local.root, "--query", "lengths"]) == 0
     out = capsys.readouterr().out
@@ -167,7 +167,7 @@ def test_uncommitted_files_are_not_read(local: ArtifactStore, tmp_path: Path):
 def test_queries_on_s3(local: ArtifactStore, endpoint: str, monkeypatch, capsys):  # noqa: F811
     import s3fs
 
-    from flows.cli import main
+    from rlstage.flows.cli import main
 
     fs = s3fs.S3FileSystem(endpoint_url=endpoint, **CREDS)
     fs.put(str(Path(local.root) / RUN), f"{BUCKET}/explore/", recursive=True)
@@ -182,8 +182,8 @@ def test_queries_on_s3(local: ArtifactStore, endpoint: str, monkeypatch, capsys)
 
 
 def test_compare_from_the_store_matches_mlflow(first_run, local: ArtifactStore):
-    from flows.compare import compare_runs, compare_stored_runs, format_table, main
-    from infra.tracking import tracking_uri_for
+    from rlstage.flows.compare import compare_runs, compare_stored_runs, format_table, main
+    from rlstage.infra.tracking import tracking_uri_for
 
     cfg, _ = first_run
     (stored,) = compare_stored_runs([RUN], local.root)

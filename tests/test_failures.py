@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from schemas.config import RunConfig, load_config
-from schemas.stages import SPECS
+from rlstage.schemas.config import RunConfig, load_config
+from rlstage.schemas.stages import SPECS
 from tests_support import moving_overrides, tiny_overrides, update_weights, weights_moved
 
 pytestmark = pytest.mark.slow
@@ -39,8 +39,8 @@ def _cfg(root, run, *extra):
 @pytest.fixture(scope="module")
 def reference(prefect_api, tmp_path_factory):
     """An uninterrupted run of the settings every drill below uses (weights moving every iteration)."""
-    from flows.training import train
-    from tasks.runtime import store_for
+    from rlstage.flows.training import train
+    from rlstage.tasks.runtime import store_for
 
     cfg = _cfg(tmp_path_factory.mktemp("reference"), "r")
     train(config=cfg)
@@ -48,8 +48,8 @@ def reference(prefect_api, tmp_path_factory):
 
 
 def test_sigkill_of_each_stage_process_is_retried_to_identical_artifacts(reference, tmp_path):
-    from flows.training import train
-    from tasks.runtime import store_for
+    from rlstage.flows.training import train
+    from rlstage.tasks.runtime import store_for
 
     markers = tmp_path / "markers"
     markers.mkdir()
@@ -74,16 +74,16 @@ def test_killed_flow_reruns_no_committed_stage(reference, tmp_path):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
 
-    from flows.training import train
-    from tasks.runtime import store_for
+    from rlstage.flows.training import train
+    from rlstage.tasks.runtime import store_for
 
     root = tmp_path / "store"
     markers = tmp_path / "markers"
     markers.mkdir()
     script = (
         "import sys\n"
-        "from schemas.config import RunConfig, load_config\n"
-        "from flows.training import train\n"
+        "from rlstage.schemas.config import RunConfig, load_config\n"
+        "from rlstage.flows.training import train\n"
         "if __name__ == '__main__':\n"
         "    train(config=load_config(None, sys.argv[1:]))\n"
     )

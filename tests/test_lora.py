@@ -10,15 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from engines.actor import TorchActor
-from engines.checkpoint import load_trainer_state, save_trainer_state
-from engines.lora import BASE_REF, save_adapters, save_hf, with_adapters
-from engines.preflight import preflight
-from engines.tinykit import build_char_tokenizer, build_tiny_llama, save_model_dir
-from infra.store import ArtifactStore
-from schemas.config import ConfigError, load_config
-from schemas.manifest import PolicyRef
-from workers.policy import load_policy_model
+from rlstage.engines.actor import TorchActor
+from rlstage.engines.checkpoint import load_trainer_state, save_trainer_state
+from rlstage.engines.lora import BASE_REF, save_adapters, save_hf, with_adapters
+from rlstage.engines.preflight import preflight
+from rlstage.engines.tinykit import build_char_tokenizer, build_tiny_llama, save_model_dir
+from rlstage.infra.store import ArtifactStore
+from rlstage.schemas.config import ConfigError, load_config
+from rlstage.schemas.manifest import PolicyRef
+from rlstage.workers.policy import load_policy_model
 
 KIT = ["kit.hidden_size=32", "kit.num_layers=1", "kit.num_heads=2", "kit.intermediate_size=64"]
 LORA = ["model.lora_rank=4", *KIT]
@@ -175,11 +175,11 @@ def test_lora_grpo_run_learns_and_stores_only_adapters(prefect_api, tmp_path: Pa
 
     from safetensors.torch import load, load_file
 
-    from flows.cli import main
-    from flows.replay import replay
-    from flows.training import train
-    from tasks.kit import kit_run_name
-    from tasks.runtime import store_for
+    from rlstage.flows.cli import main
+    from rlstage.flows.replay import replay
+    from rlstage.flows.training import train
+    from rlstage.tasks.kit import kit_run_name
+    from rlstage.tasks.runtime import store_for
 
     cfg = load_config(Path(__file__).parent.parent / "configs" / "lora.yaml", [f"store.root={tmp_path / 'store'}", *LEARNS])
     result = train(config=cfg)

@@ -5,10 +5,10 @@ import math
 import pytest
 import torch
 
-from engines.actor import TorchActor, lr_lambda
-from engines.tinykit import build_char_tokenizer, build_tiny_llama
-from schemas.config import ActorConfig, KitConfig, OptimConfig, RunConfig
-from workers.group import total_update_steps
+from rlstage.engines.actor import TorchActor, lr_lambda
+from rlstage.engines.tinykit import build_char_tokenizer, build_tiny_llama
+from rlstage.schemas.config import ActorConfig, KitConfig, OptimConfig, RunConfig
+from rlstage.workers.group import total_update_steps
 
 
 def test_cosine_with_warmup_values_per_step():

@@ -8,7 +8,7 @@ from itertools import combinations
 import numpy as np
 import pytest
 
-from engines import metrics as M
+from rlstage.engines import metrics as M
 
 
 def test_mean_std_best_worst_by_hand():

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from schemas.config import ConfigError, load_config
+from rlstage.schemas.config import ConfigError, load_config
 from tests_support import moving_overrides, tiny_overrides, update_weights, weights_moved
 
 TINY = tiny_overrides() + moving_overrides()  # replays of runs whose weights move
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def ops_run(prefect_api, tmp_path_factory):
-    from flows.training import train
+    from rlstage.flows.training import train
 
     root = str(tmp_path_factory.mktemp("ops") / "store")
     overrides = [f"store.root={root}", "run_name=ops", *TINY, "trainer.iterations=1"]
@@ -25,7 +25,7 @@ def ops_run(prefect_api, tmp_path_factory):
     first = train(config=cfg)
     from safetensors.torch import load
 
-    from tasks.runtime import store_for
+    from rlstage.tasks.runtime import store_for
 
     store = store_for(cfg)
     start = store.manifest("ops", 1, "update").meta["policy_ref"]
@@ -37,8 +37,8 @@ def ops_run(prefect_api, tmp_path_factory):
 def test_nightly_continues_without_gap_or_repeat(ops_run):
     from mlflow.tracking import MlflowClient
 
-    from flows.nightly import nightly
-    from infra.tracking import tracking_uri_for
+    from rlstage.flows.nightly import nightly
+    from rlstage.infra.tracking import tracking_uri_for
 
     cfg, root, first = ops_run
     second = nightly(run_name="ops", iterations=1, store_root=root)
@@ -52,7 +52,7 @@ def test_nightly_continues_without_gap_or_repeat(ops_run):
 
 
 def test_a_run_whose_lr_decays_over_its_length_continues_only_up_to_it():
-    from flows.checks import continuation_end
+    from rlstage.flows.checks import continuation_end
 
     constant = load_config(None, ["run_name=c", "trainer.iterations=4"])
     assert continuation_end(constant, 4, 3) == 7  # nothing reads the length: any continuation
@@ -66,7 +66,7 @@ def test_a_run_whose_lr_decays_over_its_length_continues_only_up_to_it():
 
 
 def test_nightly_refuses_a_conflicting_config(ops_run):
-    from flows.nightly import nightly
+    from rlstage.flows.nightly import nightly
 
     _, root, _ = ops_run
     with pytest.raises(ConfigError, match="conflicts with its stored config"):
@@ -75,7 +75,7 @@ def test_nightly_refuses_a_conflicting_config(ops_run):
 
 @pytest.mark.parametrize("stage", ["rollout", "reward", "advantage", "update", "eval"])
 def test_replay_with_stored_config_reproduces_checksums(ops_run, stage):
-    from flows.replay import replay
+    from rlstage.flows.replay import replay
 
     _, root, _ = ops_run
     summary = replay(run_name="ops", iteration=1, stage=stage, store_root=root)
@@ -89,9 +89,9 @@ def test_replay_with_changed_settings_writes_a_sibling_version(ops_run):
     from mlflow.tracking import MlflowClient
     from prefect.artifacts import Artifact
 
-    from flows.replay import format_summary, replay
-    from infra.tracking import log_result, tracking_uri_for
-    from tasks.runtime import store_for
+    from rlstage.flows.replay import format_summary, replay
+    from rlstage.infra.tracking import log_result, tracking_uri_for
+    from rlstage.tasks.runtime import store_for
 
     cfg, root, first = ops_run
     store = store_for(cfg)
@@ -125,7 +125,7 @@ def test_replay_with_changed_settings_writes_a_sibling_version(ops_run):
 
 
 def test_replay_of_missing_stage_or_iteration_is_a_clear_error(ops_run):
-    from flows.replay import replay
+    from rlstage.flows.replay import replay
 
     _, root, _ = ops_run
     with pytest.raises(ConfigError, match="no committed update at iteration 99"):
@@ -137,9 +137,9 @@ def test_replay_of_missing_stage_or_iteration_is_a_clear_error(ops_run):
 
 
 def test_second_flow_on_the_same_run_is_refused(ops_run):
-    from flows.training import train
-    from infra.lease import RunLocked
-    from tasks.runtime import store_for
+    from rlstage.flows.training import train
+    from rlstage.infra.lease import RunLocked
+    from rlstage.tasks.runtime import store_for
 
     cfg, _, _ = ops_run
     store = store_for(cfg)
@@ -168,9 +168,9 @@ def test_eval_flow_scores_a_stored_policy_into_a_sibling_version(ops_run):
     from mlflow.tracking import MlflowClient
     from prefect.artifacts import Artifact
 
-    from flows.evaluate import evaluate_run
-    from infra.store import ArtifactStore
-    from infra.tracking import tracking_uri_for
+    from rlstage.flows.evaluate import evaluate_run
+    from rlstage.infra.store import ArtifactStore
+    from rlstage.infra.tracking import tracking_uri_for
 
     cfg, root, first = ops_run
     store = ArtifactStore(root)
@@ -200,8 +200,8 @@ def test_eval_flow_scores_a_stored_policy_into_a_sibling_version(ops_run):
 
 
 def test_data_prep_flow_commits_prompts_that_training_reuses(prefect_api, tmp_path):
-    from flows.data_prep import prepare_data
-    from infra.store import ArtifactStore
+    from rlstage.flows.data_prep import prepare_data
+    from rlstage.infra.store import ArtifactStore
 
     overrides = [f"store.root={tmp_path}", "run_name=prep", *TINY]
     first = prepare_data(overrides=overrides)

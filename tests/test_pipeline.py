@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from schemas.config import ConfigError, load_config
-from schemas.stages import STAGE_FILES, spec
+from rlstage.schemas.config import ConfigError, load_config
+from rlstage.schemas.stages import STAGE_FILES, spec
 from tests_support import flow_graph, stage_states, tiny_overrides
 
 pytestmark = pytest.mark.slow
@@ -21,7 +21,7 @@ TINY = tiny_overrides()
 
 @pytest.fixture(scope="module")
 def first_run(prefect_api, tmp_path_factory):
-    from flows.training import train
+    from rlstage.flows.training import train
 
     tmp = tmp_path_factory.mktemp("pipeline")
     cfg = _cfg(tmp)
@@ -33,7 +33,7 @@ def first_run(prefect_api, tmp_path_factory):
 
 
 def test_two_iterations_commit_every_artifact(first_run):
-    from tasks.runtime import store_for
+    from rlstage.tasks.runtime import store_for
 
     cfg, result = first_run
     store = store_for(cfg)
@@ -62,7 +62,7 @@ def test_two_iterations_commit_every_artifact(first_run):
 def test_mlflow_has_metrics_params_and_tags(first_run):
     from mlflow.tracking import MlflowClient
 
-    from infra.tracking import tracking_uri_for
+    from rlstage.infra.tracking import tracking_uri_for
 
     cfg, result = first_run
     client = MlflowClient(tracking_uri_for(cfg))
@@ -92,8 +92,8 @@ def test_mlflow_has_metrics_params_and_tags(first_run):
 def test_rerun_executes_nothing_then_only_after_a_deleted_artifact(first_run):
     """Also as Prefect shows it: a reused stage's task run is Cached (keyed by the stage's own cache key),
     one that ran is Completed."""
-    from flows.training import train
-    from tasks.runtime import store_for
+    from rlstage.flows.training import train
+    from rlstage.tasks.runtime import store_for
 
     cfg, _ = first_run
     again_state = train(config=cfg, return_state=True)
@@ -130,8 +130,8 @@ def test_rerun_executes_nothing_then_only_after_a_deleted_artifact(first_run):
 
 
 def test_corrupted_artifact_is_refused(first_run, tmp_path):
-    from infra.store import ArtifactCorrupt
-    from tasks.runtime import store_for
+    from rlstage.infra.store import ArtifactCorrupt
+    from rlstage.tasks.runtime import store_for
 
     cfg, _ = first_run
     store = store_for(cfg)
@@ -145,7 +145,7 @@ def test_corrupted_artifact_is_refused(first_run, tmp_path):
 
 
 def test_conflicting_config_for_existing_run_is_refused(first_run):
-    from flows.training import train
+    from rlstage.flows.training import train
 
     cfg, _ = first_run
     other = cfg.model_copy(update={"actor": cfg.actor.model_copy(update={"clip_ratio_high": 0.28})})
@@ -154,8 +154,8 @@ def test_conflicting_config_for_existing_run_is_refused(first_run):
 
 
 def test_missing_model_path_is_a_clear_error(prefect_api, tmp_path):
-    from flows.checks import InputError
-    from flows.training import train
+    from rlstage.flows.checks import InputError
+    from rlstage.flows.training import train
 
     cfg = _cfg(tmp_path, f"model.path={tmp_path / 'no-such-model'}", "run_name=nomodel")
     with pytest.raises(InputError, match="no-such-model"):
@@ -164,8 +164,8 @@ def test_missing_model_path_is_a_clear_error(prefect_api, tmp_path):
 
 
 def test_unwritable_store_root_is_a_clear_error(prefect_api, tmp_path):
-    from flows.training import train
-    from infra.store import StoreError
+    from rlstage.flows.training import train
+    from rlstage.infra.store import StoreError
 
     blocker = tmp_path / "file"
     blocker.write_text("x")
@@ -204,7 +204,7 @@ def test_next_iteration_opens_while_the_last_one_evaluates(prefect_api, tmp_path
     from prefect import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
 
-    from tasks.runtime import store_for
+    from rlstage.tasks.runtime import store_for
 
     markers = tmp_path / "markers"
     markers.mkdir()
@@ -215,7 +215,7 @@ def test_next_iteration_opens_while_the_last_one_evaluates(prefect_api, tmp_path
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
     log_path = tmp_path / "train.log"
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "train", *args], env=env, stdout=log, stderr=log)
+        proc = subprocess.Popen([sys.executable, "-m", "rlstage.flows.cli", "train", *args], env=env, stdout=log, stderr=log)
     store = store_for(cfg)
     try:
         deadline = time.monotonic() + 300

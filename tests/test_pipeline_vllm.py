@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from test_trust import _processes_with_env
 
-from engines.rollout_vllm import vllm_available
+from rlstage.engines.rollout_vllm import vllm_available
 from tests_support import cli_env, start_cli_until, tiny_overrides, update_weights, weights_moved
 
 pytestmark = [
@@ -89,7 +89,7 @@ def test_vllm_rollouts_sigterm_stops_all_it_started_and_the_rerun_continues(pref
         "drill.hold_worker_at=['update:2']",
         f"drill.markers={markers}",
     ]
-    cmd = [sys.executable, "-m", "flows.cli", "train", *overrides]
+    cmd = [sys.executable, "-m", "rlstage.flows.cli", "train", *overrides]
     migrated_prefect_home(tmp_path / ".rlstage" / "prefect")  # the command's own home: it starts its server there
     env = cli_env()
     # until iteration 1 is committed (vLLM generated with the SFT weights, then the policy trained) and the trainer
@@ -136,7 +136,7 @@ def test_vllm_rollouts_sigterm_stops_all_it_started_and_the_rerun_continues(pref
     assert named == [], named
     assert not set(_vllm_processes()) - before, _vllm_processes()
 
-    from infra.store import ArtifactStore
+    from rlstage.infra.store import ArtifactStore
 
     store = ArtifactStore(str(tmp_path / "store"))
     stages = ("rollout", "reward", "advantage", "update", "eval")
@@ -148,8 +148,8 @@ def test_vllm_rollouts_sigterm_stops_all_it_started_and_the_rerun_continues(pref
     # The same run, continued in this process on the session's server (the run lives in the store; the
     # command's start-up and stop were exercised above): it continues after iteration 1.
     (markers / "release-update-2").touch()
-    from flows.training import train
-    from schemas.config import load_config
+    from rlstage.flows.training import train
+    from rlstage.schemas.config import load_config
 
     mlflow_db = tmp_path / ".rlstage" / "mlflow" / "mlflow.db"  # the command's (its home is under its cwd)
     train(config=load_config(None, [*overrides, f"tracking.tracking_uri=sqlite:///{mlflow_db}"]))

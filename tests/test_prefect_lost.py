@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from test_trust import _processes_with_env
 
-from flows.cli import PrefectLost, _lost_if_down
-from infra.env import free_port
+from rlstage.flows.cli import PrefectLost, _lost_if_down
+from rlstage.infra.env import free_port
 from tests_support import (
     cli_env,
     moving_overrides,
@@ -64,9 +64,9 @@ def test_a_server_killed_mid_run_is_one_line_and_the_rerun_continues(migrated_pr
     the line (exit 3, no traceback, no half-written artifact) and the same command then trains on from the SFT."""
     from safetensors.torch import load
 
-    from infra.store import ArtifactStore
-    from schemas.config import load_config
-    from schemas.stages import kit_run_name
+    from rlstage.infra.store import ArtifactStore
+    from rlstage.schemas.config import load_config
+    from rlstage.schemas.stages import kit_run_name
 
     migrated_prefect_home(tmp_path / ".rlstage" / "prefect")  # the command's home
     env = cli_env(PREFECT_CLIENT_MAX_RETRIES="1")
@@ -77,7 +77,7 @@ def test_a_server_killed_mid_run_is_one_line_and_the_rerun_continues(migrated_pr
         f"store.root={tmp_path / 'store'}",
         "trainer.iterations=1",
     ]
-    cmd = [sys.executable, "-m", "flows.cli", "train", *overrides]
+    cmd = [sys.executable, "-m", "rlstage.flows.cli", "train", *overrides]
     proc = start_cli_until(cmd, tmp_path, env, "iteration   0:")  # the SFT checkpoint is committed and evaluated
     try:
         home = f"PREFECT_HOME={(tmp_path / '.rlstage' / 'prefect').resolve()}"

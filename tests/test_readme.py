@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flows.cli import build_parser
-from schemas.config import load_config, parse_overrides
-from schemas.stages import REPLAYABLE
+from rlstage.flows.cli import build_parser
+from rlstage.schemas.config import load_config, parse_overrides
+from rlstage.schemas.stages import REPLAYABLE
 
 REPO = Path(__file__).resolve().parent.parent
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)

@@ -14,7 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from infra.models import LINEAGE, ModelFetchError, model_folder_for_gguf, sha256_file
+from rlstage.infra.models import LINEAGE, ModelFetchError, model_folder_for_gguf, sha256_file
 
 
 def test_converted_folder_records_its_gguf(smollm2_path) -> None:
@@ -26,8 +26,8 @@ def test_converted_folder_records_its_gguf(smollm2_path) -> None:
     config = json.loads((smollm2_path / "config.json").read_text())
     assert "quantization_config" not in config and config["num_hidden_layers"] == 30
     # model.path may name the .gguf itself: the same folder, found by the file's sha256 (not converted again).
-    from flows.training import with_model_folder
-    from schemas.config import load_config
+    from rlstage.flows.training import with_model_folder
+    from rlstage.schemas.config import load_config
 
     cfg = with_model_folder(load_config(None, [f"model.path={gguf}"]))
     assert cfg.model.path == str(smollm2_path)
@@ -77,10 +77,10 @@ def test_one_iteration_of_smollm2_through_the_pipeline(prefect_api, smollm2_path
     from mlflow.tracking import MlflowClient
     from transformers import AutoTokenizer
 
-    from flows.training import train
-    from infra.tracking import tracking_uri_for
-    from schemas.config import load_config
-    from tasks.runtime import store_for
+    from rlstage.flows.training import train
+    from rlstage.infra.tracking import tracking_uri_for
+    from rlstage.schemas.config import load_config
+    from rlstage.tasks.runtime import store_for
 
     rows = [
         ("Reply with one word: is water wet?", "yes"),
@@ -140,8 +140,8 @@ def test_one_iteration_of_smollm2_through_the_pipeline(prefect_api, smollm2_path
 
 
 def test_bad_real_model_settings_fail_in_one_line(smollm2_path, tmp_path) -> None:
-    from engines.preflight import check_model as check_inputs
-    from schemas.config import ConfigError, load_config
+    from rlstage.engines.preflight import check_model as check_inputs
+    from rlstage.schemas.config import ConfigError, load_config
 
     train = tmp_path / "train.jsonl"
     train.write_text(json.dumps({"question": "What is 3 + 4?", "answer": "#### 7"}) + "\n")

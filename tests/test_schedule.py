@@ -94,8 +94,8 @@ def _wait_final(client, run_id, stack: Stack):
 def test_nightly_schedule_fires_and_continues_the_run(tmp_path, monkeypatch, migrated_prefect_home):
     from prefect.client.orchestration import SyncPrefectClient
 
-    from infra.prefect_server import start_prefect_server
-    from infra.store import ArtifactStore
+    from rlstage.infra.prefect_server import start_prefect_server
+    from rlstage.infra.store import ArtifactStore
 
     ray_tmp = Path(tempfile.mkdtemp(prefix="rlss-", dir="/tmp"))  # short: Ray's socket paths
     monkeypatch.delenv("PREFECT_API_URL", raising=False)

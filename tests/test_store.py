@@ -10,8 +10,8 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from infra.store import ArtifactCorrupt, ArtifactStore, CommitConflict, StoreError, parquet_bytes
-from schemas.artifacts import SCHEMA_VERSION
+from rlstage.infra.store import ArtifactCorrupt, ArtifactStore, CommitConflict, StoreError, parquet_bytes
+from rlstage.schemas.artifacts import SCHEMA_VERSION
 
 RUN = "run-1"
 
@@ -401,7 +401,7 @@ def test_prefix_siblings_are_untouched(store: ArtifactStore) -> None:
 
 
 def test_prune_drops_files_keeps_the_id_and_stays_signed(store: ArtifactStore, monkeypatch: pytest.MonkeyPatch) -> None:
-    from infra.store import HMAC_KEY_ENV
+    from rlstage.infra.store import HMAC_KEY_ENV
 
     monkeypatch.setenv(HMAC_KEY_ENV, "team-secret")
     m = commit(store, stage="update", blobs={"model/w.safetensors": b"w" * 64, "trainer_state/s.json": b"{}"})

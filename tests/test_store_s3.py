@@ -18,8 +18,8 @@ pytest.importorskip("s3fs", reason="s3fs is not installed (pip install -e '.[dev
 pytest.importorskip("moto.server", reason="moto[server] is not installed (pip install -e '.[dev]')")
 boto3 = pytest.importorskip("boto3", reason="boto3 is not installed (pip install -e '.[dev]')")
 
-from infra.env import free_port  # noqa: E402
-from infra.store import ArtifactCorrupt, ArtifactStore, CommitConflict  # noqa: E402
+from rlstage.infra.env import free_port  # noqa: E402
+from rlstage.infra.store import ArtifactCorrupt, ArtifactStore, CommitConflict  # noqa: E402
 
 BUCKET = "rlstage-test"
 CREDS = {"key": "testing", "secret": "testing"}
@@ -209,7 +209,7 @@ def test_put_json_exclusive(store: ArtifactStore) -> None:
 
 
 def test_missing_bucket_is_not_writable(endpoint: str) -> None:
-    from infra.store import StoreError
+    from rlstage.infra.store import StoreError
 
     store = ArtifactStore("s3://no-such-bucket-here/p", {"endpoint_url": endpoint, **CREDS})
     with pytest.raises(StoreError, match="store root s3://no-such-bucket-here/p cannot be written"):
@@ -261,8 +261,8 @@ def test_unnamed_precondition_failure_is_a_conflict(
 @pytest.mark.slow
 def test_pipeline_runs_against_s3(endpoint: str, prefect_api, tmp_path: Path) -> None:
     """Two iterations with every artifact in S3 (moto on loopback), then a rerun that executes nothing."""
-    from flows.training import train
-    from schemas.config import load_config
+    from rlstage.flows.training import train
+    from rlstage.schemas.config import load_config
     from tests_support import tiny_overrides
 
     cfg = load_config(
@@ -286,10 +286,10 @@ def test_pipeline_runs_against_s3(endpoint: str, prefect_api, tmp_path: Path) ->
 
 @pytest.mark.slow
 def test_unreachable_endpoints_are_one_clear_error(prefect_api, tmp_path: Path) -> None:
-    from flows.training import train
-    from infra.store import StoreError
-    from infra.tracking import TrackingUnavailable
-    from schemas.config import load_config
+    from rlstage.flows.training import train
+    from rlstage.infra.store import StoreError
+    from rlstage.infra.tracking import TrackingUnavailable
+    from rlstage.schemas.config import load_config
     from tests_support import tiny_overrides
 
     closed = f"http://127.0.0.1:{free_port()}"

@@ -6,8 +6,8 @@ from __future__ import annotations
 import io
 import time
 
-from flows import terminal
-from flows.terminal import CLEAR, Terminal
+from rlstage.flows import terminal
+from rlstage.flows.terminal import CLEAR, Terminal
 
 
 def test_a_log_gets_summary_lines_only(monkeypatch):

@@ -13,7 +13,7 @@ import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
-from infra.tracking import (
+from rlstage.infra.tracking import (
     CONFIG_ARTIFACT,
     EXPERIMENT_KIND,
     EXPERIMENT_KIND_TAG,
@@ -24,7 +24,7 @@ from infra.tracking import (
     TrackingUnavailable,
     log_result,
 )
-from schemas.config import load_config
+from rlstage.schemas.config import load_config
 
 
 def _cfg(tmp_path, *extra):
@@ -129,8 +129,8 @@ def test_prompts_are_dataset_inputs_and_a_checkpoint_is_a_logged_model_by_refere
 
     import pyarrow as pa
 
-    from infra.store import ArtifactStore
-    from schemas.artifacts import PROMPTS
+    from rlstage.infra.store import ArtifactStore
+    from rlstage.schemas.artifacts import PROMPTS
 
     cfg = _cfg(tmp_path)
     store = ArtifactStore(str(tmp_path / "store"))
@@ -176,7 +176,7 @@ def test_bookkeeping_runs_jobs_in_order_later_and_surfaces_a_failure(capfd):
     import threading
     import time
 
-    from infra.bookkeeping import Bookkeeper
+    from rlstage.infra.bookkeeping import Bookkeeper
 
     done: list[int] = []
     books = Bookkeeper(delay_s=0.3)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from schemas.config import load_config
+from rlstage.schemas.config import load_config
 from tests_support import moving_overrides, tiny_overrides
 
 pytestmark = pytest.mark.slow
@@ -23,8 +23,8 @@ class MlflowServer:
         self.url = f"http://127.0.0.1:{port}"
 
     def start(self) -> None:
-        from infra.prefect_server import wait_http
-        from infra.ui import start_mlflow_server
+        from rlstage.infra.prefect_server import wait_http
+        from rlstage.infra.ui import start_mlflow_server
 
         self.proc = start_mlflow_server(self.home, self.port, self.home / "server.log")
         wait_http(f"{self.url}/health", 180, self.proc)
@@ -37,11 +37,11 @@ class MlflowServer:
 def test_a_tracking_server_lost_mid_run_is_caught_up_from_the_store(prefect_api, tmp_path, capfd):
     from mlflow.tracking import MlflowClient
 
-    from flows.nightly import nightly
-    from flows.training import PROGRESS, train
-    from infra.env import free_port
-    from tasks.kit import kit_run_name
-    from tasks.runtime import store_for
+    from rlstage.flows.nightly import nightly
+    from rlstage.flows.training import PROGRESS, train
+    from rlstage.infra.env import free_port
+    from rlstage.tasks.kit import kit_run_name
+    from rlstage.tasks.runtime import store_for
 
     server = MlflowServer(tmp_path, free_port())
     server.start()

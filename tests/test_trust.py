@@ -13,10 +13,10 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from engines import rewards as R
-from flows.checks import check_run_config, record_run_config, stored_config, stored_config_with
-from infra.store import HMAC_KEY_ENV, ArtifactCorrupt, ArtifactStore, StoreError, parquet_bytes
-from schemas.config import ALLOWED_CALLABLES_ENV, ConfigError, RunConfig, load_config
+from rlstage.engines import rewards as R
+from rlstage.flows.checks import check_run_config, record_run_config, stored_config, stored_config_with
+from rlstage.infra.store import HMAC_KEY_ENV, ArtifactCorrupt, ArtifactStore, StoreError, parquet_bytes
+from rlstage.schemas.config import ALLOWED_CALLABLES_ENV, ConfigError, RunConfig, load_config
 
 # An attacker's module: importing it, or calling its function, leaves a marker file.
 EVIL = """
@@ -66,7 +66,7 @@ def evil_reward(clean_env: Path) -> tuple[ArtifactStore, Path, str]:
 
 
 def test_stored_reward_function_is_refused_by_replay_eval_and_nightly(evil_reward) -> None:
-    from flows.nightly import continuation_config
+    from rlstage.flows.nightly import continuation_config
 
     store, marker, ref = evil_reward
     for load in (
@@ -84,7 +84,7 @@ def test_stored_reward_function_is_refused_by_replay_eval_and_nightly(evil_rewar
 def test_code_named_by_the_command_or_allow_listed_is_loaded(evil_reward, clean_env: Path, monkeypatch) -> None:
     store, marker, ref = evil_reward
     # Named by this invocation's own overrides: the user asked for it.
-    from engines.preflight import preflight
+    from rlstage.engines.preflight import preflight
 
     cfg = stored_config(store, "victim", [f"reward.function={ref}"])
     preflight(cfg)  # every command checks that the reward function resolves before any stage
@@ -111,17 +111,17 @@ def test_stored_tool_callable_is_refused_before_import(clean_env: Path, monkeypa
         stored_config(store, "victim")
     assert not marker.exists()
     # The built-in calculator needs no allow-list.
-    calc = {"name": "calculator", "callable": "engines.tools:calculator"}
+    calc = {"name": "calculator", "callable": "rlstage.engines.tools:calculator"}
     store, _ = _victim(clean_env, lambda c: c["agent"].update(tools=[calc]))
-    assert stored_config(store, "victim").agent.tools[0].callable == "engines.tools:calculator"
+    assert stored_config(store, "victim").agent.tools[0].callable == "rlstage.engines.tools:calculator"
 
 
 def test_nightly_trusts_the_code_its_deployment_config_names(evil_reward) -> None:
-    from flows.nightly import continuation_config
+    from rlstage.flows.nightly import continuation_config
 
     store, marker, ref = evil_reward
     # The deployment names the same function: it may run, and the stored copy must agree with it.
-    from engines.preflight import preflight
+    from rlstage.engines.preflight import preflight
 
     cfg = continuation_config("victim", store.root, overrides=[f"reward.function={ref}"])
     preflight(cfg)
@@ -206,7 +206,7 @@ def _rows(texts: list[str]) -> list[dict]:
 
 
 def test_a_reward_function_failing_on_the_whole_batch_stops_the_stage() -> None:
-    from tasks.stages import score_rows
+    from rlstage.tasks.stages import score_rows
 
     cfg = load_config(None, ["reward.function=test_always_raises"])
     with pytest.raises(R.RewardFailure) as err:
@@ -250,7 +250,7 @@ def test_inputs_refused_at_config_load(overrides, needle) -> None:
     ],
 )
 def test_reward_functions_that_do_not_resolve_are_refused_before_any_stage(function, needle) -> None:
-    from engines.preflight import preflight
+    from rlstage.engines.preflight import preflight
 
     with pytest.raises(ConfigError) as err:  # the config model is a leaf: it imports nothing it names
         preflight(load_config(None, [f"reward.function={function}"]))
@@ -258,7 +258,7 @@ def test_reward_functions_that_do_not_resolve_are_refused_before_any_stage(funct
 
 
 def test_a_failed_first_attempt_records_nothing(clean_env: Path) -> None:
-    from flows.checks import InputError, check_inputs
+    from rlstage.flows.checks import InputError, check_inputs
 
     store = ArtifactStore(str(clean_env / "store"))
     typo = load_config(None, ["run_name=r", "model.path=/no/such/model"])
@@ -288,7 +288,7 @@ def _processes_with_env(entry: str) -> list[int]:
 def test_sigint_and_sigterm_take_the_same_way_out() -> None:
     """SIGINT is stopped as SIGTERM is (the end-to-end run, with vLLM engines: tests/test_pipeline_vllm.py), and its
     exit says which."""
-    from flows.cli import Stopped, _stop_on_signals
+    from rlstage.flows.cli import Stopped, _stop_on_signals
 
     saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -307,7 +307,7 @@ def test_sigint_and_sigterm_take_the_same_way_out() -> None:
 def test_a_failed_batch_is_not_retried_but_a_lost_worker_is() -> None:
     from prefect.states import Failed
 
-    from tasks.stages import _retryable
+    from rlstage.tasks.stages import _retryable
 
     assert not _retryable(None, None, Failed(data=R.RewardFailure("reward function f failed on 3 of 3 samples")))
     assert _retryable(None, None, Failed(data=OSError("connection reset")))

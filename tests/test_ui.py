@@ -18,8 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from infra.env import free_port, pid_alive
-from infra.prefect_server import stop_process_group, wait_up
+from rlstage.infra.env import free_port, pid_alive
+from rlstage.infra.prefect_server import stop_process_group, wait_up
 from tests_support import tiny_overrides
 
 pytestmark = pytest.mark.slow
@@ -34,7 +34,7 @@ def ui(tmp_path_factory, migrated_prefect_home):
     drop = ("PREFECT_API_URL", "PREFECT_HOME", "MLFLOW_TRACKING_URI", "RLSTAGE_", "PREFECT_LOGGING_TO_API")
     env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
     env.update(RLSTAGE_HOME=str(tmp / "home"), PYTHONPATH=str(REPO))
-    cli = [sys.executable, "-m", "flows.cli"]
+    cli = [sys.executable, "-m", "rlstage.flows.cli"]
     args = [*tiny_overrides(), "trainer.iterations=1", f"run_name={RUN}", f"store.root={tmp / 'store'}"]
     t0 = time.perf_counter()
     done = subprocess.run([*cli, "train", *args], cwd=tmp, env=env, capture_output=True, text=True, timeout=300)

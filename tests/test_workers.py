@@ -11,7 +11,7 @@ import time
 import pytest
 from safetensors.torch import load as load_safetensors
 
-from schemas.config import ConfigError, load_config
+from rlstage.schemas.config import ConfigError, load_config
 from tests_support import moving_overrides, tiny_overrides, update_weights, weights_moved
 
 pytestmark = pytest.mark.slow
@@ -35,8 +35,8 @@ def test_two_trainer_ranks_train_the_policy_one_rank_does(prefect_api, tmp_path,
     gives world size 1's (torch engine) policy; under ZeRO 1-3 each rank stores its own optimizer partition.
     Both ranks generate a share of the rollout (its two HF batches) where each holds the whole policy (not ZeRO-3),
     and the samples are one rank's."""
-    from flows.training import train
-    from tasks.runtime import store_for
+    from rlstage.flows.training import train
+    from rlstage.tasks.runtime import store_for
 
     common = ["trainer.iterations=1", f"actor.loss_agg_mode={mode}", "actor.ppo_epochs=2", "rollout.batch_size=16"]
     if budget:
@@ -76,8 +76,8 @@ def test_a_checkpoint_larger_than_the_object_store_never_crosses_it(prefect_api,
     """Weights + optimizer state of ~160 MB (the object store holds 128 MB) go worker -> store -> worker."""
     import ray
 
-    from flows.training import train
-    from tasks.runtime import store_for
+    from rlstage.flows.training import train
+    from rlstage.tasks.runtime import store_for
 
     wide = ["kit.hidden_size=512", "kit.num_layers=4", "kit.num_heads=8", "kit.intermediate_size=1536", "sft.steps=4"]
     cfg = _cfg(tmp_path, "wide", *wide, "trainer.checkpoint_every=1")
@@ -96,8 +96,8 @@ def test_a_checkpoint_larger_than_the_object_store_never_crosses_it(prefect_api,
 
 
 def test_a_placement_the_cluster_cannot_hold_is_refused_before_any_stage(prefect_api, tmp_path):
-    from flows.training import train
-    from tasks.runtime import store_for
+    from rlstage.flows.training import train
+    from rlstage.tasks.runtime import store_for
 
     cfg = _cfg(tmp_path, "big", "ray.trainer_world_size=4", "actor.engine=deepspeed")
     with pytest.raises(ConfigError, match=r"ray.trainer_world_size=4 x ray.worker_num_cpus=1 .* the Ray cluster has"):
@@ -132,8 +132,8 @@ def test_killed_trainer_ranks_are_rebuilt_to_identical_artifacts(prefect_api, tm
     """SIGKILL of rank 1 in update 1 and of rank 0 in update 2 (world size 2, ZeRO-2: each rank stores its optimizer
     partition): the stage's retry re-forms the group, each rank loads its partition of update 1 from the store, and
     every artifact equals an uninterrupted run's, with weights that really moved."""
-    from flows.training import train
-    from tasks.runtime import store_for
+    from rlstage.flows.training import train
+    from rlstage.tasks.runtime import store_for
 
     world2 = ["ray.trainer_world_size=2", "ray.worker_num_cpus=0.5", "actor.engine=deepspeed", "actor.zero_stage=2"]
     reference = _cfg(tmp_path / "ref", "k", *world2)
@@ -165,8 +165,8 @@ def test_killed_role_workers_are_rebuilt_to_identical_artifacts(prefect_api, tmp
     it serves the reference (advantage 1), the critic (advantage 2) and the old log-probs (advantage 2), and
     inside the critic's commit (iteration 1, between its files and its manifest): each stage's retry rebuilds
     the role from the store, and every artifact equals an uninterrupted run's."""
-    from flows.training import train
-    from tasks.runtime import store_for
+    from rlstage.flows.training import train
+    from rlstage.tasks.runtime import store_for
 
     roles = [
         "ray.rollout_placement=separate", "ray.worker_num_cpus=0.5", "ray.rollout_num_cpus=0.5",
@@ -206,11 +206,11 @@ def test_rollout_placed_apart_takes_weights_by_handoff_and_overlaps_the_trainer(
     from prefect import flow
     from prefect.task_runners import ThreadPoolTaskRunner
 
-    from flows.training import train
-    from schemas.manifest import PolicyRef
-    from tasks import stages
-    from tasks.runtime import policy_ref_from, store_for
-    from workers.group import open_group
+    from rlstage.flows.training import train
+    from rlstage.schemas.manifest import PolicyRef
+    from rlstage.tasks import stages
+    from rlstage.tasks.runtime import policy_ref_from, store_for
+    from rlstage.workers.group import open_group
 
     # HF batches of 16 samples (4 prompts): the 8 prompts of a rollout split between the two actors at a batch bound
     ppo = [
@@ -294,9 +294,9 @@ MULTINODE = r"""
 import json, sys
 import psutil, ray
 from ray.cluster_utils import Cluster
-from schemas.config import load_config
-from flows.training import train
-from tasks.runtime import store_for
+from rlstage.schemas.config import load_config
+from rlstage.flows.training import train
+from rlstage.tasks.runtime import store_for
 
 def _connections(p):
     try:
@@ -353,8 +353,8 @@ import json, sys
 import ray
 from ray.cluster_utils import Cluster
 from ray.util.placement_group import placement_group_table
-from schemas.config import ConfigError, load_config
-from workers.group import check_placement, open_group
+from rlstage.schemas.config import ConfigError, load_config
+from rlstage.workers.group import check_placement, open_group
 
 if __name__ == "__main__":
     # GPUs declared to Ray, none present: Ray schedules by them and sets each actor's CUDA_VISIBLE_DEVICES, torch
@@ -437,8 +437,8 @@ def test_pipelined_iterations_overlap_rollout_with_training(prefect_api, tmp_pat
     import threading
     import time
 
-    from flows.training import train
-    from tasks.runtime import policy_ref_from, store_for
+    from rlstage.flows.training import train
+    from rlstage.tasks.runtime import policy_ref_from, store_for
 
     stages_cpu = "ray.stages={" + ", ".join(f"{s}: {{num_cpus: 0.25}}" for s in ("data_prep", "rollout", "reward", "advantage", "update", "eval")) + "}"
     markers = tmp_path / "markers"
@@ -486,9 +486,9 @@ def test_pipelined_iterations_overlap_rollout_with_training(prefect_api, tmp_pat
 
 def test_bypass_takes_the_rollout_log_probs_as_old_and_checks_a_sample(prefect_api, tmp_path):
     """verl's bypass: no old-log-prob recompute but for a sample of rows that keeps the weight-sync guard."""
-    from flows.training import train
-    from tasks.runtime import store_for
-    from tasks.stages import BYPASS_CHECK_ROWS
+    from rlstage.flows.training import train
+    from rlstage.tasks.runtime import store_for
+    from rlstage.tasks.stages import BYPASS_CHECK_ROWS
 
     cfg = _cfg(tmp_path, "bypass", "trainer.iterations=1", "algorithm.rollout_correction.bypass_mode=true")
     hist = train(config=cfg)["history"][-1]
@@ -513,10 +513,10 @@ def test_replay_and_eval_while_the_run_trains_corrupt_nothing(prefect_api, tmp_p
 
     import ray
 
-    from flows.evaluate import evaluate_run
-    from flows.replay import replay
-    from flows.training import train
-    from tasks.runtime import store_for
+    from rlstage.flows.evaluate import evaluate_run
+    from rlstage.flows.replay import replay
+    from rlstage.flows.training import train
+    from rlstage.tasks.runtime import store_for
 
     reference = _cfg(tmp_path / "ref", "live", "trainer.iterations=4")
     train(config=reference)
@@ -532,7 +532,7 @@ def test_replay_and_eval_while_the_run_trains_corrupt_nothing(prefect_api, tmp_p
     log_path = tmp_path / "train.log"
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "train", *args], env=env, stdout=log, stderr=log)
+        proc = subprocess.Popen([sys.executable, "-m", "rlstage.flows.cli", "train", *args], env=env, stdout=log, stderr=log)
     try:
         deadline = time.monotonic() + 300
         while store.get_json("live", "lease") is None and proc.poll() is None and time.monotonic() < deadline:

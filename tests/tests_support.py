@@ -1,5 +1,9 @@
 """Settings shared by the integration tests: a run of the tiny kit that takes seconds."""
 
+from __future__ import annotations
+
+from pathlib import Path
+
 
 def tiny_overrides() -> list[str]:
     return [
@@ -59,7 +63,7 @@ def _flow_runs(flow_state) -> tuple[list, list]:
 def stage_states(flow_state) -> dict:
     """(flow run name, stage) -> the final state of each stage task run of a training flow run and of its
     iteration subflows."""
-    from tasks.stages import TASKS
+    from rlstage.tasks.stages import TASKS
 
     flows, runs = _flow_runs(flow_state)
     names = {r.id: r.name for r in flows}
@@ -106,3 +110,34 @@ def start_cli_until(cmd: list[str], cwd, env: dict[str, str], prefix: str):
             return proc
     proc.wait()
     pytest.fail(f"the command ended before a line {prefix!r}:\n" + "".join(lines))
+
+
+def build_wheel(src, out) -> Path:
+    """A wheel of the source tree ``src`` (no dependencies), built with this environment's setuptools."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out), str(src)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (wheel,) = Path(out).glob("rlstage-*.whl")
+    return wheel
+
+
+def env_with_wheel(wheel, env_dir) -> Path:
+    """A fresh virtual environment holding ``wheel`` and, as a plain path, this environment's packages (torch,
+    Prefect, Ray, ...): a path entry's .pth files stay inactive, so this checkout's editable install is not
+    seen there. Returns the environment's python."""
+    import subprocess
+    import sys
+    import sysconfig
+    import venv
+
+    venv.EnvBuilder(with_pip=True).create(env_dir)
+    py = Path(env_dir) / "bin" / "python"
+    site = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], capture_output=True, text=True, check=True)
+    deps = [p for p in sys.path if p.endswith("site-packages")] or [sysconfig.get_paths()["purelib"]]
+    (Path(site.stdout.strip()) / "zz_dependencies.pth").write_text("".join(f"{p}\n" for p in deps))
+    done = subprocess.run([py, "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return py

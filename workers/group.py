@@ -24,13 +24,13 @@ from ray.exceptions import ActorUnavailableError
 from ray.util.placement_group import get_placement_group, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from infra.ray_runtime import RAY_NAMESPACE
-from infra.store import store_identity
-from schemas.config import ConfigError, RunConfig
-from schemas.manifest import Manifest, PolicyRef
-from schemas.stages import ConfigView, whole_config
-from workers.policy import CRITIC_INIT, PolicyWorker, every_rank_generates
-from workers.rollout import RolloutWorker
+from rlstage.infra.ray_runtime import RAY_NAMESPACE
+from rlstage.infra.store import store_identity
+from rlstage.schemas.config import ConfigError, RunConfig
+from rlstage.schemas.manifest import Manifest, PolicyRef
+from rlstage.schemas.stages import ConfigView, whole_config
+from rlstage.workers.policy import CRITIC_INIT, PolicyWorker, every_rank_generates
+from rlstage.workers.rollout import RolloutWorker
 
 RESTART_WAIT_S = 120.0  # how long a call waits for Ray to restart a killed worker (7-19 s seen on 2 cores)
 
@@ -213,7 +213,7 @@ class PolicyGroup:
         """Stop the workers: close engines and scratch folders first (vLLM leaves /dev/shm files when killed).
         ``busy`` (a stop mid-stage): a worker inside a call would only take ``close`` after it, so the workers
         are killed at once and the files their engines registered are removed here."""
-        from engines.rollout_vllm import reap_owned_files
+        from rlstage.engines.rollout_vllm import reap_owned_files
 
         pids = [pid for r in self.actors if (pid := _actor_pid(r)) is not None]
         for r in self.actors:

@@ -23,10 +23,10 @@ from pathlib import Path
 import pyarrow as pa
 import torch
 
-from engines.actor import DataParallelTorchActor, TorchActor
-from engines.checkpoint import load_trainer_state, save_trainer_state
-from engines.critic import TorchCritic
-from engines.lora import (
+from rlstage.engines.actor import DataParallelTorchActor, TorchActor
+from rlstage.engines.checkpoint import load_trainer_state, save_trainer_state
+from rlstage.engines.critic import TorchCritic
+from rlstage.engines.lora import (
     base_ref,
     is_adapter_dir,
     is_peft,
@@ -35,12 +35,12 @@ from engines.lora import (
     save_hf,
     with_adapters,
 )
-from engines.rollout import HFRolloutEngine, SamplingParams
-from infra.drill import WorkerDrill, fault_point, hold_point
-from infra.env import pid_alive
-from infra.store import ArtifactStore
-from schemas.config import ConfigError, RunConfig
-from schemas.manifest import (
+from rlstage.engines.rollout import HFRolloutEngine, SamplingParams
+from rlstage.infra.drill import WorkerDrill, fault_point, hold_point
+from rlstage.infra.env import pid_alive
+from rlstage.infra.store import ArtifactStore
+from rlstage.schemas.config import ConfigError, RunConfig
+from rlstage.schemas.manifest import (
     MODEL_DIR,
     STATE_DIR,
     FileEntry,
@@ -138,7 +138,7 @@ def rollout_engine(cfg: RunConfig, model, tokenizer, path: str, current=None):
     r = cfg.rollout
     if r.engine == "hf":
         return HFRolloutEngine(model, tokenizer, r.batch_size, r.share_prompts)
-    from engines.rollout_vllm import VLLMRolloutEngine  # lazy: vllm is an optional extra
+    from rlstage.engines.rollout_vllm import VLLMRolloutEngine  # lazy: vllm is an optional extra
 
     adapter = is_peft(model)
     if not isinstance(current, VLLMRolloutEngine):
@@ -242,7 +242,7 @@ class PolicyWorker:
         """A free port on this node for a new data-parallel process group (called on rank 0)."""
         import ray
 
-        from infra.env import free_port
+        from rlstage.infra.env import free_port
 
         addr = ray.util.get_node_ip_address()
         return addr, free_port(host=addr)
@@ -299,7 +299,7 @@ class PolicyWorker:
         if any(f.startswith(STATE_DIR + "/") for f in manifest.files) and not ref.version.startswith(CRITIC_INIT):
             name = self._state_to_load(manifest, role)
             if role == "policy" and self.cfg.actor.engine == "deepspeed":
-                import engines.actor_deepspeed  # noqa: F401  registers the types a ZeRO optimizer state holds
+                import rlstage.engines.actor_deepspeed  # noqa: F401  registers the types a ZeRO optimizer state holds
             state = load_trainer_state(self.store.fetch_dir(manifest, name, str(folder / name)))
         self._load(ref, model_dir, state, role)
         return ref.version
@@ -450,7 +450,7 @@ class PolicyWorker:
             return TorchActor(self.model, self.cfg.actor, pad_id, self.total_steps)
         import deepspeed  # lazy: only runs with actor.engine=deepspeed pay for the import
 
-        from engines.actor_deepspeed import DeepSpeedActor
+        from rlstage.engines.actor_deepspeed import DeepSpeedActor
 
         deepspeed.utils.logger.setLevel("WARNING")  # its INFO lines would flood the Ray worker's log
         if isinstance(self.actor, DeepSpeedActor):
@@ -504,7 +504,7 @@ class PolicyWorker:
         """Multi-turn tool-calling rollouts of prompts-table rows (``agent`` config); completions and timings."""
         self._require(version)
         self.drill.point("rollout")
-        from engines.agent_loop import run_agent_config
+        from rlstage.engines.agent_loop import run_agent_config
 
         return run_agent_config(self.rollout, self.cfg.agent, rows, SamplingParams(**params))
 

@@ -12,10 +12,10 @@ import hashlib
 import ray
 import torch
 
-from engines.reward_model import load_reward_model, score_texts
-from infra.ray_runtime import RAY_NAMESPACE
-from schemas.config import RunConfig
-from schemas.stages import ConfigView, whole_config
+from rlstage.engines.reward_model import load_reward_model, score_texts
+from rlstage.infra.ray_runtime import RAY_NAMESPACE
+from rlstage.schemas.config import RunConfig
+from rlstage.schemas.stages import ConfigView, whole_config
 
 
 class RewardModelWorker:

@@ -16,13 +16,13 @@ from pathlib import Path
 
 import torch
 
-from engines.lora import save_hf
-from engines.rollout import SamplingParams
-from infra.drill import WorkerDrill
-from infra.store import ArtifactStore
-from schemas.config import RunConfig
-from schemas.manifest import PolicyRef
-from workers.policy import (
+from rlstage.engines.lora import save_hf
+from rlstage.engines.rollout import SamplingParams
+from rlstage.infra.drill import WorkerDrill
+from rlstage.infra.store import ArtifactStore
+from rlstage.schemas.config import RunConfig
+from rlstage.schemas.manifest import PolicyRef
+from rlstage.workers.policy import (
     MODEL_DIR,
     check_loadable,
     compute_device,
@@ -115,7 +115,7 @@ class RolloutWorker:
     def agent_generate(self, version: str, rows: list[dict], params: dict) -> tuple[list[dict], dict]:
         self._require(version)
         self.drill.point("rollout")
-        from engines.agent_loop import run_agent_config
+        from rlstage.engines.agent_loop import run_agent_config
 
         return run_agent_config(self.rollout, self.cfg.agent, rows, SamplingParams(**params))
 
