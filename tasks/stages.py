@@ -42,6 +42,7 @@ from rlstage.schemas.manifest import Manifest, PolicyRef
 from rlstage.schemas.stages import ConfigView, spec, stage_view, view_hash, whole_config
 from rlstage.tasks.runtime import code_version, stage_key, store_for
 from rlstage.workers.group import PolicyGroup, open_group
+from rlstage.workers.roles import Generator, Trainer
 
 
 @dataclass
@@ -286,10 +287,10 @@ def generate_round(
 def _complete(cfg: ConfigView, group: PolicyGroup, version: str, batch: list[dict], params: dict) -> tuple[list[dict], dict]:
     """Completions of prompts-table rows: single-turn, or multi-turn tool-calling rollouts (agent.enable)."""
     if cfg.agent.enable:
-        return group.generate("agent_generate", version, batch, params)
+        return group.generate(Generator.agent_generate, version, batch, params)
     # Chat messages through the policy's chat template (verl's way); plain-text rows as they stand.
     prompt_ids = chat.render_batch(agent_tokenizer(cfg), batch)
-    return group.generate("generate_ids", version, prompt_ids, params), {}
+    return group.generate(Generator.generate_ids, version, prompt_ids, params), {}
 
 
 _AGENT_COLUMNS = ("turn_bounds", "truncated", "num_turns", "tool_calls", "tool_errors", "tool_timeouts")
@@ -558,27 +559,27 @@ def advantage(
             # sum pi^2 needs every row's forward, which gives the old log-probs too (under bypass as well: the
             # update still trains against the rollout's, and the gap guard below sees every row)
             checked = list(range(len(prompt_ids)))
-            old, sum_pi_sq = group.call("log_probs_and_sum_pi_squared", policy.version, prompt_ids, response_ids, temp)
+            old, sum_pi_sq = group.call(Trainer.log_probs_and_sum_pi_squared, policy.version, prompt_ids, response_ids, temp)
         elif a.rollout_correction.bypass_mode:
             # verl's bypass: the sampler held exactly the trained weights, so its log-probs are the old ones;
             # a sample of rows is still recomputed so that a stale weight sync fails the guard below.
             checked = list(range(0, len(prompt_ids), max(1, len(prompt_ids) // BYPASS_CHECK_ROWS)))
-            sample = group.call("log_probs", policy.version, [prompt_ids[i] for i in checked], [response_ids[i] for i in checked], temp)
+            sample = group.call(Trainer.log_probs, policy.version, [prompt_ids[i] for i in checked], [response_ids[i] for i in checked], temp)
             old = [list(r) for r in rollout_lp]
             for i, row in zip(checked, sample, strict=True):
                 old[i] = row
         else:
             checked = list(range(len(prompt_ids)))
-            old = group.call("log_probs", policy.version, prompt_ids, response_ids, temp)
+            old = group.call(Trainer.log_probs, policy.version, prompt_ids, response_ids, temp)
         old_t = _padded(old, width)
         metrics: dict[str, float] = {}
         ref_lp = values = None
         if ref is not None:
             group.acquire(ref, role="ref")
-            ref_lp = group.call("ref_log_probs", ref.version, prompt_ids, response_ids, temp, role="ref")
+            ref_lp = group.call(Trainer.ref_log_probs, ref.version, prompt_ids, response_ids, temp, role="ref")
         if critic is not None:
             hold_critic(group, cfg, critic)
-            values = group.call("values", critic.version, prompt_ids, response_ids, role="critic")
+            values = group.call(Trainer.values, critic.version, prompt_ids, response_ids, role="critic")
         # Outcome reward sits on the last policy token of each response.
         token_scores = torch.zeros_like(mask)
         for i, m in enumerate(masks):
@@ -684,7 +685,7 @@ def critic_update(
     def produce() -> StageOutput:
         group = open_group(cfg, version)
         hold_critic(group, cfg, critic)
-        metrics = group.call("critic_update", critic.version, experience.model_dump(mode="json"), iteration, role="critic")
+        metrics = group.call(Trainer.critic_update, critic.version, experience.model_dump(mode="json"), iteration, role="critic")
         return StageOutput(
             tables={"metrics.parquet": A.metrics_table(metrics)},
             metrics=metrics,
@@ -735,7 +736,7 @@ def update(
             meta={
                 "policy_ref": policy.model_dump(mode="json"),
                 "between_checkpoints": not checkpoint,
-                "trained_on": group.query_all("info"),
+                "trained_on": group.query_all(Trainer.info),
             },
             commit_in_worker=lambda commit, tables: group.commit("policy", commit, tables),
         )

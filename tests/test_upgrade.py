@@ -18,7 +18,14 @@ from pathlib import Path
 
 import pytest
 
-from tests_support import build_wheel, env_with_wheel, moving_overrides, tiny_overrides, update_weights, weights_moved
+from tests_support import (
+    build_wheel,
+    env_with_wheel,
+    moving_overrides,
+    tiny_overrides,
+    update_weights,
+    weights_moved,
+)
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parent.parent

@@ -12,6 +12,7 @@ import pytest
 from safetensors.torch import load as load_safetensors
 
 from rlstage.schemas.config import ConfigError, load_config
+from rlstage.workers.roles import Trainer
 from tests_support import moving_overrides, tiny_overrides, update_weights, weights_moved
 
 pytestmark = pytest.mark.slow
@@ -275,7 +276,7 @@ def test_rollout_placed_apart_takes_weights_by_handoff_and_overlaps_the_trainer(
     try:
         group.acquire_rollout(after)  # the eval then needs nothing of the trainer, which will be held
         both()
-        trained = group.call("busy_intervals")
+        trained = group.call(Trainer.busy_intervals)
         generated = [g for a in group.rollouts for g in ray_get(a.busy_intervals.remote())]
     finally:
         group.release()
@@ -354,6 +355,7 @@ import ray
 from ray.cluster_utils import Cluster
 from ray.util.placement_group import placement_group_table
 from rlstage.schemas.config import ConfigError, load_config
+from rlstage.workers.roles import Trainer
 from rlstage.workers.group import check_placement, open_group
 
 if __name__ == "__main__":
@@ -364,12 +366,12 @@ if __name__ == "__main__":
     cfg = load_config(None, sys.argv[1:])
     check_placement(cfg)
     group = open_group(cfg)
-    infos = group.query_all("info")
+    infos = group.query_all(Trainer.info)
     apart = {"rollout": ray.get(group.rollouts[0].info.remote()), "ref_critic": ray.get(group.ref_critic.info.remote())}
     tables = {role: placement_group_table(pg) for role, pg in group.placements.items()}
     again = open_group(cfg)  # a stage task's open finds the same groups and actors
     same = {r: pg.id for r, pg in again.placements.items()} == {r: pg.id for r, pg in group.placements.items()}
-    same = same and group.query_all("pid") == again.query_all("pid")
+    same = same and group.query_all(Trainer.pid) == again.query_all(Trainer.pid)
     group.release()
     removed = sorted({placement_group_table(pg)["state"] for pg in group.placements.values()})
     too_many = cfg.model_copy(update={"ray": cfg.ray.model_copy(update={"worker_num_gpus": 2.0})})

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +31,7 @@ from rlstage.schemas.config import ConfigError, RunConfig
 from rlstage.schemas.manifest import Manifest, PolicyRef
 from rlstage.schemas.stages import ConfigView, whole_config
 from rlstage.workers.policy import CRITIC_INIT, PolicyWorker, every_rank_generates
+from rlstage.workers.roles import Trainer, method_name
 from rlstage.workers.rollout import RolloutWorker
 
 RESTART_WAIT_S = 120.0  # how long a call waits for Ray to restart a killed worker (7-19 s seen on 2 cores)
@@ -97,28 +99,30 @@ class PolicyGroup:
             targets = self.generators if generate else self.ranks + ([self.ref_critic] if self.ref_critic is not None else [])
             _wait_restart(lambda: ray.get([a.arm.remote(stage, iteration) for a in targets]))
 
-    def call(self, method: str, *args: Any, role: str = "policy") -> Any:
-        """One call on the actor that holds ``role``: rank 0 (the policy and every colocated role), or the
-        reference and critic's own actor when they are placed apart."""
-        actor = self._serving(role)
-        return _wait_restart(lambda: ray.get(getattr(actor, method).remote(*args)))
+    def call(self, method: Callable[..., Any], *args: Any, role: str = "policy") -> Any:
+        """One call of a role's ``method`` (``Trainer.log_probs``) on the actor that holds ``role``: rank 0 (the
+        policy and every colocated role), or the reference and critic's own actor when they are placed apart."""
+        actor, name = self._serving(role), method_name(method)
+        return _wait_restart(lambda: ray.get(getattr(actor, name).remote(*args)))
 
     def role_info(self, role: str) -> dict:
         """Where ``role`` is served (recorded in the manifests of the stages it served)."""
-        return self.call("info", role=role)
+        return self.call(Trainer.info, role=role)
 
-    def query_all(self, method: str, *args: Any) -> list:
+    def query_all(self, method: Callable[..., Any], *args: Any) -> list:
         """A query on every rank (no collective inside): restarting ranks are waited for."""
-        return _wait_restart(lambda: ray.get([getattr(r, method).remote(*args) for r in self.ranks]))
+        name = method_name(method)
+        return _wait_restart(lambda: ray.get([getattr(r, name).remote(*args) for r in self.ranks]))
 
-    def call_all(self, method: str, *args: Any) -> list:
+    def call_all(self, method: Callable[..., Any], *args: Any) -> list:
         """The same collective call on every rank at once; results in rank order.
 
         When one rank fails, every rank is restarted and the error raised (no retry here): the others would
         wait in a collective for the lost one (gloo's timeout is 30 min). The stage's retry then finds
         fresh ranks, which join a new process group and load the policy from the store.
         """
-        futures = [getattr(r, method).remote(*args) for r in self.ranks]
+        name = method_name(method)
+        futures = [getattr(r, name).remote(*args) for r in self.ranks]
         pending = list(futures)
         while pending:
             done, pending = ray.wait(pending, num_returns=1)
@@ -134,13 +138,13 @@ class PolicyGroup:
     def acquire(self, ref: PolicyRef, role: str = "policy", update_hash: str | None = None) -> str:
         args = (ref.model_dump(mode="json"), role, update_hash)
         if role != "policy" or len(self.ranks) == 1:
-            return self.call("acquire", *args, role=role)
-        if all(v == ref.version for v in self.query_all("version")):
+            return self.call(Trainer.acquire, *args, role=role)
+        if all(v == ref.version for v in self.query_all(Trainer.version)):
             return ref.version
         # Some rank lacks it (a restart, a resume): every rank joins a new process group and loads it.
-        addr, port = self.call("rendezvous")
-        self.call_all("join", addr, port)
-        return self.call_all("acquire", *args)[0]
+        addr, port = self.call(Trainer.rendezvous)
+        self.call_all(Trainer.join, addr, port)
+        return self.call_all(Trainer.acquire, *args)[0]
 
     def acquire_rollout(self, ref: PolicyRef, update_hash: str | None = None, ask_trainer: bool = True) -> None:
         """Make the generating role hold ``ref``: rank 0 when colocated, else every rollout actor, which takes
@@ -154,25 +158,26 @@ class PolicyGroup:
         behind = [a for a, v in zip(self.rollouts, versions, strict=True) if v != ref.version]
         if not behind:
             return
-        handoff = self.call("handoff", ref.version) if ask_trainer else None
+        handoff = self.call(Trainer.handoff, ref.version) if ask_trainer else None
         _wait_restart(lambda: ray.get([a.acquire.remote(ref.model_dump(mode="json"), handoff) for a in behind]))
 
-    def generate(self, method: str, version: str, items: list, params: dict) -> Any:
-        """A generation call (``generate_ids`` or ``agent_generate``) on the role that generates. Over several
+    def generate(self, method: Callable[..., Any], version: str, items: list, params: dict) -> Any:
+        """A generation call (``Generator.generate_ids`` or ``Generator.agent_generate``) on the role that generates. Over several
         rollout actors, or over the trainer ranks when each generates (``ranks_generate``), the prompts are split
         in contiguous shares, each sampled with its global prompt indices (``first_prompt``), so the completions
         equal one actor's, in the same order."""
-        generators = self.rollouts or (self.ranks if self.ranks_generate and method == "generate_ids" else [])
+        name = method_name(method)
+        generators = self.rollouts or (self.ranks if self.ranks_generate and name == "generate_ids" else [])
         if not generators:
             return self.call(method, version, items, params)
-        shares = self._shares(len(items), params["n"], len(generators)) if method == "generate_ids" and items else [(0, len(items))]
+        shares = self._shares(len(items), params["n"], len(generators)) if name == "generate_ids" and items else [(0, len(items))]
         actors = generators[: len(shares)]
 
         def calls() -> list:  # submitted again on each try: a restarted actor needs a new call, not the failed one
             return [
-                getattr(a, method).remote(version, items[lo:hi], {**params, "first_prompt": lo})
-                if method == "generate_ids"
-                else getattr(a, method).remote(version, items[lo:hi], params)
+                getattr(a, name).remote(version, items[lo:hi], {**params, "first_prompt": lo})
+                if name == "generate_ids"
+                else getattr(a, name).remote(version, items[lo:hi], params)
                 for a, (lo, hi) in zip(actors, shares, strict=True)
             ]
 
@@ -189,13 +194,13 @@ class PolicyGroup:
     def generator_info(self) -> dict:
         """Where generation ran and how its weights arrived."""
         if not self.rollouts:
-            return {"placement": "colocated", **self.call("info"), **({"ranks": len(self.ranks)} if self.ranks_generate else {})}
+            return {"placement": "colocated", **self.call(Trainer.info), **({"ranks": len(self.ranks)} if self.ranks_generate else {})}
         infos = ray.get([a.info.remote() for a in self.rollouts])
         return {"placement": "separate", **infos[0], **({"workers": infos} if len(infos) > 1 else {})}
 
     def update(self, version: str, experience: Manifest, iteration: int, checkpoint: bool) -> dict:
         """Every rank trains its slice of each mini-batch; metrics are the ranks' means (rank 0 reports)."""
-        return self.call_all("update", version, experience.model_dump(mode="json"), iteration, checkpoint)[0]
+        return self.call_all(Trainer.update, version, experience.model_dump(mode="json"), iteration, checkpoint)[0]
 
     def commit(self, role: str, commit: dict, tables: dict) -> Manifest:
         """Each other rank writes its optimizer partition (ZeRO 1-3) into the artifact, then rank 0 writes the
@@ -204,9 +209,9 @@ class PolicyGroup:
         if role == "policy" and len(self.ranks) > 1:
             for files in _wait_restart(lambda: ray.get([r.commit_shard.remote(commit) for r in self.ranks[1:]])):
                 written.update(files)
-        manifest = Manifest.model_validate(self.call("commit", role, commit, tables, written, role=role))
+        manifest = Manifest.model_validate(self.call(Trainer.commit, role, commit, tables, written, role=role))
         if role == "policy" and len(self.ranks) > 1:
-            self.query_all("adopt", manifest.artifact_id)  # a rank that lost them reloads at the next acquire
+            self.query_all(Trainer.adopt, manifest.artifact_id)  # a rank that lost them reloads at the next acquire
         return manifest
 
     def release(self, busy: bool = False) -> None:
