@@ -38,7 +38,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 
 from rlstage.engines import algorithms as algos
 from rlstage.engines.actor import TorchActor
-from rlstage.engines.batching import build_inputs, micro_batch_cost, pad_right, response_log_probs
+from rlstage.engines.batching import micro_batch_cost
+from rlstage.engines.forward import build_inputs, pad_right, response_log_probs
 from rlstage.engines.tinykit import build_char_tokenizer, build_tiny_llama
 from rlstage.schemas.config import ActorConfig, KitConfig, OptimConfig
 

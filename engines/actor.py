@@ -13,14 +13,8 @@ from collections.abc import Sequence
 import torch
 
 from rlstage.engines import algorithms as algos
-from rlstage.engines.batching import (
-    MicroBatch,
-    MiniBatchTrainer,
-    lr_lambda,
-    micro_weight,
-    pad_right,
-    response_log_probs,
-)
+from rlstage.engines.batching import MicroBatch, MiniBatchTrainer, lr_lambda, metric_weight
+from rlstage.engines.forward import pad_right, response_log_probs
 
 __all__ = ["DataParallelTorchActor", "TorchActor", "lr_lambda"]
 
@@ -122,24 +116,19 @@ class TorchActor(MiniBatchTrainer):
             self.model, inputs, temperature, with_entropy=True, entropy_grad=cfg.entropy_coeff != 0
         )
         settings = {k: getattr(cfg, k) for k in LOSS_SETTINGS}
+        # Exact mode (token budget, data parallel, token-sum): every term is agg_loss over the mini-batch's global
+        # counts, so the accumulated (and rank-averaged) gradient is the whole mini-batch's.
+        agg = micro.norm
+        glob = {} if agg is None else agg.agg_kwargs()
         pg_loss, pg_metrics = loss_fn(
-            old, logp, adv, mask, cfg.loss_agg_mode, rollout_is_weights=got.get("rollout_is_weights"), **settings, **extra
+            old, logp, adv, mask, cfg.loss_agg_mode, rollout_is_weights=got.get("rollout_is_weights"), agg=agg, **settings, **extra
         )
-        entropy_loss = algos.agg_loss(entropy, mask, cfg.loss_agg_mode)
-        # Exact mode (token budget, data parallel, token-sum): each term becomes its share of the mini-batch's
-        # aggregate, so the accumulated (and rank-averaged) gradient is the whole mini-batch's.
-        w_pg = w_agg = w_tok = 1.0
-        if micro.norm is not None:
-            w_pg = micro_weight(algos.FIXED_PG_AGG.get(name, cfg.loss_agg_mode), mask, micro.norm)
-            w_agg = micro_weight(cfg.loss_agg_mode, mask, micro.norm)
-            w_tok = micro_weight("token-mean", mask, micro.norm)
-            pg_loss, entropy_loss = pg_loss * w_pg, entropy_loss * w_agg
+        entropy_loss = algos.agg_loss(entropy, mask, cfg.loss_agg_mode, **glob)
+        w_tok = 1.0 if agg is None else metric_weight(mask, agg)
         loss = pg_loss - cfg.entropy_coeff * entropy_loss
         metrics = {"actor/pg_loss": float(pg_loss.detach()), "actor/entropy": float(entropy_loss.detach())}
         if cfg.use_kl_loss:
-            kl = algos.agg_loss(algos.kl_penalty(logp, got["ref_log_probs"], cfg.kl_loss_type), mask, cfg.loss_agg_mode)
-            if micro.norm is not None:
-                kl = kl * w_agg
+            kl = algos.agg_loss(algos.kl_penalty(logp, got["ref_log_probs"], cfg.kl_loss_type), mask, cfg.loss_agg_mode, **glob)
             loss = loss + cfg.kl_loss_coef * kl
             metrics["actor/kl_loss"] = float(kl.detach())
             metrics["actor/kl_coef"] = cfg.kl_loss_coef * w_tok

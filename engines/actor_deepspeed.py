@@ -36,8 +36,9 @@ from contextlib import nullcontext
 import torch
 
 from rlstage.engines.actor import TorchActor, check_equal_shards, rank_mean
-from rlstage.engines.batching import adamw, check_packing_supported, lr_lambda, trainable_parameters
+from rlstage.engines.batching import adamw, lr_lambda, trainable_parameters
 from rlstage.engines.checkpoint import register_type
+from rlstage.engines.forward import check_packing_supported
 from rlstage.infra.env import free_port
 from rlstage.schemas.config import ActorConfig
 

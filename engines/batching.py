@@ -1,33 +1,15 @@
-"""Turning ragged token lists into model inputs, planning micro-batches, and the shared mini-batch loop.
-
-Two input layouts, chosen by ``packing`` in the actor / critic config:
-
-- padded (default): prompts left-padded to P, responses right-padded to R, one row per sequence;
-- packed: the micro-batch's sequences concatenated into ONE row with no padding, position ids restarting
-  at 0 for each sequence and ``attention_mask=None``. Hugging Face models (transformers >= 4.53) read the
-  position-id restarts as sequence boundaries and build a block-diagonal causal mask (sdpa, eager, flex),
-  or run varlen flash-attention, so no token attends across sequences. Checked here for sdpa and eager
-  on CPU: the log-probs equal the padded ones within 1e-6 (``tests/test_batching.py``). ``use_cache=False``
-  is required: with a cache object the model skips the packed-sequence detection.
-
-- shared prompts (``actor.share_prompts``, padded): the samples of one prompt in a micro-batch share one forward
-  of that prompt; its key/value cache is indexed out to every sample and the responses run on it (GRPO's n
-  samples per prompt otherwise repeat the prompt's forward and backward n times). The backward reaches the
-  prompt through the cache, so the gradient is the padded layout's up to float rounding (``tests/test_batching.py``).
+"""Planning micro-batches and the shared mini-batch loop (model inputs and forwards: ``engines/forward.py``).
 
 Micro-batches hold either a fixed number of samples (``micro_batch_size``, the default) or as many as fit
 a token budget (``micro_batch_tokens``): the tokens the forward actually processes, i.e. the packed row
 length with packing and rows x padded width without. With a token budget (and with data parallelism or
-``token-sum``) the loss of each micro-batch is weighted by its share of the mini-batch's ``agg_loss``
-denominator (``AggNorm``, global over data-parallel ranks), so the accumulated gradient equals that of
-the whole mini-batch as one batch for every ``loss_agg_mode``; the fixed-count mode keeps verl's
+``token-sum``) each micro-batch's loss is ``agg_loss`` with the mini-batch's global counts (``AggNorm``,
+global over data-parallel ranks, as verl's ``global_batch_info``), so the accumulated gradient equals that
+of the whole mini-batch as one batch for every ``loss_agg_mode``; the fixed-count mode keeps verl's
 ``len(micro) / len(mini)`` scaling, bit for bit as before.
 """
-
 from __future__ import annotations
 
-import functools
-import inspect
 import math
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -35,256 +17,16 @@ from dataclasses import dataclass
 
 import torch
 
+from rlstage.engines.algorithms import AggNorm, agg_norm
+from rlstage.engines.forward import (
+    NO_GRAD_SCALE,
+    check_packing_supported,
+    model_device,
+    model_inputs,
+    pad_right,
+    to_device,
+)
 from rlstage.schemas.config import ActorConfig, CriticConfig, OptimConfig
-
-# Attention implementations that honour packed position ids (the mask builders of transformers'
-# masking_utils, or flash-attention's varlen path). Only sdpa and eager are exercised on CPU here.
-PACKING_ATTENTION = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
-# No-grad passes keep no activations: padded chunks may be this many times larger than a training micro-batch.
-# Packed rows are not enlarged: on sdpa/eager a packed row's attention costs row_length squared.
-NO_GRAD_SCALE = 4
-
-
-def model_device(model: torch.nn.Module) -> torch.device:
-    """Where a model's weights are (its inputs are built on the CPU and moved there)."""
-    first = next(model.parameters(), None)
-    return torch.device("cpu") if first is None else first.device
-
-
-def to_device(inputs: dict, device: torch.device) -> dict:
-    """The tensors of ``inputs`` on ``device`` (on the CPU, the same tensors: no copy)."""
-    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
-
-
-def pad_right(rows: Sequence[Sequence[float]], value: float, dtype: torch.dtype, width: int | None = None) -> torch.Tensor:
-    width = max((len(r) for r in rows), default=0) if width is None else width
-    out = torch.full((len(rows), width), value, dtype=dtype)
-    for i, r in enumerate(rows):
-        if len(r):
-            out[i, : len(r)] = torch.as_tensor(list(r), dtype=dtype)
-    return out
-
-
-def build_inputs(
-    prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]], pad_id: int
-) -> dict[str, torch.Tensor]:
-    """Concatenate each prompt (left-padded to P) with its response (right-padded to R).
-
-    Logits at columns ``P-1 .. P+R-2`` predict the response tokens, for every row at once.
-    Position ids count real tokens only, matching what generation used.
-    """
-    P = max(len(p) for p in prompt_ids)
-    R = max((len(r) for r in response_ids), default=0)
-    B = len(prompt_ids)
-    input_ids = torch.full((B, P + R), pad_id, dtype=torch.long)
-    attn = torch.zeros((B, P + R), dtype=torch.long)
-    for i, (p, r) in enumerate(zip(prompt_ids, response_ids, strict=True)):
-        input_ids[i, P - len(p) : P] = torch.as_tensor(list(p), dtype=torch.long)
-        attn[i, P - len(p) : P] = 1
-        if len(r):
-            input_ids[i, P : P + len(r)] = torch.as_tensor(list(r), dtype=torch.long)
-            attn[i, P : P + len(r)] = 1
-    position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
-    return {"input_ids": input_ids, "attention_mask": attn, "position_ids": position_ids, "prompt_width": P, "response_width": R}
-
-
-def build_packed_inputs(
-    prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]]
-) -> dict[str, torch.Tensor]:
-    """All sequences (prompt + response, no padding) in one row; position ids restart at 0 per sequence.
-
-    ``logit_index[i, t]`` is the column whose logits predict response token ``t`` of sequence ``i`` and
-    ``targets[i, t]`` that token; both are ``[B, R]`` with R the longest response (entries past a response's
-    end point at column 0 and are masked out by the callers, as padded columns are).
-    """
-    R = max((len(r) for r in response_ids), default=0)
-    B = len(prompt_ids)
-    ids: list[int] = []
-    pos: list[int] = []
-    index = torch.zeros((B, R), dtype=torch.long)
-    targets = torch.zeros((B, R), dtype=torch.long)
-    for i, (p, r) in enumerate(zip(prompt_ids, response_ids, strict=True)):
-        if not len(p):
-            raise ValueError(f"sequence {i} has an empty prompt: nothing predicts its first response token")
-        start = len(ids) + len(p) - 1
-        ids += list(p) + list(r)
-        pos += range(len(p) + len(r))
-        if len(r):
-            index[i, : len(r)] = torch.arange(start, start + len(r))
-            targets[i, : len(r)] = torch.as_tensor(list(r), dtype=torch.long)
-    return {
-        "input_ids": torch.as_tensor([ids], dtype=torch.long),
-        "position_ids": torch.as_tensor([pos], dtype=torch.long),
-        "logit_index": index,
-        "targets": targets,
-        "response_width": R,
-        "packed": True,
-    }
-
-
-def build_shared_inputs(
-    prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]], pad_id: int
-) -> dict[str, torch.Tensor]:
-    """Each distinct prompt once (left-padded to P, ``prompt_*``) and every response (right-padded to R) with the
-    index of its prompt (``group``); the responses' attention mask spans the prompt's columns, then their own."""
-    first: dict[tuple[int, ...], int] = {}
-    group = torch.as_tensor([first.setdefault(tuple(p), len(first)) for p in prompt_ids], dtype=torch.long)
-    prompts = build_inputs(list(first), [[] for _ in first], pad_id)
-    responses = pad_right(response_ids, pad_id, torch.long)
-    R = responses.shape[1]
-    taken = torch.zeros_like(responses)
-    for i, r in enumerate(response_ids):
-        taken[i, : len(r)] = 1
-    prompt_mask = prompts["attention_mask"]
-    return {
-        "prompt_ids": prompts["input_ids"],
-        "prompt_mask": prompt_mask,
-        "prompt_positions": prompts["position_ids"],
-        "group": group,
-        "input_ids": responses,
-        "attention_mask": torch.cat([prompt_mask[group], taken], dim=1),
-        "position_ids": prompt_mask.sum(-1)[group, None] + torch.arange(R)[None, :],
-        "targets": responses,
-        "response_width": R,
-        "shared": True,
-    }
-
-
-def model_inputs(
-    prompt_ids: Sequence[Sequence[int]],
-    response_ids: Sequence[Sequence[int]],
-    pad_id: int,
-    packed: bool,
-    shared: bool = False,
-) -> dict[str, torch.Tensor]:
-    if packed:
-        return build_packed_inputs(prompt_ids, response_ids)
-    if shared:
-        return build_shared_inputs(prompt_ids, response_ids, pad_id)
-    return build_inputs(prompt_ids, response_ids, pad_id)
-
-
-def check_packing_supported(model: torch.nn.Module) -> None:
-    """Refuse packing where the model would silently attend across packed sequences."""
-    config = getattr(getattr(model, "module", model), "config", None)  # a DeepSpeed engine wraps the module
-    impl = getattr(config, "_attn_implementation", None)
-    try:
-        from transformers.masking_utils import find_packed_sequence_indices  # noqa: F401
-    except ImportError as err:  # transformers < 4.53 ignores packed position ids with sdpa/eager
-        raise RuntimeError("packing needs transformers >= 4.53 (packed-sequence masks)") from err
-    if impl not in PACKING_ATTENTION:
-        raise ValueError(
-            f"packing needs one of the attention implementations {', '.join(PACKING_ATTENTION)}; "
-            f"the model uses {impl!r}"
-        )
-
-
-def takes_logits_to_keep(model: torch.nn.Module) -> bool:
-    """Whether the wrapped Hugging Face model's forward takes ``logits_to_keep`` (causal LMs do; a critic's token
-    classifier does not). DeepSpeed and peft wrappers pass keyword arguments through to it."""
-    inner = model
-    while hasattr(inner, "module"):  # DeepSpeed's engine
-        inner = inner.module
-    if hasattr(inner, "get_base_model"):  # peft
-        inner = inner.get_base_model()
-    return _forward_takes(type(inner), "logits_to_keep")
-
-
-@functools.cache
-def _forward_takes(cls: type, name: str) -> bool:
-    return name in inspect.signature(cls.forward).parameters
-
-
-def response_logits(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-    """``[B, R, V]`` logits, row ``i`` column ``t`` predicting response token ``t`` of sequence ``i``.
-
-    Where the model takes ``logits_to_keep``, its output layer runs on the positions that predict response tokens
-    only (as TRL does): prompt positions would cost a ``[tokens, vocabulary]`` matmul, forward and backward, that
-    no loss reads (large beside a small model's layers: SmolLM2's vocabulary is 49,152)."""
-    keep = takes_logits_to_keep(model)
-    if inputs.get("shared"):
-        return _shared_prompt_logits(model, inputs, keep)
-    if inputs.get("packed"):
-        index = inputs["logit_index"]
-        kwargs = {}
-        if keep:
-            kept = torch.unique(index)  # sorted; padded entries point at column 0, which stays harmless
-            kwargs["logits_to_keep"] = kept
-            index = torch.searchsorted(kept, index)
-        out = model(
-            input_ids=inputs["input_ids"], attention_mask=None, position_ids=inputs["position_ids"], use_cache=False,
-            **kwargs,
-        )  # fmt: skip
-        return out.logits[0, index]
-    P, R = inputs["prompt_width"], inputs["response_width"]
-    kwargs = {"logits_to_keep": R + 1} if keep else {}  # columns P-1 .. P+R-1 (0 would mean "all")
-    out = model(
-        input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], position_ids=inputs["position_ids"],
-        **kwargs,
-    )  # fmt: skip
-    return out.logits[:, :R, :] if keep else out.logits[:, P - 1 : P + R - 1, :]
-
-
-def _shared_prompt_logits(model: torch.nn.Module, inputs: dict[str, torch.Tensor], keep: bool) -> torch.Tensor:
-    """The prompts' forward (its last column predicts each response's first token), then every response but its
-    last token on the prompt's cache, indexed out per sample: ``[B, R, V]`` as ``response_logits``."""
-    R, group = inputs["response_width"], inputs["group"]
-    # The prompts through DeepSpeed's bare module: its engine counts one forward per backward (a second one left
-    # every gradient unreduced); the backward of the engine's forward below reaches this one through the cache.
-    out = getattr(model, "module", model)(
-        input_ids=inputs["prompt_ids"], attention_mask=inputs["prompt_mask"], position_ids=inputs["prompt_positions"],
-        use_cache=True, **({"logits_to_keep": 1} if keep else {}),
-    )  # fmt: skip
-    first = out.logits[group, -1:, :]
-    if R <= 1:
-        return first[:, :R]
-    cache = out.past_key_values
-    cache.batch_select_indices(group)  # indexing, not a copy-in: the backward sums each sample's share into the prompt
-    width = inputs["prompt_ids"].shape[1] + R - 1
-    rest = model(
-        input_ids=inputs["input_ids"][:, : R - 1], attention_mask=inputs["attention_mask"][:, :width],
-        position_ids=inputs["position_ids"][:, : R - 1], past_key_values=cache, use_cache=True,
-    ).logits  # fmt: skip
-    return torch.cat([first, rest], dim=1)
-
-
-def sum_pi_squared_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """``sum_v pi_v^2`` per position, as verl's ``calculate_sum_pi_squared_from_logits``: computed in log space,
-    ``exp(logsumexp(2 z) - 2 logsumexp(z))``, from the temperature-scaled logits the log-probs come from."""
-    return torch.exp(torch.logsumexp(2 * logits, dim=-1) - 2 * torch.logsumexp(logits, dim=-1))
-
-
-def response_log_probs(
-    model: torch.nn.Module,
-    inputs: dict[str, torch.Tensor],
-    temperature: float,
-    with_entropy: bool = False,
-    with_sum_pi_squared: bool = False,
-    entropy_grad: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs of the response tokens under ``model`` at ``temperature`` (as the sampler saw them), and
-    per token the entropy (``with_entropy``) or the sum of pi^2 over the vocabulary (``with_sum_pi_squared``).
-    ``entropy_grad=False`` gives the entropy as a metric only, outside the autograd graph."""
-    if with_entropy and with_sum_pi_squared:
-        raise ValueError("response_log_probs gives one per-token statistic: the entropy or the sum of pi^2")
-    logits = response_logits(model, inputs).float()
-    if temperature > 0:
-        logits = logits / temperature
-    logp_all = torch.log_softmax(logits, dim=-1)
-    if "targets" in inputs:  # packed or shared prompts
-        targets = inputs["targets"]
-    else:
-        P, R = inputs["prompt_width"], inputs["response_width"]
-        targets = inputs["input_ids"][:, P : P + R]
-    logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    if with_sum_pi_squared:
-        return logp, sum_pi_squared_from_logits(logits)
-    entropy = None
-    if with_entropy:
-        # without a gradient the [tokens, vocabulary] terms are not kept for, nor walked by, the backward pass
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            entropy = -(logp_all.exp() * logp_all).sum(-1)
-    return logp, entropy
 
 
 # ====================================================================== micro-batch planning
@@ -406,61 +148,12 @@ def cheapest_cuts(
 
 
 # ====================================================================== exact loss weighting
-@dataclass(frozen=True)
-class AggNorm:
-    """The denominators ``agg_loss`` uses when the whole (global) mini-batch is one batch.
-
-    ``dp_size``: data-parallel ranks whose gradients are AVERAGED; every rank holds the whole batch, so the
-    global counts are its own to compute, and each rank's weights are multiplied by ``dp_size`` so that the
-    average equals the single-process sum (verl's global token count times dp size).
-    """
-
-    tokens: float  # sum of the response mask
-    seqs: float  # rows with at least one mask token
-    width: int  # the padded response width (longest response)
-    rows: float = 0.0  # all rows, empty ones included (the "row-mean" of geo_mean)
-    dp_size: int = 1  # ranks sharing the mini-batch; their gradients are averaged
-
-
-def agg_norm(masks: Sequence[Sequence[float]], dp_size: int = 1) -> AggNorm:
-    sums = [float(sum(m)) for m in masks]
-    return AggNorm(
-        tokens=sum(sums),
-        seqs=float(sum(s > 0 for s in sums)),
-        width=max((len(m) for m in masks), default=0),
-        rows=float(len(masks)),
-        dp_size=dp_size,
-    )
-
-
-def _safe(d: float) -> float:
-    # agg_loss divides an empty mini-batch by 1 (algorithms._safe_den): the same here.
-    return d if d > 0 else 1.0
-
-
-def micro_weight(mode: str, mask: torch.Tensor, norm: AggNorm) -> float:
-    """Factor turning ``agg_loss(L, mask, mode)`` of a micro-batch into its share of the mini-batch's.
-
-    Summed over the micro-batches of a mini-batch, ``weight * agg_loss(micro)`` equals ``agg_loss`` of the
-    mini-batch as one batch (``seq-mean-token-sum-norm``'s default divisor, the padded width, included);
-    with a global ``norm`` of ``dp_size`` ranks the weight carries verl's ``* dp_size``, so the ranks'
-    AVERAGED gradients equal that of the whole mini-batch. ``row-mean`` is a plain mean over all rows.
-    The ``token-mean`` weights (a micro-batch's share of the policy tokens) also weight token-mean metrics.
-    """
-    # A micro-batch without policy tokens has loss 0 (agg_loss divides 0 by 1): its weight 0 is harmless.
-    if mode == "token-mean":
-        weight = float(mask.sum()) / _safe(norm.tokens)
-    elif mode == "token-sum":
-        weight = 1.0
-    elif mode == "row-mean":
-        weight = mask.shape[0] / _safe(norm.rows)
-    else:
-        weight = float((mask.sum(dim=-1) > 0).sum()) / _safe(norm.seqs)
-        if mode == "seq-mean-token-sum-norm":
-            weight *= mask.shape[-1] / max(1, norm.width)
-        elif mode not in ("seq-mean-token-sum", "seq-mean-token-mean"):
-            raise ValueError(f"unknown loss_agg_mode {mode!r}")
-    return weight * norm.dp_size
+def metric_weight(mask: torch.Tensor, norm: AggNorm) -> float:
+    """A micro-batch's share of the mini-batch's policy tokens (times ``dp_size``): token-mean metrics computed
+    on a micro-batch, weighted by it and summed (and averaged over ranks), are the mini-batch's. The LOSS needs
+    no weight: ``agg_loss`` divides by the global counts itself (``AggNorm.agg_kwargs``)."""
+    tokens = norm.tokens if norm.tokens > 0 else 1.0  # an empty mini-batch: agg_loss divides by 1 too
+    return float(mask.sum()) / tokens * norm.dp_size
 
 
 @dataclass(frozen=True)
@@ -468,8 +161,8 @@ class MicroBatch:
     """One forward/backward: the sample ids and how its loss enters the mini-batch gradient.
 
     Fixed-count mode (``norm`` None): the loss is scaled by ``scale = len(idx) / mini_len``, verl's scaling.
-    Exact mode (a token budget, data parallelism, or ``token-sum``): each loss term is weighted with
-    ``micro_weight`` against ``norm`` (``scale`` is 1) and the metrics come back weighted, to be summed
+    Exact mode (a token budget, data parallelism, or ``token-sum``): each loss term is ``agg_loss`` with the
+    mini-batch's global counts ``norm`` (``scale`` is 1) and the metrics come back weighted, to be summed
     per mini-batch.
     """
 

@@ -7,7 +7,8 @@ from collections.abc import Sequence
 import torch
 
 from rlstage.engines import algorithms as algos
-from rlstage.engines.batching import MicroBatch, MiniBatchTrainer, micro_weight, response_logits
+from rlstage.engines.batching import MicroBatch, MiniBatchTrainer, metric_weight
+from rlstage.engines.forward import response_logits
 
 
 def response_values(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -38,15 +39,15 @@ class TorchCritic(MiniBatchTrainer):
         cfg = self.cfg
         inputs, (mask, old, ret) = self._micro_inputs(batch, micro.idx, "response_mask", "values", "returns", filler=micro.filler)
         vpreds = response_values(self.model, inputs)
-        loss, clipfrac = algos.compute_value_loss(vpreds, ret, old, mask, cfg.cliprange_value, cfg.loss_agg_mode)
+        agg = micro.norm
+        loss, clipfrac = algos.compute_value_loss(vpreds, ret, old, mask, cfg.cliprange_value, cfg.loss_agg_mode, agg)
         w_tok = 1.0
-        if micro.norm is None:
+        if agg is None:
             (loss * len(micro.idx) / micro.mini_len).backward()  # verl's scaling, the expression as it always was
         else:
-            # Token-budget mode: the loss and metrics become their shares of the mini-batch's aggregates.
-            loss = loss * micro_weight(cfg.loss_agg_mode, mask, micro.norm)
+            # Token-budget mode: the loss is agg_loss over the mini-batch's global counts; metrics its token shares.
             loss.backward()
-            w_tok = micro_weight("token-mean", mask, micro.norm)
+            w_tok = metric_weight(mask, agg)
         return {
             "critic/vf_loss": float(loss.detach()),
             "critic/vf_clipfrac": float(clipfrac) * w_tok,

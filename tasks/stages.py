@@ -22,17 +22,17 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 import ray
-import torch
 from prefect import Task, task
 from prefect.cache_policies import NO_CACHE
 from prefect.client.schemas.objects import StateDetails
 from prefect.states import Completed, State
 
 from rlstage.engines import algorithms as algos
-from rlstage.engines import chat, datasets, dynamic_sampling, reward_model, rewards
+from rlstage.engines import chat, datasets, dynamic_sampling, experience, reward_model, rewards
 from rlstage.engines import metrics as eval_metrics
 from rlstage.engines.agent_loop import agent_metrics
 from rlstage.engines.cursor import extra_prompt_batch, prompt_batch
+from rlstage.engines.experience import BYPASS_CHECK_ROWS  # noqa: F401  (tests read it here)
 from rlstage.engines.tools import agent_tokenizer
 from rlstage.infra.drill import fault_point, hold_point
 from rlstage.infra.ray_runtime import get_unless_stopping
@@ -480,35 +480,37 @@ def filter_groups(
 
 
 # ---------------------------------------------------------------- advantage
-def _otb_is_weights(cfg: ConfigView, old: torch.Tensor, rollout_lp: list, mask: torch.Tensor) -> torch.Tensor | None:
-    """The rollout-correction IS weights that the optimal token baseline folds in (as verl's driver computes them
-    before the advantage, decoupled mode only); None for every other estimator."""
-    rc = cfg.algorithm.rollout_correction
-    if cfg.algorithm.adv_estimator not in NEEDS_SUM_PI_SQUARED or rc.rollout_is is None or rc.bypass_mode:
-        return None
-    weights, _ = algos.rollout_correction(
-        old,
-        _padded(rollout_lp, old.shape[1]),
-        mask,
-        rollout_is=rc.rollout_is,
-        rollout_is_threshold=rc.rollout_is_threshold,
-        rollout_is_batch_normalize=rc.rollout_is_batch_normalize,
-    )
-    return weights
-
-
-BYPASS_CHECK_ROWS = 8  # rows whose old log-probs are still recomputed under bypass, for the gap guard
-
-
-def _padded(rows: list[list[float]], width: int) -> torch.Tensor:
-    out = torch.zeros(len(rows), width)
-    for i, r in enumerate(rows):
-        out[i, : len(r)] = torch.tensor(r, dtype=torch.float32)
-    return out
-
-
-def _unpad(t: torch.Tensor, lens: list[int]) -> list[list[float]]:
-    return [t[i, :n].tolist() for i, n in enumerate(lens)]
+def _forwards(
+    cfg: ConfigView, group: PolicyGroup, samples: experience.Samples, policy: PolicyRef, ref: PolicyRef | None, critic: PolicyRef | None
+) -> experience.Forwards:
+    """The workers' forwards on the samples' tokens: old log-probs (and sum pi^2), reference log-probs, values."""
+    prompt_ids, response_ids = samples.column("prompt_ids"), samples.column("response_ids")
+    temp = cfg.rollout.temperature
+    a = cfg.algorithm
+    sum_pi_sq = None
+    if a.adv_estimator in NEEDS_SUM_PI_SQUARED and cfg.actor.calculate_sum_pi_squared:
+        # sum pi^2 needs every row's forward, which gives the old log-probs too (under bypass as well: the
+        # update still trains against the rollout's, and the gap guard sees every row)
+        checked = list(range(len(prompt_ids)))
+        old, sum_pi_sq = group.call(Trainer.log_probs_and_sum_pi_squared, policy.version, prompt_ids, response_ids, temp)
+    elif a.rollout_correction.bypass_mode:
+        # verl's bypass: the sampler held exactly the trained weights, so its log-probs are the old ones
+        checked = experience.bypass_rows(len(prompt_ids))
+        sample = group.call(Trainer.log_probs, policy.version, [prompt_ids[i] for i in checked], [response_ids[i] for i in checked], temp)
+        old = [list(r) for r in samples.column("rollout_log_probs")]
+        for i, row in zip(checked, sample, strict=True):
+            old[i] = row
+    else:
+        checked = list(range(len(prompt_ids)))
+        old = group.call(Trainer.log_probs, policy.version, prompt_ids, response_ids, temp)
+    fwd = experience.Forwards(old, checked, sum_pi_sq)
+    if ref is not None:
+        group.acquire(ref, role="ref")
+        fwd.ref_log_probs = group.call(Trainer.ref_log_probs, ref.version, prompt_ids, response_ids, temp, role="ref")
+    if critic is not None:
+        hold_critic(group, cfg, critic)
+        fwd.values = group.call(Trainer.values, critic.version, prompt_ids, response_ids, role="critic")
+    return fwd
 
 
 @stage_task("advantage")
@@ -532,141 +534,26 @@ def advantage(
     a = cfg.algorithm
 
     def produce() -> StageOutput:
-        ro = _read(cfg, rollouts, "rollouts.parquet")
-        rw = _read(cfg, rewards_m, "rewards.parquet")
-        if ro.column("sample_id").to_pylist() != rw.column("sample_id").to_pylist():
-            raise ValueError("rewards do not line up with rollouts (sample_id order differs)")
-        all_scores = np.array(rw.column("score").to_pylist(), dtype=np.float32)
-        is_sample = np.array(ro.column("sample_index").to_pylist()) >= 0
-        groups = np.array(ro.column("group_id").to_pylist())
-        baseline = dict(zip(groups[~is_sample].tolist(), all_scores[~is_sample].tolist(), strict=True))
-        ro = ro.filter(pa.array(is_sample))
-        scores = torch.from_numpy(all_scores[is_sample])
-        index = groups[is_sample]
-        prompt_ids = ro.column("prompt_ids").to_pylist()
-        response_ids = ro.column("response_ids").to_pylist()
-        masks = ro.column("response_mask").to_pylist()
-        lens = [len(r) for r in response_ids]
-        width = max(lens)
-        mask = _padded(masks, width)
+        samples = experience.line_up(_read(cfg, rollouts, "rollouts.parquet"), _read(cfg, rewards_m, "rewards.parquet"))
         group = open_group(cfg, version)
         group.arm("advantage", iteration)
         hold_policy(group, cfg, policy)
-        temp = cfg.rollout.temperature
-        rollout_lp = ro.column("rollout_log_probs").to_pylist()
-        sum_pi_sq = None
-        if a.adv_estimator in NEEDS_SUM_PI_SQUARED and cfg.actor.calculate_sum_pi_squared:
-            # sum pi^2 needs every row's forward, which gives the old log-probs too (under bypass as well: the
-            # update still trains against the rollout's, and the gap guard below sees every row)
-            checked = list(range(len(prompt_ids)))
-            old, sum_pi_sq = group.call(Trainer.log_probs_and_sum_pi_squared, policy.version, prompt_ids, response_ids, temp)
-        elif a.rollout_correction.bypass_mode:
-            # verl's bypass: the sampler held exactly the trained weights, so its log-probs are the old ones;
-            # a sample of rows is still recomputed so that a stale weight sync fails the guard below.
-            checked = list(range(0, len(prompt_ids), max(1, len(prompt_ids) // BYPASS_CHECK_ROWS)))
-            sample = group.call(Trainer.log_probs, policy.version, [prompt_ids[i] for i in checked], [response_ids[i] for i in checked], temp)
-            old = [list(r) for r in rollout_lp]
-            for i, row in zip(checked, sample, strict=True):
-                old[i] = row
-        else:
-            checked = list(range(len(prompt_ids)))
-            old = group.call(Trainer.log_probs, policy.version, prompt_ids, response_ids, temp)
-        old_t = _padded(old, width)
-        metrics: dict[str, float] = {}
-        ref_lp = values = None
-        if ref is not None:
-            group.acquire(ref, role="ref")
-            ref_lp = group.call(Trainer.ref_log_probs, ref.version, prompt_ids, response_ids, temp, role="ref")
-        if critic is not None:
-            hold_critic(group, cfg, critic)
-            values = group.call(Trainer.values, critic.version, prompt_ids, response_ids, role="critic")
-        # Outcome reward sits on the last policy token of each response.
-        token_scores = torch.zeros_like(mask)
-        for i, m in enumerate(masks):
-            last = max((j for j, v in enumerate(m) if v), default=None)
-            if last is not None:
-                token_scores[i, last] = scores[i]
-        token_rewards = token_scores
-        kl_state = None
-        if a.use_kl_in_reward:
-            ctrl = algos.get_kl_controller(a.kl_ctrl.type, a.kl_ctrl.kl_coef, a.kl_ctrl.target_kl, a.kl_ctrl.horizon)
-            if prev_experience is not None and "kl_ctrl" in prev_experience.meta:
-                ctrl.load_state_dict(prev_experience.meta["kl_ctrl"])  # beta carries over between iterations
-            token_rewards, kl_metrics = algos.apply_kl_penalty(
-                token_scores, old_t, _padded(ref_lp, width), mask, ctrl, a.kl_penalty
-            )
-            metrics.update(kl_metrics)
-            kl_state = ctrl.state_dict()
-        adv, ret = algos.compute_advantage(
-            a.adv_estimator,
-            token_level_rewards=token_rewards,
-            response_mask=mask,
-            index=index,
-            values=None if values is None else _padded(values, width),
-            reward_baselines=torch.tensor([baseline.get(g, 0.0) for g in index.tolist()], dtype=torch.float32)
-            if baseline
-            else None,
-            gamma=a.gamma,
-            lam=a.lam,
-            norm_adv_by_std_in_grpo=a.norm_adv_by_std_in_grpo,
-            old_log_probs=old_t,
-            sum_pi_squared=None if sum_pi_sq is None else _padded(sum_pi_sq, width),
-            rollout_is_weights=_otb_is_weights(cfg, old_t, rollout_lp, mask),
+        fwd = _forwards(cfg, group, samples, policy, ref, critic)
+        exp = experience.compute_experience(
+            samples,
+            fwd,
+            a,
+            kl_state=prev_experience.meta.get("kl_ctrl") if prev_experience is not None else None,
+            off_policy=rollouts.inputs.get("policy") != policy.version,
+            max_logprob_gap=cfg.rollout.max_logprob_gap,
+            engine=cfg.rollout.engine,
+            iteration=iteration,
         )
-        roll_lp = _padded(rollout_lp, width)
-        list_type = A.EXPERIENCE.field("ref_log_probs").type
-        table = pa.table(
-            {
-                "sample_id": ro.column("sample_id"),
-                "group_id": ro.column("group_id"),
-                "prompt_ids": ro.column("prompt_ids"),
-                "response_ids": ro.column("response_ids"),
-                "response_mask": ro.column("response_mask"),
-                "score": pa.array(scores.numpy(), pa.float32()),
-                "old_log_probs": old,
-                "ref_log_probs": pa.nulls(len(lens), list_type) if ref_lp is None else ref_lp,
-                "values": pa.nulls(len(lens), list_type) if values is None else values,
-                "token_level_rewards": _unpad(token_rewards, lens),
-                "advantages": _unpad(adv, lens),
-                "returns": _unpad(ret, lens),
-                "rollout_log_probs": ro.column("rollout_log_probs"),
-            },
-            schema=A.EXPERIENCE,
-        )
-        valid = mask.bool()
-        metrics.update(
-            {
-                "critic/advantages/mean": float(algos.masked_mean(adv, mask)),
-                "critic/advantages/max": float(adv[valid].max()) if valid.any() else 0.0,
-                "critic/advantages/min": float(adv[valid].min()) if valid.any() else 0.0,
-                "critic/returns/mean": float(algos.masked_mean(ret, mask)),
-                "critic/rewards/mean": float(token_rewards.sum(-1).mean()),
-                "rollout/logprob_gap": float(algos.masked_mean((roll_lp - old_t)[checked].abs(), mask[checked])),
-                # Pipelined iterations: the rollout sampled with an older policy than the one being trained.
-                "rollout/off_policy": float(rollouts.inputs.get("policy") != policy.version),
-            }
-        )
-        # On-policy, the rollout engine should hold the trainer's weights; a gap means a missed or broken
-        # weight sync: fail before anything trains on it. Off-policy the gap is expected (rollout_corr weights).
-        gap, bound = metrics["rollout/logprob_gap"], cfg.rollout.max_logprob_gap
-        if bound is not None and not gap <= bound and not metrics["rollout/off_policy"]:
-            raise RuntimeError(
-                f"iteration {iteration}: rollout/logprob_gap {gap:.3g} > rollout.max_logprob_gap {bound:g}: the "
-                f"{cfg.rollout.engine} rollout engine's log-probs differ from the trainer's recompute on the same tokens"
-            )
-        if ref_lp is not None:
-            metrics["actor/ref_kl"] = float(algos.masked_mean(old_t - _padded(ref_lp, width), mask))
-        if values is not None:
-            metrics["critic/values/mean"] = float(algos.masked_mean(_padded(values, width), mask))
-        if baseline:
-            metrics["critic/baseline/mean"] = float(np.mean(list(baseline.values())))
         served = {role: group.role_info(role) for role, held in (("ref", ref), ("critic", critic)) if held is not None}
-        stage_meta = {"served_on": served} if served else {}
-        return StageOutput(
-            tables={"experience.parquet": table},
-            metrics=metrics,
-            meta=stage_meta if kl_state is None else {**stage_meta, "kl_ctrl": kl_state},
-        )
+        meta = {"served_on": served} if served else {}
+        if exp.kl_state is not None:
+            meta["kl_ctrl"] = exp.kl_state
+        return StageOutput(tables={"experience.parquet": exp.table}, metrics=exp.metrics, meta=meta)
 
     inputs = {"rollouts": rollouts.artifact_id, "rewards": rewards_m.artifact_id, "policy": policy.version}
     inputs.update({k: v.version for k, v in (("ref", ref), ("critic", critic)) if v is not None})

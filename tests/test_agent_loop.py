@@ -505,7 +505,7 @@ class FirstTurnScripted:
 @pytest.mark.skipif(not __import__("rlstage.engines.rollout_vllm", fromlist=["x"]).vllm_available(), reason="vllm is not installed")
 def test_async_vllm_policy_continues_multi_turn_trajectories(tmp_path):
     from rlstage.engines.agent_loop import AsyncVLLMPolicy, start_async_vllm
-    from rlstage.engines.batching import build_inputs, response_log_probs
+    from rlstage.engines.forward import build_inputs, response_log_probs
     from rlstage.engines.tinykit import save_model_dir
 
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""Tests of engines/algorithms.py: hand-computed cases, verl conventions, invariants."""
+"""Tests of engines/algorithms/: hand-computed cases, verl conventions, invariants."""
 
 from __future__ import annotations
 
@@ -873,3 +873,29 @@ def test_overlong_buffer_config():
     assert cfg.max_response_tokens == 8 and cfg.reward.overlong_buffer.penalty_factor == 1.0
     with pytest.raises(ConfigError, match=r"reward\.overlong_buffer\.len=9 must be > 0 and at most rollout\.max_new_tokens=8"):
         load_config(None, ["reward.overlong_buffer.enable=true", "reward.overlong_buffer.len=9", "rollout.max_new_tokens=8"])
+
+
+@pytest.mark.parametrize("mode", A.LOSS_AGG_MODES)
+@pytest.mark.parametrize("dp_size", [1, 2])
+def test_micro_batches_with_the_global_counts_sum_to_the_whole_batch(mode, dp_size):
+    """The trainer's reduction is agg_loss itself: each micro-batch (of each rank) with the mini-batch's global
+    counts (AggNorm, verl's global_batch_info), summed over micro-batches and averaged over ranks, equals
+    agg_loss of the whole mini-batch on one process (seq-mean-token-sum-norm divides by its longest response)."""
+    g = torch.Generator().manual_seed(7)
+    lens = [5, 3, 0, 4, 1, 5, 2, 3]
+    width = max(lens)
+    loss = torch.randn(len(lens), width, generator=g)
+    mask = torch.tensor([[1.0] * n + [0.0] * (width - n) for n in lens])
+    norm = A.agg_norm([row[:n].tolist() for row, n in zip(mask, lens, strict=True)], dp_size=dp_size)
+    whole = A.agg_loss(loss, mask, mode, loss_scale_factor=width)
+    ranks = [list(range(r, len(lens), dp_size)) for r in range(dp_size)]  # each rank's slice of the mini-batch
+    per_rank = []
+    for rows in ranks:
+        micro = [rows[i : i + 2] for i in range(0, len(rows), 2)]
+        # each micro-batch padded only to its own longest response, as the trainer pads it
+        parts = []
+        for m in micro:
+            w = max(max(lens[i] for i in m), 1)
+            parts.append(A.agg_loss(loss[m, :w], mask[m, :w], mode, **norm.agg_kwargs()))
+        per_rank.append(sum(parts))
+    assert float(sum(per_rank) / dp_size) == pytest.approx(float(whole), rel=1e-5, abs=1e-6)

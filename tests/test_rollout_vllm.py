@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from rlstage.engines.batching import build_inputs, response_log_probs, response_logits
+from rlstage.engines.forward import build_inputs, response_log_probs, response_logits
 from rlstage.engines.rollout import SamplingParams
 from rlstage.engines.rollout_vllm import vllm_available
 from rlstage.engines.tinykit import build_char_tokenizer, build_tiny_llama, save_model_dir

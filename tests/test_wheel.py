@@ -31,7 +31,10 @@ def test_wheel_installs_one_import_name_and_runs_the_demo(tmp_path, migrated_pre
     top = {n.split("/", 1)[0] for n in names}
     dist_info = next(t for t in top if t.endswith(".dist-info"))
     assert top == {"rlstage", dist_info}, top
-    assert "rlstage/configs/demo.yaml" in names and "rlstage/engines/algorithms.py" in names
+    assert "rlstage/configs/demo.yaml" in names and "rlstage/engines/algorithms/losses.py" in names
+    # every package of the tree is in the wheel (pyproject.toml lists them)
+    packages = {f"rlstage/{p.relative_to(REPO).as_posix()}" for top in LEGACY for p in (REPO / top).rglob("__init__.py")}
+    assert packages <= set(names), sorted(packages - set(names))
     entry_points = zipfile.ZipFile(wheel).read(f"{dist_info}/entry_points.txt").decode()
     assert "rlstage = rlstage.flows.cli:main" in entry_points
     assert "rlstage.engines.vllm_plugin:register" in entry_points

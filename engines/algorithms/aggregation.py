@@ -1,0 +1,117 @@
+"""Loss aggregation: ``agg_loss`` (verl's), the one reduction every loss and the trainer's micro-steps use."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rlstage.engines.algorithms.masked import _safe_den, masked_sum
+
+Tensor = torch.Tensor
+
+
+# ====================================================================== loss aggregation
+@dataclass(frozen=True)
+class AggNorm:
+    """The global counts of a mini-batch that ``agg_loss`` divides by when a rank computes one micro-batch
+    of it (verl's ``global_batch_info``): the sum of the micro-batches' (and the ranks') losses is then
+    ``agg_loss`` of the whole mini-batch on one process.
+
+    ``dp_size``: data-parallel ranks whose gradients are AVERAGED; every rank holds the whole batch, so the
+    global counts are its own to compute, and ``agg_loss`` multiplies by ``dp_size`` so that the average
+    equals the single-process sum (verl's global token count times dp size).
+    """
+
+    tokens: float  # sum of the response mask
+    seqs: float  # rows with at least one mask token
+    width: int  # the padded response width (the mini-batch's longest response): seq-mean-token-sum-norm's divisor
+    rows: float = 0.0  # all rows, empty ones included (geo_mean's mean over rows)
+    dp_size: int = 1  # ranks sharing the mini-batch; their gradients are averaged
+
+    def agg_kwargs(self) -> dict[str, Any]:
+        """``agg_loss``'s global-normalisation arguments."""
+        return {
+            "dp_size": self.dp_size,
+            "batch_num_tokens": self.tokens,
+            "global_batch_size": self.seqs,
+            "loss_scale_factor": max(1, self.width),
+        }
+
+
+def agg_norm(masks: Sequence[Sequence[float]], dp_size: int = 1) -> AggNorm:
+    """The global counts of a mini-batch given every row's response mask."""
+    sums = [float(sum(m)) for m in masks]
+    return AggNorm(
+        tokens=sum(sums),
+        seqs=float(sum(s > 0 for s in sums)),
+        width=max((len(m) for m in masks), default=0),
+        rows=float(len(masks)),
+        dp_size=dp_size,
+    )
+
+
+def _global(agg: AggNorm | None) -> dict[str, Any]:
+    return {} if agg is None else agg.agg_kwargs()
+
+
+LOSS_AGG_MODES: tuple[str, ...] = (
+    "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm",
+)  # fmt: skip
+
+
+def agg_loss(
+    loss_mat: Tensor,
+    loss_mask: Tensor,
+    loss_agg_mode: str,
+    *,
+    dp_size: int = 1,
+    batch_num_tokens: float | Tensor | None = None,
+    global_batch_size: float | Tensor | None = None,
+    loss_scale_factor: float | None = None,
+) -> Tensor:
+    """Reduce a ``[batch, len]`` loss matrix to a scalar (verl 0.9.1 ``agg_loss``).
+
+    - ``token-mean``: ``sum(L * m) / N_tok * dp_size``; every policy token weighs the same.
+    - ``token-sum``: ``sum(L * m) * dp_size`` (no normalisation at all).
+    - ``seq-mean-token-sum``: per row ``sum_t L * m``, summed over NON-EMPTY rows, ``/ N_seq * dp_size``.
+    - ``seq-mean-token-mean``: per row ``sum_t L * m / (sum_t m + 1e-8)``, summed over non-empty rows,
+      ``/ N_seq * dp_size``.
+    - ``seq-mean-token-sum-norm``: ``seq-mean-token-sum`` divided by ``loss_scale_factor`` (default: the
+      padded width ``loss_mask.shape[-1]``), the constant normaliser of Dr. GRPO.
+
+    Data-parallel global normalisation: a rank that holds only its shard of a mini-batch passes the
+    mini-batch's GLOBAL policy-token count ``batch_num_tokens`` (token-mean) or non-empty-row count
+    ``global_batch_size`` (seq-mean modes) and the number of ranks ``dp_size``. Data-parallel training
+    AVERAGES the ranks' gradients, so the ``* dp_size`` makes the averaged gradient that of the whole
+    mini-batch on one rank. Without global counts the local ones are used (``dp_size`` must then be 1,
+    as verl requires). Rows whose mask is all zero are excluded from the sequence count. Masked-out
+    entries are dropped even if they hold NaN/inf. An empty batch gives 0 with a finite gradient (verl
+    would divide 0 by 0).
+    """
+    mask = loss_mask.to(dtype=loss_mat.dtype, device=loss_mat.device)
+    if dp_size > 1 and loss_agg_mode != "token-sum":
+        needed = batch_num_tokens if loss_agg_mode == "token-mean" else global_batch_size
+        if needed is None:
+            key = "batch_num_tokens" if loss_agg_mode == "token-mean" else "global_batch_size"
+            raise ValueError(f"agg_loss: dp_size={dp_size} needs the global {key} of the mini-batch")
+    if loss_agg_mode == "token-mean":
+        den = mask.sum() if batch_num_tokens is None else torch.as_tensor(batch_num_tokens, dtype=loss_mat.dtype)
+        return masked_sum(loss_mat, mask) / _safe_den(den) * dp_size
+    if loss_agg_mode == "token-sum":
+        return masked_sum(loss_mat, mask) * dp_size
+    tokens = mask.sum(dim=-1)
+    seq_mask = (tokens > 0).to(loss_mat.dtype)
+    seqs = seq_mask.sum() if global_batch_size is None else torch.as_tensor(global_batch_size, dtype=loss_mat.dtype)
+    if loss_agg_mode in ("seq-mean-token-sum", "seq-mean-token-sum-norm"):
+        seq_losses = masked_sum(loss_mat, mask, dim=-1)
+        loss = masked_sum(seq_losses, seq_mask) / _safe_den(seqs) * dp_size
+        if loss_agg_mode == "seq-mean-token-sum-norm":
+            loss = loss / (loss_mask.shape[-1] if loss_scale_factor is None else loss_scale_factor)
+        return loss
+    if loss_agg_mode == "seq-mean-token-mean":
+        seq_losses = masked_sum(loss_mat, mask, dim=-1) / (tokens + 1e-8)
+        return masked_sum(seq_losses, seq_mask) / _safe_den(seqs) * dp_size
+    raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; valid: {', '.join(LOSS_AGG_MODES)}")

@@ -1,0 +1,207 @@
+"""The experience of an iteration: rollouts and rewards lined up, outcome rewards placed on tokens, KL in the
+reward, the advantage estimator, and the metrics and guards verl's driver computes around them.
+
+The advantage stage (tasks/stages.py) reads its inputs, asks the workers for the forwards (old, reference
+log-probs, values), calls ``compute_experience`` and commits its table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from rlstage.engines import algorithms as algos
+from rlstage.schemas import artifacts as A
+from rlstage.schemas.config import NEEDS_SUM_PI_SQUARED
+
+BYPASS_CHECK_ROWS = 8  # rows whose old log-probs are still recomputed under bypass, for the gap guard
+
+
+def padded(rows: list[list[float]], width: int) -> torch.Tensor:
+    """Ragged rows as a ``[rows, width]`` float tensor, zero-padded on the right."""
+    out = torch.zeros(len(rows), width)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = torch.tensor(r, dtype=torch.float32)
+    return out
+
+
+def unpad(t: torch.Tensor, lens: list[int]) -> list[list[float]]:
+    return [t[i, :n].tolist() for i, n in enumerate(lens)]
+
+
+@dataclass
+class Samples:
+    """A rollout's sampled rows lined up with their rewards; ReMax's greedy rows become per-group baselines."""
+
+    rollouts: pa.Table  # the sampled rows (sample_index >= 0)
+    scores: torch.Tensor  # [rows] outcome reward
+    index: np.ndarray  # [rows] group id
+    baseline: dict[int, float]  # group id -> the greedy answer's score (ReMax), empty otherwise
+
+    def column(self, name: str) -> list:
+        return self.rollouts.column(name).to_pylist()
+
+
+def line_up(rollouts: pa.Table, rewards: pa.Table) -> Samples:
+    if rollouts.column("sample_id").to_pylist() != rewards.column("sample_id").to_pylist():
+        raise ValueError("rewards do not line up with rollouts (sample_id order differs)")
+    all_scores = np.array(rewards.column("score").to_pylist(), dtype=np.float32)
+    is_sample = np.array(rollouts.column("sample_index").to_pylist()) >= 0
+    groups = np.array(rollouts.column("group_id").to_pylist())
+    baseline = dict(zip(groups[~is_sample].tolist(), all_scores[~is_sample].tolist(), strict=True))
+    return Samples(rollouts.filter(pa.array(is_sample)), torch.from_numpy(all_scores[is_sample]), groups[is_sample], baseline)
+
+
+def bypass_rows(rows: int) -> list[int]:
+    """verl's bypass takes the rollout's log-probs as the old ones; these rows are still recomputed, so that a
+    stale weight sync fails the gap guard."""
+    return list(range(0, rows, max(1, rows // BYPASS_CHECK_ROWS)))
+
+
+@dataclass
+class Forwards:
+    """What the workers computed on the samples' tokens."""
+
+    old_log_probs: list[list[float]]
+    checked: list[int]  # rows whose old log-probs the trainer recomputed (all but under bypass)
+    sum_pi_squared: list[list[float]] | None = None
+    ref_log_probs: list[list[float]] | None = None
+    values: list[list[float]] | None = None
+
+
+@dataclass
+class Experience:
+    table: pa.Table  # schemas.artifacts.EXPERIENCE
+    metrics: dict[str, float]
+    kl_state: dict | None  # the adaptive KL controller's state, carried to the next iteration
+
+
+def otb_is_weights(algorithm, old: torch.Tensor, rollout_lp: list, mask: torch.Tensor) -> torch.Tensor | None:
+    """The rollout-correction IS weights that the optimal token baseline folds in (as verl's driver computes them
+    before the advantage, decoupled mode only); None for every other estimator."""
+    rc = algorithm.rollout_correction
+    if algorithm.adv_estimator not in NEEDS_SUM_PI_SQUARED or rc.rollout_is is None or rc.bypass_mode:
+        return None
+    weights, _ = algos.rollout_correction(
+        old,
+        padded(rollout_lp, old.shape[1]),
+        mask,
+        rollout_is=rc.rollout_is,
+        rollout_is_threshold=rc.rollout_is_threshold,
+        rollout_is_batch_normalize=rc.rollout_is_batch_normalize,
+    )
+    return weights
+
+
+def compute_experience(
+    samples: Samples,
+    fwd: Forwards,
+    algorithm,
+    *,
+    kl_state: dict | None,
+    off_policy: bool,
+    max_logprob_gap: float | None,
+    engine: str,
+    iteration: int,
+) -> Experience:
+    """Token rewards (the outcome on each response's last policy token, minus the KL penalty when
+    ``algorithm.use_kl_in_reward``), advantages and returns, the experience table and its metrics.
+
+    ``algorithm`` is the run's ``algorithm`` settings; ``kl_state`` the previous iteration's KL controller.
+    Raises when an on-policy rollout's log-probs differ from the trainer's recompute by more than
+    ``max_logprob_gap`` (a missed or broken weight sync), before anything trains on them.
+    """
+    a = algorithm
+    response_ids = samples.column("response_ids")
+    masks = samples.column("response_mask")
+    rollout_lp = samples.column("rollout_log_probs")
+    lens = [len(r) for r in response_ids]
+    width = max(lens)
+    mask = padded(masks, width)
+    old, checked, ref_lp, values = fwd.old_log_probs, fwd.checked, fwd.ref_log_probs, fwd.values
+    old_t = padded(old, width)
+    metrics: dict[str, float] = {}
+    # Outcome reward sits on the last policy token of each response.
+    token_scores = torch.zeros_like(mask)
+    for i, m in enumerate(masks):
+        last = max((j for j, v in enumerate(m) if v), default=None)
+        if last is not None:
+            token_scores[i, last] = samples.scores[i]
+    token_rewards = token_scores
+    new_kl_state = None
+    if a.use_kl_in_reward:
+        ctrl = algos.get_kl_controller(a.kl_ctrl.type, a.kl_ctrl.kl_coef, a.kl_ctrl.target_kl, a.kl_ctrl.horizon)
+        if kl_state is not None:
+            ctrl.load_state_dict(kl_state)  # beta carries over between iterations
+        token_rewards, kl_metrics = algos.apply_kl_penalty(token_scores, old_t, padded(ref_lp, width), mask, ctrl, a.kl_penalty)
+        metrics.update(kl_metrics)
+        new_kl_state = ctrl.state_dict()
+    baseline = samples.baseline
+    adv, ret = algos.compute_advantage(
+        a.adv_estimator,
+        token_level_rewards=token_rewards,
+        response_mask=mask,
+        index=samples.index,
+        values=None if values is None else padded(values, width),
+        reward_baselines=torch.tensor([baseline.get(g, 0.0) for g in samples.index.tolist()], dtype=torch.float32)
+        if baseline
+        else None,
+        gamma=a.gamma,
+        lam=a.lam,
+        norm_adv_by_std_in_grpo=a.norm_adv_by_std_in_grpo,
+        old_log_probs=old_t,
+        sum_pi_squared=None if fwd.sum_pi_squared is None else padded(fwd.sum_pi_squared, width),
+        rollout_is_weights=otb_is_weights(a, old_t, rollout_lp, mask),
+    )
+    roll_lp = padded(rollout_lp, width)
+    list_type = A.EXPERIENCE.field("ref_log_probs").type
+    ro = samples.rollouts
+    table = pa.table(
+        {
+            "sample_id": ro.column("sample_id"),
+            "group_id": ro.column("group_id"),
+            "prompt_ids": ro.column("prompt_ids"),
+            "response_ids": ro.column("response_ids"),
+            "response_mask": ro.column("response_mask"),
+            "score": pa.array(samples.scores.numpy(), pa.float32()),
+            "old_log_probs": old,
+            "ref_log_probs": pa.nulls(len(lens), list_type) if ref_lp is None else ref_lp,
+            "values": pa.nulls(len(lens), list_type) if values is None else values,
+            "token_level_rewards": unpad(token_rewards, lens),
+            "advantages": unpad(adv, lens),
+            "returns": unpad(ret, lens),
+            "rollout_log_probs": ro.column("rollout_log_probs"),
+        },
+        schema=A.EXPERIENCE,
+    )
+    valid = mask.bool()
+    metrics.update(
+        {
+            "critic/advantages/mean": float(algos.masked_mean(adv, mask)),
+            "critic/advantages/max": float(adv[valid].max()) if valid.any() else 0.0,
+            "critic/advantages/min": float(adv[valid].min()) if valid.any() else 0.0,
+            "critic/returns/mean": float(algos.masked_mean(ret, mask)),
+            "critic/rewards/mean": float(token_rewards.sum(-1).mean()),
+            "rollout/logprob_gap": float(algos.masked_mean((roll_lp - old_t)[checked].abs(), mask[checked])),
+            # Pipelined iterations: the rollout sampled with an older policy than the one being trained.
+            "rollout/off_policy": float(off_policy),
+        }
+    )
+    # On-policy, the rollout engine should hold the trainer's weights; a gap means a missed or broken
+    # weight sync: fail before anything trains on it. Off-policy the gap is expected (rollout_corr weights).
+    gap = metrics["rollout/logprob_gap"]
+    if max_logprob_gap is not None and not gap <= max_logprob_gap and not off_policy:
+        raise RuntimeError(
+            f"iteration {iteration}: rollout/logprob_gap {gap:.3g} > rollout.max_logprob_gap {max_logprob_gap:g}: the "
+            f"{engine} rollout engine's log-probs differ from the trainer's recompute on the same tokens"
+        )
+    if ref_lp is not None:
+        metrics["actor/ref_kl"] = float(algos.masked_mean(old_t - padded(ref_lp, width), mask))
+    if values is not None:
+        metrics["critic/values/mean"] = float(algos.masked_mean(padded(values, width), mask))
+    if baseline:
+        metrics["critic/baseline/mean"] = float(np.mean(list(baseline.values())))
+    return Experience(table, metrics, new_kl_state)
