@@ -110,8 +110,34 @@ def check_reward_model(cfg: RunConfig) -> None:
             raise ConfigError(f"config error: reward_model.server.url: {problem}")
 
 
+def check_registered_names(cfg: RunConfig) -> None:
+    """Settings that name an entry of an engine's registry (the config models, a leaf, do not import them)."""
+    from rlstage.engines.datasets import ADDITION_SOURCE, GSM8K_SOURCE, MULTIPLY_SOURCE
+    from rlstage.engines.dynamic_sampling import FILTER_METRICS
+    from rlstage.engines.metrics import ANSWER_EXTRACTORS
+    from rlstage.engines.rewards import DATA_SOURCE_FNS
+
+    metric = cfg.algorithm.filter_groups.metric
+    if metric not in FILTER_METRICS:
+        raise ConfigError(
+            f"config error: algorithm.filter_groups.metric: unknown metric {metric!r}; valid: {', '.join(FILTER_METRICS)}"
+        )
+    if cfg.trainer.eval_require_maj:
+        # a verl parquet's sources are known only from its rows: the eval stage checks those
+        kit = {"addition": ADDITION_SOURCE, "multiply": MULTIPLY_SOURCE}[cfg.kit.task]
+        source = {"synthetic": kit, "gsm8k": GSM8K_SOURCE}.get(cfg.data.source)
+        fn = cfg.reward.function or DATA_SOURCE_FNS.get(source or "")
+        if fn is not None and fn not in ANSWER_EXTRACTORS:
+            where = "reward.function" if cfg.reward.function else f"the reward function of data.source={cfg.data.source},"
+            raise ConfigError(
+                f"config error: trainer.eval_require_maj: {where} {fn} extracts no answer for maj@N to vote on; "
+                f"ones that do: {', '.join(ANSWER_EXTRACTORS)}"
+            )
+
+
 def preflight(cfg: RunConfig) -> None:
     """Everything a run needs from this machine, checked before any stage runs."""
+    check_registered_names(cfg)
     check_model(cfg)
     check_lora(cfg)
     check_engines(cfg)

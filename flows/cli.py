@@ -74,9 +74,12 @@ def prefect_api():
 
 
 def _load(args) -> object:
+    from rlstage.engines.preflight import check_registered_names
     from rlstage.schemas.config import load_config
 
-    return load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides)
+    check_registered_names(cfg)  # names looked up in the engines' registries: part of loading the config
+    return cfg
 
 
 def _check_services() -> None:

@@ -134,8 +134,10 @@ def test_preflight_accepts_the_agent_demo_config():
     ],
 )
 def test_required_maj_without_an_answer_extractor_is_one_line(overrides, needle):
+    from rlstage.engines.preflight import check_registered_names
+
     with pytest.raises(ConfigError) as err:
-        load_config(None, overrides)
+        check_registered_names(load_config(None, overrides))  # the extractors' registry is the engines
     assert needle in str(err.value) and "\n" not in str(err.value)
     # without the requirement the same data is evaluated, maj@N left out as verl leaves it out without a pred
     load_config(None, [o for o in overrides if not o.startswith("trainer.eval_require_maj")])

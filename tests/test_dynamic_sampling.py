@@ -119,8 +119,10 @@ def test_extra_round_prompts_are_a_pure_function_apart_from_the_first_round_and_
     ],
 )
 def test_unusable_dynamic_sampling_settings_are_one_line_naming_the_setting(overrides, message):
+    from rlstage.engines.preflight import check_registered_names
+
     with pytest.raises(ConfigError) as err:
-        load_config(None, overrides)
+        check_registered_names(load_config(None, overrides))  # a registry's name: checked where the registry is
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
