@@ -34,6 +34,7 @@ MODULE_SECONDS = {  # a fresh-clone CI of a864b89 (stage bodies on Ray); the vLL
     "test_prefect_lost": 76, "test_ui": 72, "test_chat": 70, "test_rollout_vllm": 57, "test_lora": 56,
     "test_bad_input": 54, "test_store_s3": 51, "test_registry": 51, "test_real_model": 44, "test_pipeline": 42,
     "test_agent_loop": 42, "test_dynamic_sampling": 33, "test_explore": 25, "test_trust": 30, "test_agent_pipeline": 19,
+    "test_upgrade": 80, "test_wheel": 70,  # measured alone on this machine (2026-11-27)
 }  # fmt: skip
 
 
