@@ -49,7 +49,7 @@ def _source_of(commit: str, dest: Path) -> Path:
     return dest
 
 
-def test_a_run_of_the_previous_release_continues_replays_and_evaluates(prefect_api, tmp_path, migrated_prefect_home):
+def test_a_run_of_the_previous_release_continues_replays_and_evaluates(prefect_api, tmp_path):
     from mlflow import MlflowClient
 
     from rlstage.flows.evaluate import evaluate_run
@@ -62,8 +62,9 @@ def test_a_run_of_the_previous_release_continues_replays_and_evaluates(prefect_a
     store_root, db = tmp_path / "store", tmp_path / "mlflow.db"
     args = [*tiny_overrides(), *moving_overrides(), "trainer.iterations=1", f"run_name={RUN}", f"store.root={store_root}"]
     args.append(f"tracking.tracking_uri=sqlite:///{db}")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API", "PREFECT_HOME", "RLSTAGE_", "MLFLOW_", "PYTHONPATH"))}
-    env["RLSTAGE_HOME"] = str(migrated_prefect_home(tmp_path / "home" / "prefect").parent)
+    # the test session's Prefect API (PREFECT_API_URL), as a deployment would give it: no server of its own to start
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_HOME", "RLSTAGE_", "MLFLOW_", "PYTHONPATH"))}
+    env["RLSTAGE_HOME"] = str(tmp_path / "home")
     (work := tmp_path / "work").mkdir()
     old = subprocess.run([old_py, "-m", "flows.cli", "train", *args], cwd=work, env=env, capture_output=True, text=True, timeout=600)
     assert old.returncode == 0, (version, old.stdout[-2000:], old.stderr[-3000:])

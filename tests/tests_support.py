@@ -133,11 +133,12 @@ def env_with_wheel(wheel, env_dir) -> Path:
     import sysconfig
     import venv
 
-    venv.EnvBuilder(with_pip=True).create(env_dir)
+    venv.EnvBuilder(with_pip=False).create(env_dir)  # this environment's pip installs into it (--python): no ensurepip
     py = Path(env_dir) / "bin" / "python"
     site = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], capture_output=True, text=True, check=True)
     deps = [p for p in sys.path if p.endswith("site-packages")] or [sysconfig.get_paths()["purelib"]]
     (Path(site.stdout.strip()) / "zz_dependencies.pth").write_text("".join(f"{p}\n" for p in deps))
-    done = subprocess.run([py, "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)], capture_output=True, text=True, timeout=300)
+    install = [sys.executable, "-m", "pip", "--python", str(py), "install", "-q", "--no-deps", "--no-index", str(wheel)]
+    done = subprocess.run(install, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return py
