@@ -85,7 +85,7 @@ class TorchActor(MiniBatchTrainer):
             batch, corr = self._with_is_weights(batch)
         # clip_cov picks tokens at random: seeded per update so a replay draws the same ones.
         extra["generator"] = torch.Generator().manual_seed(seed)
-        step = lambda micro: self._micro_step(batch, micro, temperature, loss_fn, name, extra)  # noqa: E731
+        step = lambda micro: self._micro_step(batch, micro, temperature, loss_fn, extra)  # noqa: E731
         return {**self._train_epochs(batch, seed, step), **corr}
 
     def _with_is_weights(self, batch: dict[str, list]) -> tuple[dict[str, list], dict[str, float]]:
@@ -103,7 +103,7 @@ class TorchActor(MiniBatchTrainer):
         rows = [weights[i, : len(r)].tolist() for i, r in enumerate(batch["response_ids"])]
         return {**batch, "rollout_is_weights": rows}, corr
 
-    def _micro_step(self, batch, micro: MicroBatch, temperature: float, loss_fn, name: str, extra: dict) -> dict[str, float]:
+    def _micro_step(self, batch, micro: MicroBatch, temperature: float, loss_fn, extra: dict) -> dict[str, float]:
         cfg = self.cfg
         fields = ["response_mask", "old_log_probs", "advantages"]
         fields += ["ref_log_probs"] if cfg.use_kl_loss else []
