@@ -7,6 +7,7 @@ log-probs, values), calls ``compute_experience`` and commits its table.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -14,18 +15,11 @@ import pyarrow as pa
 import torch
 
 from rlstage.engines import algorithms as algos
+from rlstage.engines.forward import pad_right
 from rlstage.schemas import artifacts as A
 from rlstage.schemas.config import NEEDS_SUM_PI_SQUARED
 
 BYPASS_CHECK_ROWS = 8  # rows whose old log-probs are still recomputed under bypass, for the gap guard
-
-
-def padded(rows: list[list[float]], width: int) -> torch.Tensor:
-    """Ragged rows as a ``[rows, width]`` float tensor, zero-padded on the right."""
-    out = torch.zeros(len(rows), width)
-    for i, r in enumerate(rows):
-        out[i, : len(r)] = torch.tensor(r, dtype=torch.float32)
-    return out
 
 
 def unpad(t: torch.Tensor, lens: list[int]) -> list[list[float]]:
@@ -79,7 +73,7 @@ class Experience:
     kl_state: dict | None  # the adaptive KL controller's state, carried to the next iteration
 
 
-def otb_is_weights(algorithm, old: torch.Tensor, rollout_lp: list, mask: torch.Tensor) -> torch.Tensor | None:
+def otb_is_weights(algorithm, old: torch.Tensor, rollout_lp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
     """The rollout-correction IS weights that the optimal token baseline folds in (as verl's driver computes them
     before the advantage, decoupled mode only); None for every other estimator."""
     rc = algorithm.rollout_correction
@@ -87,7 +81,7 @@ def otb_is_weights(algorithm, old: torch.Tensor, rollout_lp: list, mask: torch.T
         return None
     weights, _ = algos.rollout_correction(
         old,
-        padded(rollout_lp, old.shape[1]),
+        rollout_lp,
         mask,
         rollout_is=rc.rollout_is,
         rollout_is_threshold=rc.rollout_is_threshold,
@@ -120,9 +114,12 @@ def compute_experience(
     rollout_lp = samples.column("rollout_log_probs")
     lens = [len(r) for r in response_ids]
     width = max(lens)
-    mask = padded(masks, width)
+    pad = functools.partial(pad_right, value=0.0, dtype=torch.float32, width=width)
+    mask = pad(masks)
     old, checked, ref_lp, values = fwd.old_log_probs, fwd.checked, fwd.ref_log_probs, fwd.values
-    old_t = padded(old, width)
+    old_t, roll_lp = pad(old), pad(rollout_lp)
+    ref_t = None if ref_lp is None else pad(ref_lp)
+    values_t = None if values is None else pad(values)
     metrics: dict[str, float] = {}
     # Outcome reward sits on the last policy token of each response.
     token_scores = torch.zeros_like(mask)
@@ -136,7 +133,7 @@ def compute_experience(
         ctrl = algos.get_kl_controller(a.kl_ctrl.type, a.kl_ctrl.kl_coef, a.kl_ctrl.target_kl, a.kl_ctrl.horizon)
         if kl_state is not None:
             ctrl.load_state_dict(kl_state)  # beta carries over between iterations
-        token_rewards, kl_metrics = algos.apply_kl_penalty(token_scores, old_t, padded(ref_lp, width), mask, ctrl, a.kl_penalty)
+        token_rewards, kl_metrics = algos.apply_kl_penalty(token_scores, old_t, ref_t, mask, ctrl, a.kl_penalty)
         metrics.update(kl_metrics)
         new_kl_state = ctrl.state_dict()
     baseline = samples.baseline
@@ -145,7 +142,7 @@ def compute_experience(
         token_level_rewards=token_rewards,
         response_mask=mask,
         index=samples.index,
-        values=None if values is None else padded(values, width),
+        values=values_t,
         reward_baselines=torch.tensor([baseline.get(g, 0.0) for g in samples.index.tolist()], dtype=torch.float32)
         if baseline
         else None,
@@ -153,10 +150,9 @@ def compute_experience(
         lam=a.lam,
         norm_adv_by_std_in_grpo=a.norm_adv_by_std_in_grpo,
         old_log_probs=old_t,
-        sum_pi_squared=None if fwd.sum_pi_squared is None else padded(fwd.sum_pi_squared, width),
-        rollout_is_weights=otb_is_weights(a, old_t, rollout_lp, mask),
+        sum_pi_squared=None if fwd.sum_pi_squared is None else pad(fwd.sum_pi_squared),
+        rollout_is_weights=otb_is_weights(a, old_t, roll_lp, mask),
     )
-    roll_lp = padded(rollout_lp, width)
     list_type = A.EXPERIENCE.field("ref_log_probs").type
     ro = samples.rollouts
     table = pa.table(
@@ -199,9 +195,9 @@ def compute_experience(
             f"{engine} rollout engine's log-probs differ from the trainer's recompute on the same tokens"
         )
     if ref_lp is not None:
-        metrics["actor/ref_kl"] = float(algos.masked_mean(old_t - padded(ref_lp, width), mask))
+        metrics["actor/ref_kl"] = float(algos.masked_mean(old_t - ref_t, mask))
     if values is not None:
-        metrics["critic/values/mean"] = float(algos.masked_mean(padded(values, width), mask))
+        metrics["critic/values/mean"] = float(algos.masked_mean(values_t, mask))
     if baseline:
         metrics["critic/baseline/mean"] = float(np.mean(list(baseline.values())))
     return Experience(table, metrics, new_kl_state)
