@@ -39,7 +39,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 from rlstage.engines import algorithms as algos
 from rlstage.engines.actor import TorchActor
 from rlstage.engines.batching import micro_batch_cost
-from rlstage.engines.forward import build_inputs, pad_right, response_log_probs
+from rlstage.engines.forward import build_inputs, model_device, pad_right, response_log_probs, to_device
 from rlstage.engines.tinykit import build_char_tokenizer, build_tiny_llama
 from rlstage.schemas.config import ActorConfig, KitConfig, OptimConfig
 
@@ -143,7 +143,8 @@ def processed_tokens(actor: TorchActor, batch: dict) -> tuple[int, int]:
     for m in range(0, n, actor.cfg.ppo_mini_batch_size):
         for mb in actor._micro_batches(batch, list(range(m, min(n, m + actor.cfg.ppo_mini_batch_size)))):
             total += micro_batch_cost(
-                [len(batch["prompt_ids"][i]) for i in mb.idx], [len(batch["response_ids"][i]) for i in mb.idx],
+                [len(batch["prompt_ids"][i]) for i in mb.idx],
+                [len(batch["response_ids"][i]) for i in mb.idx],
                 actor.cfg.packing,
             )
             micro += 1
@@ -189,6 +190,7 @@ def raw_update(model: torch.nn.Module, cfg: ActorConfig, pad_id: int) -> Callabl
 
     def update(batch: dict, temperature: float, seed: int) -> dict:
         n = len(batch["prompt_ids"])
+        device = model_device(model)
         model.train()
         for _epoch in range(cfg.ppo_epochs):
             for m in range(0, n, cfg.ppo_mini_batch_size):
@@ -199,10 +201,12 @@ def raw_update(model: torch.nn.Module, cfg: ActorConfig, pad_id: int) -> Callabl
                     inputs = build_inputs(
                         [batch["prompt_ids"][i] for i in idx], [batch["response_ids"][i] for i in idx], pad_id
                     )
+                    inputs = to_device(inputs, device)
                     R = inputs["response_width"]
-                    mask = pad_right([batch["response_mask"][i] for i in idx], 0, torch.float32, R)
-                    old = pad_right([batch["old_log_probs"][i] for i in idx], 0.0, torch.float32, R)
-                    adv = pad_right([batch["advantages"][i] for i in idx], 0.0, torch.float32, R)
+                    mask, old, adv = (
+                        pad_right([batch[k][i] for i in idx], 0.0, torch.float32, R).to(device)
+                        for k in ("response_mask", "old_log_probs", "advantages")
+                    )
                     logp, _ = response_log_probs(model, inputs, temperature)
                     loss, _ = loss_fn(old, logp, adv, mask, cfg.loss_agg_mode)
                     (loss * len(idx) / len(mini)).backward()
@@ -230,7 +234,12 @@ def run_variant(
     if variant == "raw_torch":
         update = raw_update(model, cfg, tok.pad_token_id)
     elif variant in ("torch_actor", "torch_actor_shared"):
-        actor = TorchActor(model, cfg.model_copy(update={"share_prompts": variant.endswith("shared")}), tok.pad_token_id, 1000)
+        actor = TorchActor(
+            model,
+            cfg.model_copy(update={"share_prompts": variant.endswith("shared")}),
+            tok.pad_token_id,
+            1000,
+        )
         update = actor.update
     else:
         from rlstage.engines.actor_deepspeed import DeepSpeedActor
@@ -271,8 +280,12 @@ def main() -> None:
         "--repeats", type=int, default=None, help="timed updates per variant (default: per model)"
     )
     ap.add_argument("--batching", default=",".join(BATCHING), help="batching-section variants, or 'none'")
-    ap.add_argument("--max-len", type=int, default=128, help="longest sequence of the batching section's batch")
-    ap.add_argument("--per-prompt", type=int, default=1, help="samples per prompt in the timed batch (GRPO's group)")
+    ap.add_argument(
+        "--max-len", type=int, default=128, help="longest sequence of the batching section's batch"
+    )
+    ap.add_argument(
+        "--per-prompt", type=int, default=1, help="samples per prompt in the timed batch (GRPO's group)"
+    )
     args = ap.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # Adam's second moments of tiny gradients decay into denormal floats: without flushing them, the 20m

@@ -35,7 +35,9 @@ class Completion:
     response_ids: list[int]
     log_probs: list[float]
     text: str
-    finish_reason: str  # "stop" when a stop token (eos, the template's end of turn) was sampled, else "length"
+    finish_reason: (
+        str  # "stop" when a stop token (eos, the template's end of turn) was sampled, else "length"
+    )
 
 
 class HFRolloutEngine:
@@ -45,7 +47,9 @@ class HFRolloutEngine:
     keeps its stop token, so its mask ends there.
     """
 
-    def __init__(self, model: torch.nn.Module, tokenizer, batch_size: int = 512, share_prompts: bool = False) -> None:
+    def __init__(
+        self, model: torch.nn.Module, tokenizer, batch_size: int = 512, share_prompts: bool = False
+    ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.batch_size = batch_size
@@ -73,30 +77,34 @@ class HFRolloutEngine:
             eos_token_id=self.stop_ids,
             pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
             return_dict_in_generate=True,
-            output_logits=True,
         )
         was_training = self.model.training
         self.model.eval()
         out: list[Completion] = []
         if params.first_prompt * params.n % self.batch_size:
-            raise ValueError(f"first_prompt {params.first_prompt} x n {params.n} is not at a batch boundary ({self.batch_size})")
+            raise ValueError(
+                f"first_prompt {params.first_prompt} x n {params.n} is not at a batch boundary ({self.batch_size})"
+            )
         first_batch = params.first_prompt * params.n // self.batch_size
         for b, start in enumerate(range(0, len(jobs), self.batch_size), start=first_batch):
             chunk = jobs[start : start + self.batch_size]
             # Left padding with its attention mask: every prompt ends where generation starts.
             batch = tok.pad(
-                {"input_ids": [encoded[i] for i, _ in chunk]}, padding=True, padding_side="left", return_tensors="pt"
+                {"input_ids": [encoded[i] for i, _ in chunk]},
+                padding=True,
+                padding_side="left",
+                return_tensors="pt",
             ).to(model_device(self.model))
             # One seed per batch: the same config and model give the same samples on a rerun.
             torch.manual_seed(params.seed * 1_000_003 + b)
             shared = self._prefill_once(batch, [i for i, _ in chunk]) if self.share_prompts else {}
-            res = self.model.generate(**batch, generation_config=gen_cfg, **shared)
+            step_logp = _step_log_probs(1.0 if greedy else params.temperature)
+            res = self.model.generate(
+                **batch, generation_config=gen_cfg, logits_processor=[step_logp], **shared
+            )
             P = batch["input_ids"].shape[1]
             seqs = res.sequences[:, P:]
-            logits = torch.stack(res.logits, dim=1).float()
-            if not greedy:
-                logits = logits / params.temperature
-            logp = torch.log_softmax(logits, -1).gather(-1, seqs.unsqueeze(-1)).squeeze(-1)
+            logp = step_logp.finish(seqs)
             for row, (i, k) in enumerate(chunk):
                 ids = seqs[row].tolist()
                 finish = "length"
@@ -134,8 +142,40 @@ class HFRolloutEngine:
             return {}
         group = [place[i] for i in prompt_index]
         ids, mask = ids[rows], mask[rows]
-        positions = (mask.long().cumsum(-1) - 1).masked_fill_(mask == 0, 1)  # as generate numbers left-padded prompts
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
+        positions = (mask.long().cumsum(-1) - 1).masked_fill_(
+            mask == 0, 1
+        )  # as generate numbers left-padded prompts
+        out = self.model(
+            input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1
+        )
         cache = out.past_key_values
         cache.batch_select_indices(torch.as_tensor(group, device=ids.device))
         return {"past_key_values": cache}
+
+
+def _step_log_probs(temperature: float):
+    """A logits processor that keeps the sampled tokens' log-probs (of the logits / temperature, over the whole
+    vocabulary, as verl's rollout reports them) one step at a time. ``generate``'s ``output_logits`` would keep
+    every step's fp32 logits instead: B x T x V x 4 bytes, 40 GB for 64 x 512 tokens of Qwen2's vocabulary."""
+    from transformers import LogitsProcessor
+
+    class StepLogProbs(LogitsProcessor):
+        def __init__(self) -> None:
+            self.last: torch.Tensor | None = None  # the previous step's log-softmax, [B, V]
+            self.kept: list[torch.Tensor] = []
+
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            # custom processors run before the sampling warpers: ``scores`` are the raw fp32 logits
+            if self.last is not None:  # input_ids now ends with the token sampled from it
+                self.kept.append(self.last.gather(-1, input_ids[:, -1:]).squeeze(-1))
+            self.last = torch.log_softmax(scores / temperature, -1)
+            return scores
+
+        def finish(self, seqs: torch.Tensor) -> torch.Tensor:
+            """``[B, T]`` log-probs of the generated ``seqs``."""
+            if seqs.shape[1] == 0:
+                return seqs.float()
+            self.kept.append(self.last.gather(-1, seqs[:, -1:]).squeeze(-1))
+            return torch.stack(self.kept, dim=1)
+
+    return StepLogProbs()

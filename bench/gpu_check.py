@@ -1,0 +1,523 @@
+"""The prepared GPU check (issue #39): the engines' correctness, speed and memory on one device, one JSON file.
+
+    python bench/gpu_check.py --device cuda --out gpu_check.json     # an H100 / H200: ~3-5 minutes
+    python bench/gpu_check.py --device cpu --tiny --out /tmp/g.json  # CI's smoke run (tests/test_gpu_check.py)
+
+Sections, each written to the JSON as soon as it ends (a run cut short keeps what it measured):
+- ``peak``: a bf16 matrix product's TFLOP/s and a device-to-device copy's bytes/s, the ceilings below use.
+- ``correctness``: the tiny kit's update and greedy rollout on the device in fp32 against the same on the CPU
+  (log-probs, loss, gradient norm, weights after one optimizer step), and the bf16 path's log-prob gap to fp32.
+- ``speed``: a random-init Qwen2-0.5B shape in bf16: the HF rollout engine's generate at batch 64 and 256
+  (512 new tokens) and the torch actor's update, each against the raw loop on the same batch (HF ``generate``
+  without the engine's bookkeeping; ``bench/update_throughput.raw_update``), tokens/s, MFU, peak memory against
+  ``bench/memory_model.py``'s prediction.
+- ``largest``: the most layers at Qwen2-0.5B's widths that one update fits on the card (from two measured
+  depths, then tried).
+What the device lacks (bf16, memory statistics, room for a shape) is skipped with its reason in ``skipped``.
+
+The GPU machine has torch and transformers but not pydantic: ``bench/gpu_wheels.sh`` fetches the carried wheels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from memory_model import SHAPES, Shape, generate_peak_bytes, update_flops_per_token, update_peak_bytes  # noqa: E402
+from source_tree import import_rlstage  # noqa: E402
+
+import_rlstage()
+
+from update_throughput import ragged_batch, raw_update  # noqa: E402
+
+from rlstage.engines.actor import TorchActor  # noqa: E402
+from rlstage.engines.rollout import HFRolloutEngine, SamplingParams  # noqa: E402
+from rlstage.engines.tinykit import build_char_tokenizer, build_tiny_llama  # noqa: E402
+from rlstage.schemas.config import ActorConfig, KitConfig  # noqa: E402
+
+# Stated tolerances of the fp32 device run against the CPU (the same weights and batch).
+TOLERANCE = {
+    "log_prob_max_abs": 1e-4,
+    "loss_rel": 1e-4,
+    "grad_norm_rel": 1e-3,
+    "weights_max_abs_over_lr": 0.05,
+}
+TINY_SHAPE = Shape("tiny-qwen2", 64, 2, 4, 2, 128, 512, True)
+
+
+class Check:
+    """The JSON report: sections as they end, and what was skipped and why."""
+
+    def __init__(self, out: Path, budget_s: float, meta: dict) -> None:
+        self.out, self.budget_s, self.t0 = out, budget_s, time.perf_counter()
+        self.report = {"meta": meta, "sections": {}, "skipped": []}
+        self.save()
+
+    def skip(self, what: str, why: str) -> None:
+        self.report["skipped"].append({"what": what, "why": why})
+        print(f"gpu_check: skipped {what}: {why}", flush=True)
+        self.save()
+
+    def section(self, name: str, fn, *args) -> None:
+        left = self.budget_s - (time.perf_counter() - self.t0)
+        if left <= 0:
+            return self.skip(name, f"the time budget of {self.budget_s:.0f} s was spent")
+        t = time.perf_counter()
+        try:
+            result = fn(self, *args)
+        except torch.OutOfMemoryError as e:
+            return self.skip(name, f"out of device memory: {str(e).splitlines()[0]}")
+        except Exception as e:  # one section's failure is a result too; the others still run
+            return self.skip(name, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        finally:
+            free_memory()
+        result["seconds"] = round(time.perf_counter() - t, 2)
+        self.report["sections"][name] = result
+        print(f"gpu_check: {name} {json.dumps(result)}", flush=True)
+        self.save()
+
+    def save(self) -> None:
+        self.report["meta"]["elapsed_s"] = round(time.perf_counter() - self.t0, 2)
+        tmp = self.out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.report, indent=1))
+        tmp.replace(self.out)
+
+
+def free_memory() -> None:
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_reset(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_bytes(device: torch.device) -> int | None:
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+
+
+def timed(device: torch.device, fn, repeats: int, warm_up: bool = True) -> float:
+    """The median seconds of ``repeats`` calls after one warm-up call."""
+    if warm_up:
+        fn()
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        t = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+# -- peak ---------------------------------------------------------------------------------------------------------
+
+
+def peak(check: Check, device: torch.device, dtype: torch.dtype, tiny: bool) -> dict:
+    n = 256 if tiny else 8192
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    sec = timed(device, lambda: a @ b, 3 if tiny else 10)
+    big = torch.empty((1 << 22) if tiny else (1 << 30), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(big)
+    copy = timed(device, lambda: dst.copy_(big), 3 if tiny else 10)
+    return {
+        "dtype": str(dtype).removeprefix("torch."),
+        "matmul_n": n,
+        "matmul_tflops": round(2 * n**3 / sec / 1e12, 2),
+        "copy_bytes_per_s": round(2 * big.numel() / copy, 0),  # read + written
+    }
+
+
+# -- correctness --------------------------------------------------------------------------------------------------
+
+
+def tiny_update(device: torch.device, dtype: torch.dtype, batch: dict, cfg: ActorConfig, tok) -> dict:
+    torch.manual_seed(0)
+    model = build_tiny_llama(KitConfig(), tok).to(device=device, dtype=dtype)
+    before = {k: v.detach().float().cpu().clone() for k, v in model.state_dict().items()}
+    actor = TorchActor(model, cfg, tok.pad_token_id, 10)
+    logp = actor.compute_log_probs(batch["prompt_ids"], batch["response_ids"], 1.0)
+    metrics = actor.update({**batch, "old_log_probs": logp}, 1.0, seed=0)
+    after = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
+    return {"log_probs": logp, "metrics": metrics, "before": before, "after": after}
+
+
+def greedy_rollout(device: torch.device, tok, prompts: list[str]):
+    torch.manual_seed(0)
+    model = build_tiny_llama(KitConfig(), tok).to(device)
+    return HFRolloutEngine(model, tok, batch_size=len(prompts)).generate(
+        prompts, SamplingParams(temperature=0.0, max_new_tokens=16)
+    )
+
+
+def correctness(check: Check, device: torch.device, bf16: bool) -> dict:
+    tok = build_char_tokenizer()
+    batch = ragged_batch(tok, 32, seed=0)
+    cfg = ActorConfig(ppo_mini_batch_size=32, micro_batch_size=8)
+    cpu = tiny_update(torch.device("cpu"), torch.float32, batch, cfg, tok)
+    dev = tiny_update(device, torch.float32, batch, cfg, tok)
+    lp = max(
+        abs(a - b)
+        for r, s in zip(cpu["log_probs"], dev["log_probs"], strict=True)
+        for a, b in zip(r, s, strict=True)
+    )
+    loss_c, loss_d = cpu["metrics"]["actor/pg_loss"], dev["metrics"]["actor/pg_loss"]
+    gn_c, gn_d = cpu["metrics"]["actor/grad_norm"], dev["metrics"]["actor/grad_norm"]
+    w = max(float((cpu["after"][k] - dev["after"][k]).abs().max()) for k in cpu["after"])
+    moved = max(float((cpu["after"][k] - cpu["before"][k]).abs().max()) for k in cpu["after"])
+    got = {
+        "log_prob_max_abs": lp,
+        "loss_rel": abs(loss_c - loss_d) / max(abs(loss_c), 1e-12),
+        "grad_norm_rel": abs(gn_c - gn_d) / max(abs(gn_c), 1e-12),
+        "weights_max_abs_over_lr": w / cfg.optim.lr,
+    }
+    prompts = [f"U:What is {i}+{3 * i + 7}?\nA:" for i in range(10, 26)]
+    roll_c, roll_d = greedy_rollout(torch.device("cpu"), tok, prompts), greedy_rollout(device, tok, prompts)
+    same = [a.response_ids == b.response_ids for a, b in zip(roll_c, roll_d, strict=True)]
+    roll_gap = max(
+        (
+            abs(x - y)
+            for a, b, s in zip(roll_c, roll_d, same, strict=True)
+            if s
+            for x, y in zip(a.log_probs, b.log_probs, strict=True)
+        ),
+        default=None,
+    )
+    out = {
+        "fp32": {k: float(f"{v:.3g}") for k, v in got.items()},
+        "tolerance": TOLERANCE,
+        "passed": all(got[k] <= TOLERANCE[k] for k in TOLERANCE),
+        "weights_moved_max_abs": moved,
+        "rollout_greedy_same_share": sum(same) / len(same),
+        "rollout_log_prob_max_abs": roll_gap,
+    }
+    if bf16:
+        low = tiny_update(device, torch.bfloat16, batch, cfg, tok)
+        gaps = [
+            abs(a - b)
+            for r, s in zip(dev["log_probs"], low["log_probs"], strict=True)
+            for a, b in zip(r, s, strict=True)
+        ]
+        out["bf16"] = {
+            "log_prob_gap_max": max(gaps),
+            "log_prob_gap_mean": statistics.fmean(gaps),
+            "update_loss_finite": math.isfinite(low["metrics"]["actor/pg_loss"]),
+            "grad_norm": low["metrics"]["actor/grad_norm"],
+        }
+    else:
+        check.skip("correctness.bf16", f"{device} has no bf16")
+    return out
+
+
+# -- speed --------------------------------------------------------------------------------------------------------
+
+
+def id_tokenizer(vocab: int):
+    """A word-level tokenizer over ``vocab`` ids (no model hub here, and a random-init model needs none of its
+    text): ids 0-3 are pad, bos, eos, unk."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = {
+        w: i for i, w in enumerate(["<pad>", "<bos>", "<eos>", "<unk>"] + [f"w{i}" for i in range(4, vocab)])
+    }
+    tok = Tokenizer(models.WordLevel(vocab=words, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        bos_token="<bos>",
+        eos_token="<eos>",
+        unk_token="<unk>",
+        padding_side="left",
+    )
+
+
+def qwen2(shape: Shape, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
+        tie_word_embeddings=shape.tied, max_position_embeddings=4096, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    with torch.device(device):  # initialised where it runs: a 7B-sized init on the CPU would take minutes
+        return Qwen2ForCausalLM(config).to(dtype)
+
+
+def rollout_speed(
+    device: torch.device, model, tok, shape: Shape, batch: int, prompt_len: int, new: int, dtype_bytes: int
+) -> dict:
+    from transformers import GenerationConfig
+
+    g = torch.Generator().manual_seed(batch)
+    encoded = torch.randint(4, shape.vocab, (batch, prompt_len), generator=g).tolist()
+    params = SamplingParams(temperature=1.0, max_new_tokens=new, seed=0)
+    engine = HFRolloutEngine(model, tok, batch_size=batch)
+    counts = {}
+
+    def run_engine() -> None:
+        counts["engine"] = sum(len(c.response_ids) for c in engine.generate_ids(encoded, params))
+
+    ids = torch.tensor(encoded, device=device)
+    raw_cfg = GenerationConfig(
+        do_sample=True,
+        temperature=1.0,
+        top_p=None,
+        top_k=None,
+        max_new_tokens=new,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+
+    def run_raw() -> None:
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=raw_cfg
+            )
+        counts["raw"] = int((out[:, prompt_len:] != 0).sum())
+
+    result = {"batch": batch, "prompt_len": prompt_len, "new_tokens": new}
+    for name, fn in (("raw", run_raw), ("engine", run_engine)):
+        free_memory()
+        peak_reset(device)
+        sec = timed(
+            device, fn, 1, warm_up=False
+        )  # one 512-token generation is ~1,000 launches per layer already
+        result[f"{name}_tokens_per_s"] = round(counts[name] / sec, 1)
+        result[f"{name}_peak_gib"] = (
+            None if peak_bytes(device) is None else round(peak_bytes(device) / 2**30, 2)
+        )
+    result["engine_over_raw"] = round(result["engine_tokens_per_s"] / result["raw_tokens_per_s"], 3)
+    result["predicted_peak_gib"] = round(
+        generate_peak_bytes(shape, dtype_bytes, batch, prompt_len, new) / 2**30, 2
+    )
+    return result
+
+
+def update_batch(shape: Shape, n: int, prompt_len: int, response_len: int) -> dict:
+    g = torch.Generator().manual_seed(n)
+    batch = {k: [] for k in ("prompt_ids", "response_ids", "response_mask", "old_log_probs", "advantages")}
+    for _ in range(n):
+        batch["prompt_ids"].append(torch.randint(4, shape.vocab, (prompt_len,), generator=g).tolist())
+        batch["response_ids"].append(torch.randint(4, shape.vocab, (response_len,), generator=g).tolist())
+        batch["response_mask"].append([1] * response_len)
+        batch["old_log_probs"].append([-12.0] * response_len)  # ~ log(1 / vocab): a random-init model's
+        batch["advantages"].append([float(torch.randn(1, generator=g))] * response_len)
+    return batch
+
+
+def update_speed(
+    device: torch.device,
+    model,
+    shape: Shape,
+    batch: dict,
+    cfg: ActorConfig,
+    tflops: float,
+    dtype_bytes: int,
+    repeats: int,
+) -> dict:
+    prompt_len, response_len = len(batch["prompt_ids"][0]), len(batch["response_ids"][0])
+    tokens = len(batch["prompt_ids"]) * (prompt_len + response_len) * cfg.ppo_epochs
+    result: dict = {
+        "samples": len(batch["prompt_ids"]),
+        "micro_batch": cfg.micro_batch_size,
+        "seq_len": prompt_len + response_len,
+    }
+    # one optimizer at a time on the device (the raw loop's AdamW state would count in the engine's peak)
+    for name, make in (
+        ("raw", lambda: raw_update(model, cfg, 0)),
+        ("engine", lambda: TorchActor(model, cfg, 0, 1000).update),
+    ):
+        free_memory()
+        peak_reset(device)
+        fn = make()
+        sec = timed(device, lambda fn=fn: fn(batch, 1.0, 0), repeats)
+        del fn
+        result[f"{name}_tokens_per_s"] = round(tokens / sec, 1)
+        result[f"{name}_peak_gib"] = (
+            None if peak_bytes(device) is None else round(peak_bytes(device) / 2**30, 2)
+        )
+        flops = tokens * update_flops_per_token(shape, prompt_len + response_len) / sec
+        result[f"{name}_mfu"] = round(flops / (tflops * 1e12), 4) if tflops else None
+    result["engine_over_raw"] = round(result["engine_tokens_per_s"] / result["raw_tokens_per_s"], 3)
+    predicted = update_peak_bytes(
+        shape, dtype_bytes, cfg.micro_batch_size, prompt_len + response_len, response_len
+    )
+    result["predicted_peak_gib"] = round(predicted / 2**30, 2)
+    return result
+
+
+def speed(check: Check, device: torch.device, dtype: torch.dtype, tiny: bool) -> dict:
+    shape = TINY_SHAPE if tiny else SHAPES["qwen2-0.5b"]
+    dtype_bytes = torch.finfo(dtype).bits // 8
+    tflops = check.report["sections"].get("peak", {}).get("matmul_tflops")
+    model = qwen2(shape, device, dtype)
+    tok = id_tokenizer(shape.vocab)
+    out: dict = {"shape": shape.name, "params": shape.params(), "dtype": str(dtype).removeprefix("torch.")}
+    assert sum(p.numel() for p in model.parameters()) == shape.params(), (
+        "the paper model counts other parameters"
+    )
+    prompt_len, new = (8, 16) if tiny else (64, 512)
+    out["rollout"] = []
+    warm = SamplingParams(
+        temperature=1.0, max_new_tokens=8
+    )  # the kernels' first launches, outside the timings
+    HFRolloutEngine(model, tok, batch_size=8).generate_ids([[5] * prompt_len] * 8, warm)
+    for b in (4, 8) if tiny else (64, 256):
+        try:
+            out["rollout"].append(rollout_speed(device, model, tok, shape, b, prompt_len, new, dtype_bytes))
+        except torch.OutOfMemoryError as e:
+            check.skip(f"speed.rollout batch {b}", f"out of device memory: {str(e).splitlines()[0]}")
+        free_memory()
+    samples, micro = (8, 2) if tiny else (64, 8)
+    cfg = ActorConfig(ppo_mini_batch_size=samples, micro_batch_size=micro)
+    batch = update_batch(shape, samples, prompt_len, new)
+    out["update"] = update_speed(device, model, shape, batch, cfg, tflops, dtype_bytes, 2 if tiny else 3)
+    return out
+
+
+# -- largest ------------------------------------------------------------------------------------------------------
+
+
+def update_peak(device: torch.device, shape: Shape, dtype: torch.dtype, batch: dict, cfg: ActorConfig) -> int:
+    model = qwen2(shape, device, dtype)
+    actor = TorchActor(model, cfg, 0, 10)
+    free_memory()
+    peak_reset(device)
+    actor.update(batch, 1.0, 0)
+    sync(device)
+    used = peak_bytes(device)
+    del actor, model
+    free_memory()
+    return used
+
+
+def largest(check: Check, device: torch.device, dtype: torch.dtype) -> dict:
+    base = SHAPES["qwen2-0.5b"]
+    samples, micro = 8, 8
+    cfg = ActorConfig(ppo_mini_batch_size=samples, micro_batch_size=micro)
+    batch = update_batch(base, samples, 64, 512)
+    total = torch.cuda.get_device_properties(device).total_memory
+    a, b = 12, 24
+    pa, pb = (
+        update_peak(device, base.with_layers(a), dtype, batch, cfg),
+        update_peak(device, base.with_layers(b), dtype, batch, cfg),
+    )
+    per_layer = (pb - pa) / (b - a)
+    predicted = int((0.95 * total - (pa - per_layer * a)) / per_layer)
+    tried = int(predicted * 0.9)
+    out = {
+        "card_gib": round(total / 2**30, 1),
+        "micro_batch": micro,
+        "seq_len": 576,
+        "peak_gib": {a: round(pa / 2**30, 2), b: round(pb / 2**30, 2)},
+    }
+    out |= {
+        "per_layer_gib": round(per_layer / 2**30, 3),
+        "predicted_max_layers": predicted,
+        "tried_layers": tried,
+    }
+    try:
+        used = update_peak(device, base.with_layers(tried), dtype, batch, cfg)
+        out |= {
+            "tried_fits": True,
+            "tried_peak_gib": round(used / 2**30, 2),
+            "tried_params": base.with_layers(tried).params(),
+        }
+    except torch.OutOfMemoryError:
+        out["tried_fits"] = False
+    return out
+
+
+# -- main ---------------------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu")
+    ap.add_argument("--tiny", action="store_true", help="tiny shapes and batches: CI's smoke run on the CPU")
+    ap.add_argument("--out", default="gpu_check.json", help="the JSON report")
+    ap.add_argument(
+        "--budget-s", type=float, default=480.0, help="sections not started within this are skipped"
+    )
+    ap.add_argument(
+        "--commit", default=os.environ.get("RLSTAGE_COMMIT", "unknown"), help="the checkout's commit"
+    )
+    args = ap.parse_args(argv)
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as e:
+        print(f"gpu_check: unknown device {args.device!r} ({e}); use cuda, cuda:N or cpu", file=sys.stderr)
+        return 2
+    if device.type not in ("cuda", "cpu"):
+        print(
+            f"gpu_check: device {args.device!r} is not one this check knows; use cuda, cuda:N or cpu",
+            file=sys.stderr,
+        )
+        return 2
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print(
+            f"gpu_check: device {args.device!r} asked for, but torch sees no CUDA device here",
+            file=sys.stderr,
+        )
+        return 2
+    cuda = device.type == "cuda"
+    bf16 = torch.cuda.is_bf16_supported() if cuda else True
+    import transformers
+
+    meta = {
+        "commit": args.commit,
+        "date": time.strftime("%Y-%m-%d"),
+        "device": torch.cuda.get_device_name(device) if cuda else platform.processor() or platform.machine(),
+        "device_memory_gib": round(torch.cuda.get_device_properties(device).total_memory / 2**30, 1)
+        if cuda
+        else None,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "transformers": transformers.__version__,
+        "tiny": args.tiny,
+        "threads": torch.get_num_threads(),
+    }
+    check = Check(Path(args.out), args.budget_s, meta)
+    dtype = (
+        torch.bfloat16 if (cuda and bf16) else torch.float32
+    )  # bf16 products on a CPU measure nothing useful
+    if cuda and not bf16:
+        check.skip("bf16", f"{meta['device']} lacks bf16: speed runs in fp32")
+    check.section("peak", peak, device, dtype, args.tiny)
+    check.section("correctness", correctness, device, bf16)
+    check.section("speed", speed, device, dtype, args.tiny)
+    if cuda and not args.tiny:
+        check.section("largest", largest, device, dtype)
+    else:
+        check.skip("largest", "needs a CUDA device's memory statistics and a full-size run")
+    check.save()
+    print(
+        f"gpu_check: wrote {args.out} ({len(check.report['sections'])} sections, {len(check.report['skipped'])} skipped)"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
