@@ -455,6 +455,21 @@ def largest(check: Check, device: torch.device, dtype: torch.dtype) -> dict:
 # -- main ---------------------------------------------------------------------------------------------------------
 
 
+def device_refusal(name: str) -> str | None:
+    """Why this check cannot run on ``name``, or None."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        return f"unknown device {name!r}; use cuda, cuda:N or cpu"
+    if device.type not in ("cuda", "cpu"):
+        return f"device {name!r} is not one this check knows; use cuda, cuda:N or cpu"
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return f"device {name!r} asked for, but torch sees no CUDA device here"
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        return f"device {name!r} asked for, but torch sees {torch.cuda.device_count()} CUDA device(s)"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu")
@@ -467,23 +482,20 @@ def main(argv: list[str] | None = None) -> int:
         "--commit", default=os.environ.get("RLSTAGE_COMMIT", "unknown"), help="the checkout's commit"
     )
     args = ap.parse_args(argv)
-    try:
-        device = torch.device(args.device)
-    except RuntimeError as e:
-        print(f"gpu_check: unknown device {args.device!r} ({e}); use cuda, cuda:N or cpu", file=sys.stderr)
-        return 2
-    if device.type not in ("cuda", "cpu"):
-        print(
-            f"gpu_check: device {args.device!r} is not one this check knows; use cuda, cuda:N or cpu",
-            file=sys.stderr,
+    refusal = device_refusal(args.device)
+    if refusal:
+        print(f"gpu_check: {refusal}", file=sys.stderr)
+        Path(args.out).write_text(
+            json.dumps(
+                {
+                    "meta": {"commit": args.commit},
+                    "sections": {},
+                    "skipped": [{"what": "all", "why": refusal}],
+                }
+            )
         )
         return 2
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print(
-            f"gpu_check: device {args.device!r} asked for, but torch sees no CUDA device here",
-            file=sys.stderr,
-        )
-        return 2
+    device = torch.device(args.device)
     cuda = device.type == "cuda"
     bf16 = torch.cuda.is_bf16_supported() if cuda else True
     import transformers

@@ -10,8 +10,9 @@ What the engines hold, per trainer rank (P parameters, N ranks, AdamW):
   2 + 2 + 12 at ZeRO-0, 4 + 12/N at ZeRO-1, 2 + 14/N at ZeRO-2, 16/N at ZeRO-3.
 - Activations of one micro-batch, per layer and token: 34 x hidden bytes in a 16-bit dtype with a fused attention
   kernel (Korthikanti et al. 2022, without the 5·a·s/h term that SDPA's kernels do not store); the response's
-  logits are upcast to fp32 for the log-softmax (``engines/forward.response_log_probs``): per response token
-  V x (dtype + 3 x 4) bytes (logits, fp32 copy, log-softmax, entropy's probabilities).
+  logits go through five fp32 ``[tokens, V]`` tensors in ``engines/forward.response_log_probs`` (the upcast, the
+  division by the temperature, the log-softmax, and for the logged entropy its probabilities and their product):
+  per response token V x (dtype + 5 x 4) bytes. (Counting three of them under-predicted the H200's peak by 27 %.)
 - Generation (HF engine): the weights, the KV cache (2 x layers x kv_heads x head_dim x dtype bytes per token,
   prompt and response) and one step's fp32 logits and log-softmax (B x V x 12 bytes).
 Throughput: an update costs 6 x P_matmul + 6 x layers x hidden x S FLOPs per token (causal attention, forward
@@ -94,7 +95,7 @@ def state_bytes_per_param(engine: str, dtype_bytes: int, zero_stage: int = 0, ra
 def activation_bytes(shape: Shape, tokens: int, response_tokens: int, dtype_bytes: int) -> int:
     """One micro-batch's activations kept for the backward: the layers' and the response logits'."""
     layers = shape.layers * 34 * shape.hidden * tokens * dtype_bytes // 2
-    logits = response_tokens * shape.vocab * (dtype_bytes + 12)
+    logits = response_tokens * shape.vocab * (dtype_bytes + 20)
     return layers + logits
 
 

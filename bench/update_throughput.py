@@ -143,8 +143,7 @@ def processed_tokens(actor: TorchActor, batch: dict) -> tuple[int, int]:
     for m in range(0, n, actor.cfg.ppo_mini_batch_size):
         for mb in actor._micro_batches(batch, list(range(m, min(n, m + actor.cfg.ppo_mini_batch_size)))):
             total += micro_batch_cost(
-                [len(batch["prompt_ids"][i]) for i in mb.idx],
-                [len(batch["response_ids"][i]) for i in mb.idx],
+                [len(batch["prompt_ids"][i]) for i in mb.idx], [len(batch["response_ids"][i]) for i in mb.idx],
                 actor.cfg.packing,
             )
             micro += 1
@@ -234,12 +233,7 @@ def run_variant(
     if variant == "raw_torch":
         update = raw_update(model, cfg, tok.pad_token_id)
     elif variant in ("torch_actor", "torch_actor_shared"):
-        actor = TorchActor(
-            model,
-            cfg.model_copy(update={"share_prompts": variant.endswith("shared")}),
-            tok.pad_token_id,
-            1000,
-        )
+        actor = TorchActor(model, cfg.model_copy(update={"share_prompts": variant.endswith("shared")}), tok.pad_token_id, 1000)
         update = actor.update
     else:
         from rlstage.engines.actor_deepspeed import DeepSpeedActor
@@ -280,12 +274,8 @@ def main() -> None:
         "--repeats", type=int, default=None, help="timed updates per variant (default: per model)"
     )
     ap.add_argument("--batching", default=",".join(BATCHING), help="batching-section variants, or 'none'")
-    ap.add_argument(
-        "--max-len", type=int, default=128, help="longest sequence of the batching section's batch"
-    )
-    ap.add_argument(
-        "--per-prompt", type=int, default=1, help="samples per prompt in the timed batch (GRPO's group)"
-    )
+    ap.add_argument("--max-len", type=int, default=128, help="longest sequence of the batching section's batch")
+    ap.add_argument("--per-prompt", type=int, default=1, help="samples per prompt in the timed batch (GRPO's group)")
     args = ap.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # Adam's second moments of tiny gradients decay into denormal floats: without flushing them, the 20m

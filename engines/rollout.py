@@ -35,9 +35,7 @@ class Completion:
     response_ids: list[int]
     log_probs: list[float]
     text: str
-    finish_reason: (
-        str  # "stop" when a stop token (eos, the template's end of turn) was sampled, else "length"
-    )
+    finish_reason: str  # "stop" when a stop token (eos, the template's end of turn) was sampled, else "length"
 
 
 class HFRolloutEngine:
@@ -47,9 +45,7 @@ class HFRolloutEngine:
     keeps its stop token, so its mask ends there.
     """
 
-    def __init__(
-        self, model: torch.nn.Module, tokenizer, batch_size: int = 512, share_prompts: bool = False
-    ) -> None:
+    def __init__(self, model: torch.nn.Module, tokenizer, batch_size: int = 512, share_prompts: bool = False) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.batch_size = batch_size
@@ -82,26 +78,19 @@ class HFRolloutEngine:
         self.model.eval()
         out: list[Completion] = []
         if params.first_prompt * params.n % self.batch_size:
-            raise ValueError(
-                f"first_prompt {params.first_prompt} x n {params.n} is not at a batch boundary ({self.batch_size})"
-            )
+            raise ValueError(f"first_prompt {params.first_prompt} x n {params.n} is not at a batch boundary ({self.batch_size})")
         first_batch = params.first_prompt * params.n // self.batch_size
         for b, start in enumerate(range(0, len(jobs), self.batch_size), start=first_batch):
             chunk = jobs[start : start + self.batch_size]
             # Left padding with its attention mask: every prompt ends where generation starts.
             batch = tok.pad(
-                {"input_ids": [encoded[i] for i, _ in chunk]},
-                padding=True,
-                padding_side="left",
-                return_tensors="pt",
+                {"input_ids": [encoded[i] for i, _ in chunk]}, padding=True, padding_side="left", return_tensors="pt"
             ).to(model_device(self.model))
             # One seed per batch: the same config and model give the same samples on a rerun.
             torch.manual_seed(params.seed * 1_000_003 + b)
             shared = self._prefill_once(batch, [i for i, _ in chunk]) if self.share_prompts else {}
             step_logp = _step_log_probs(1.0 if greedy else params.temperature)
-            res = self.model.generate(
-                **batch, generation_config=gen_cfg, logits_processor=[step_logp], **shared
-            )
+            res = self.model.generate(**batch, generation_config=gen_cfg, logits_processor=[step_logp], **shared)
             P = batch["input_ids"].shape[1]
             seqs = res.sequences[:, P:]
             logp = step_logp.finish(seqs)
@@ -142,12 +131,8 @@ class HFRolloutEngine:
             return {}
         group = [place[i] for i in prompt_index]
         ids, mask = ids[rows], mask[rows]
-        positions = (mask.long().cumsum(-1) - 1).masked_fill_(
-            mask == 0, 1
-        )  # as generate numbers left-padded prompts
-        out = self.model(
-            input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1
-        )
+        positions = (mask.long().cumsum(-1) - 1).masked_fill_(mask == 0, 1)  # as generate numbers left-padded prompts
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
         cache = out.past_key_values
         cache.batch_select_indices(torch.as_tensor(group, device=ids.device))
         return {"past_key_values": cache}

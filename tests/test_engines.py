@@ -149,3 +149,50 @@ def test_prompt_batch_is_a_deterministic_epoch_permutation():
     assert prompt_batch(10, 1, 4, seed=1) != prompt_batch(10, 1, 4, seed=2)
     with pytest.raises(ValueError):
         prompt_batch(0, 1, 4, seed=0)
+
+
+ROLLOUT_PEAK = """
+import resource, sys, torch
+from transformers import LlamaConfig, LlamaForCausalLM
+sys.path.insert(0, "bench")
+from gpu_check import id_tokenizer
+from rlstage.engines.rollout import HFRolloutEngine, SamplingParams
+
+V = 16384
+tok = id_tokenizer(V)
+torch.manual_seed(0)
+cfg = LlamaConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
+engine = HFRolloutEngine(LlamaForCausalLM(cfg), tok, batch_size=16)
+prompts = [[5 + i, 6 + i, 7 + i] for i in range(16)]
+engine.generate_ids(prompts, SamplingParams(max_new_tokens=2))  # libraries' first allocations
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+out = engine.generate_ids(prompts, SamplingParams(max_new_tokens=128))
+assert all(len(c.log_probs) == len(c.response_ids) for c in out)
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
+"""
+
+
+def test_hf_rollout_memory_does_not_grow_with_response_length_times_vocabulary():
+    """Found by the GPU check's memory model: ``generate(output_logits=True)`` kept every step's fp32 logits,
+    B x T x V x 4 bytes (here 16 x 128 x 16,384: 128 MiB, and three times that once stacked and normalised; 40 GB
+    at Qwen2-0.5B's 64 x 512 tokens); the engine keeps one step's log-softmax (1 MiB here). Large blocks are
+    mapped and unmapped one by one (a fixed malloc threshold), so the peak RSS follows what is alive."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    env = {
+        **os.environ,
+        "MALLOC_MMAP_THRESHOLD_": "131072",
+    }  # glibc would otherwise keep freed blocks at random
+    out = subprocess.run(
+        [sys.executable, "-c", ROLLOUT_PEAK], cwd=root, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    grew_mib = int(out.stdout.split()[-1])
+    assert grew_mib < 64, (
+        f"peak RSS grew {grew_mib} MiB while generating 16 x 128 tokens over a 16k vocabulary"
+    )
