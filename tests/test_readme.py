@@ -1,4 +1,4 @@
-"""The README's commands, as written: each `rlstage` line parses with the CLI's own parser and its config
+"""The commands of the README and the docs pages, as written: each `rlstage` line parses with the CLI's own parser and its config
 and overrides validate; each `prefect deployment run` names a deployment of prefect.yaml and parameters
 its flow takes, with a config that loads; each `infra/stack.sh` and `scripts/` command exists. Running
 them is the fresh-clone check (the closing notes); this catches a README that drifted from the code."""
@@ -24,9 +24,10 @@ FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
 
 
 def _commands() -> list[list[str]]:
-    """Shell command lines of the README's bash blocks: continuations joined, comments and prompts dropped."""
+    """Shell command lines of the README's and the docs' bash blocks: continuations joined, comments dropped."""
     out = []
-    for lang, body in FENCE.findall((REPO / "README.md").read_text()):
+    pages = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+    for lang, body in FENCE.findall("".join(page.read_text() for page in pages)):
         if lang not in ("bash", "sh", ""):
             continue
         for line in body.replace("\\\n", " ").splitlines():

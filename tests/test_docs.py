@@ -1,0 +1,33 @@
+"""The documentation: a README that fits on a few screens, a site that builds without a warning, links that
+resolve, and a configuration reference that matches the config models."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+
+
+def test_the_readme_fits_on_a_few_screens():
+    assert len((REPO / "README.md").read_text().splitlines()) <= 250
+
+
+def test_the_site_builds_strict(tmp_path):
+    mkdocs = Path(sys.executable).with_name("mkdocs")
+    out = subprocess.run([str(mkdocs), "build", "--strict", "-q", "-d", str(tmp_path / "site")], cwd=REPO, capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert (tmp_path / "site" / "reference" / "config" / "index.html").is_file()
+
+
+def test_relative_links_of_the_readme_and_the_pages_resolve():
+    for page in [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]:
+        for target in LINK.findall(page.read_text()):
+            if "://" not in target:
+                assert (page.parent / target).exists(), f"{page.relative_to(REPO)} links to a missing {target}"
+
+
+def test_the_configuration_reference_is_the_config_models():
+    out = subprocess.run([sys.executable, "scripts/gen_docs.py", "--check"], cwd=REPO, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
