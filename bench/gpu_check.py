@@ -150,11 +150,13 @@ def peak(check: Check, device: torch.device, dtype: torch.dtype, tiny: bool) -> 
 # -- correctness --------------------------------------------------------------------------------------------------
 
 
-def tiny_update(device: torch.device, dtype: torch.dtype, batch: dict, cfg: ActorConfig, tok) -> dict:
+def tiny_update(
+    device: torch.device, dtype: torch.dtype, batch: dict, cfg: ActorConfig, tok, actor_cls=TorchActor
+) -> dict:
     torch.manual_seed(0)
     model = build_tiny_llama(KitConfig(), tok).to(device=device, dtype=dtype)
     before = {k: v.detach().float().cpu().clone() for k, v in model.state_dict().items()}
-    actor = TorchActor(model, cfg, tok.pad_token_id, 10)
+    actor = actor_cls(model, cfg, tok.pad_token_id, 10)
     logp = actor.compute_log_probs(batch["prompt_ids"], batch["response_ids"], 1.0)
     metrics = actor.update({**batch, "old_log_probs": logp}, 1.0, seed=0)
     after = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
@@ -399,6 +401,54 @@ def speed(check: Check, device: torch.device, dtype: torch.dtype, tiny: bool) ->
     return out
 
 
+# -- deepspeed ----------------------------------------------------------------------------------------------------
+
+
+def deepspeed(check: Check, device: torch.device, dtype: torch.dtype, tiny: bool) -> dict:
+    """ZeRO-2 against the torch engine on the same device: one tiny-kit fp32 update (the same weights to
+    rounding), then the speed and peak memory of both on the speed section's shape and batch (bf16 on a GPU)."""
+    from rlstage.engines.actor_deepspeed import DeepSpeedActor
+
+    tok = build_char_tokenizer()
+    batch = ragged_batch(tok, 32, seed=0)
+    cfg = ActorConfig(ppo_mini_batch_size=32, micro_batch_size=8)
+    zero2 = {"engine": "deepspeed", "zero_stage": 2}
+    ref = tiny_update(device, torch.float32, batch, cfg, tok)
+    ds = tiny_update(device, torch.float32, batch, cfg.model_copy(update=zero2), tok, DeepSpeedActor)
+    rm, dm = ref["metrics"], ds["metrics"]
+    w = max(float((ref["after"][k] - ds["after"][k]).abs().max()) for k in ref["after"])
+    out: dict = {
+        "tiny_fp32_vs_torch_engine": {
+            "loss_rel": abs(rm["actor/pg_loss"] - dm["actor/pg_loss"]) / abs(rm["actor/pg_loss"]),
+            "grad_norm_rel": abs(rm["actor/grad_norm"] - dm["actor/grad_norm"]) / rm["actor/grad_norm"],
+            "weights_max_abs_over_lr": w / cfg.optim.lr,
+        }
+    }
+    shape = TINY_SHAPE if tiny else SHAPES["qwen2-0.5b"]
+    dtype_bytes = torch.finfo(dtype).bits // 8
+    samples, micro = (8, 2) if tiny else (64, 8)
+    prompt_len, new = (8, 16) if tiny else (64, 512)
+    big = update_batch(shape, samples, prompt_len, new)
+    tokens = samples * (prompt_len + new)
+    for name, actor_cls, over in (("torch", TorchActor, {}), ("deepspeed_zero2", DeepSpeedActor, zero2)):
+        free_memory()
+        peak_reset(device)
+        c = ActorConfig(ppo_mini_batch_size=samples, micro_batch_size=micro, **over)
+        actor = actor_cls(qwen2(shape, device, dtype), c, 0, 1000)
+        sec = timed(device, lambda actor=actor: actor.update(big, 1.0, 0), 2 if tiny else 3)
+        used = peak_bytes(device)
+        engine, stage = ("deepspeed", 2) if over else ("torch", 0)
+        predicted = update_peak_bytes(shape, dtype_bytes, micro, prompt_len + new, new, engine, stage)
+        out[name] = {
+            "tokens_per_s": round(tokens / sec, 1),
+            "peak_gib": None if used is None else round(used / 2**30, 2),
+            "predicted_peak_gib": round(predicted / 2**30, 2),
+        }
+        del actor
+    out["zero2_over_torch"] = round(out["deepspeed_zero2"]["tokens_per_s"] / out["torch"]["tokens_per_s"], 3)
+    return out
+
+
 # -- largest ------------------------------------------------------------------------------------------------------
 
 
@@ -481,6 +531,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--commit", default=os.environ.get("RLSTAGE_COMMIT", "unknown"), help="the checkout's commit"
     )
+    ap.add_argument("--only", default="", help="comma-separated sections to run (default: all)")
     args = ap.parse_args(argv)
     refusal = device_refusal(args.device)
     if refusal:
@@ -519,12 +570,18 @@ def main(argv: list[str] | None = None) -> int:
     )  # bf16 products on a CPU measure nothing useful
     if cuda and not bf16:
         check.skip("bf16", f"{meta['device']} lacks bf16: speed runs in fp32")
-    check.section("peak", peak, device, dtype, args.tiny)
-    check.section("correctness", correctness, device, bf16)
-    check.section("speed", speed, device, dtype, args.tiny)
-    if cuda and not args.tiny:
+    wanted = set(filter(None, args.only.split(","))) or {"peak", "correctness", "speed", "deepspeed", "largest"}
+    for name, fn, *rest in (
+        ("peak", peak, device, dtype, args.tiny),
+        ("correctness", correctness, device, bf16),
+        ("speed", speed, device, dtype, args.tiny),
+        ("deepspeed", deepspeed, device, dtype, args.tiny),
+    ):
+        if name in wanted:
+            check.section(name, fn, *rest)
+    if cuda and not args.tiny and "largest" in wanted:
         check.section("largest", largest, device, dtype)
-    else:
+    elif "largest" in wanted:
         check.skip("largest", "needs a CUDA device's memory statistics and a full-size run")
     check.save()
     print(

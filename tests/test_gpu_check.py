@@ -30,7 +30,7 @@ def check(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict
 def test_cpu_smoke_runs_every_section_it_can(tmp_path):
     proc, report = check(tmp_path, "--device", "cpu", "--tiny")
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert set(report["sections"]) == {"peak", "correctness", "speed"}
+    assert set(report["sections"]) == {"peak", "correctness", "speed", "deepspeed"}
     assert [s["what"] for s in report["skipped"]] == ["largest"]  # needs CUDA's memory statistics
     corr = report["sections"]["correctness"]
     assert corr["passed"] and corr["weights_moved_max_abs"] > 0
@@ -40,6 +40,9 @@ def test_cpu_smoke_runs_every_section_it_can(tmp_path):
     assert [r["batch"] for r in speed["rollout"]] == [4, 8]
     for row in [*speed["rollout"], speed["update"]]:
         assert row["engine_tokens_per_s"] > 0 and row["raw_tokens_per_s"] > 0 and row["engine_over_raw"] > 0
+    ds = report["sections"]["deepspeed"]  # ZeRO-2 takes the torch engine's step
+    assert ds["tiny_fp32_vs_torch_engine"]["weights_max_abs_over_lr"] < 0.05
+    assert ds["torch"]["tokens_per_s"] > 0 and ds["deepspeed_zero2"]["tokens_per_s"] > 0
     assert report["meta"]["torch"] == torch.__version__
 
 
