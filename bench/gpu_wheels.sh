@@ -8,6 +8,11 @@ for spec in pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0 typing
   "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl "$spec"
 done
-du -ch .whl/*.whl | tail -1
-# There: python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && PYTHONPATH=/tmp/site \
+# DeepSpeed (the deepspeed section): the installed pure-Python package and hjson, without bytecode (11 MB);
+# there: PYTHONPATH=/tmp/site:$PWD/.whl/py
+SP=$("$PY" -c 'import deepspeed, os; print(os.path.dirname(os.path.dirname(deepspeed.__file__)))')
+rm -rf .whl/py && mkdir -p .whl/py && cp -r "$SP/deepspeed" "$SP/hjson" .whl/py/
+find .whl/py -name __pycache__ -type d -prune -exec rm -rf {} +
+du -sh .whl
+# There: python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && PYTHONPATH=/tmp/site:$PWD/.whl/py \
 #   python3 bench/gpu_check.py --device cuda --out "$OUT/gpu_check.json"
