@@ -10,7 +10,7 @@ for spec in pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0 typing
 done
 # DeepSpeed (the deepspeed section): the installed pure-Python package and hjson, without bytecode (11 MB);
 # there: PYTHONPATH=/tmp/site:$PWD/.whl/py
-SP=$("$PY" -c 'import deepspeed, os; print(os.path.dirname(os.path.dirname(deepspeed.__file__)))')
+SP=$("$PY" -c 'import importlib.util, os; print(os.path.dirname(os.path.dirname(importlib.util.find_spec("deepspeed").origin)))')
 rm -rf .whl/py && mkdir -p .whl/py && cp -r "$SP/deepspeed" "$SP/hjson" .whl/py/
 find .whl/py -name __pycache__ -type d -prune -exec rm -rf {} +
 du -sh .whl
