@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import signal
+import subprocess
 import sys
 import time
 import traceback
@@ -312,12 +313,38 @@ class _SubParser(_Parser):
 
 
 def _version() -> str:
+    """The installed version, and the commit when this is a git checkout (an editable install, a clone)."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:
-        return version("rlstage")
+        text = version("rlstage")
     except PackageNotFoundError:  # run from a source tree that was not installed
-        return "(not installed)"
+        text = "(not installed)"
+    root = Path(__file__).resolve().parent.parent
+    if (root / ".git").exists():
+        got = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+        if got.returncode == 0:
+            text += f" (commit {got.stdout.strip()})"
+    return text
+
+
+class _Version(argparse.Action):
+    """``--version``, found only when asked (a checkout's commit costs a git call)."""
+
+    def __init__(self, option_strings, dest, **kw) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kw)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        print(f"rlstage {_version()}")
+        parser.exit()
+
+
+# Where each subcommand is explained (docs/ of the repository; `mkdocs serve` shows them as a site).
+DOCS = {
+    "demo": "usage.md", "train": "usage.md", "nightly": "usage.md", "replay": "usage.md", "eval": "usage.md",
+    "export": "usage.md", "data-prep": "usage.md", "reward-model": "algorithms.md", "compare": "inspecting.md",
+    "inspect": "inspecting.md", "ui": "usage.md",
+}  # fmt: skip
 
 
 class Stopped(KeyboardInterrupt):
@@ -384,11 +411,16 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
 def build_parser() -> _Parser:
     """The command line: every subcommand, its arguments, choices and defaults."""
-    parser = _Parser(prog="rlstage", description="RL post-training as Prefect stages on Ray")
+    parser = _Parser(
+        prog="rlstage",
+        description="RL post-training as Prefect stages on Ray",
+        epilog="Documentation: docs/ in the repository (docs/index.md; `mkdocs serve` shows it as a site); "
+        "every config setting: docs/reference/config.md.",
+    )
     parser.add_argument(
         "-v", "--verbose", action="store_true", help="print each stage as it ends, and tracebacks (also RLSTAGE_DEBUG=1)"
     )
-    parser.add_argument("--version", action="version", version=f"rlstage {_version()}")
+    parser.add_argument("--version", action=_Version, help="print the version (and the commit of a checkout)")
     # Every subcommand's help shows its defaults.
     sub = parser.add_subparsers(dest="cmd", required=True, parser_class=_SubParser)
     for name, fn, helptext in (
@@ -457,6 +489,8 @@ def build_parser() -> _Parser:
     p.add_argument("--mlflow-port", type=int, default=5000, help="MLflow UI port (another free one if taken)")
     p.set_defaults(fn=cmd_ui)
 
+    for name, p in sub.choices.items():
+        p.epilog = f"More: docs/{DOCS[name]}; every config setting: docs/reference/config.md."
     for p in sub.choices.values():  # "rlstage train --verbose" works as well as "rlstage --verbose train"
         p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     return parser

@@ -10,7 +10,7 @@ from prefect import flow
 
 from rlstage.engines.preflight import preflight
 from rlstage.flows.checks import check_inputs, check_run_config, record_run_config
-from rlstage.flows.training import resolve_config
+from rlstage.flows.training import name_flow_run, resolve_config
 from rlstage.infra.env import apply_defaults
 from rlstage.infra.lease import run_lease
 from rlstage.schemas.config import RunConfig
@@ -25,6 +25,7 @@ def prepare_data(
     """Commit the prompts of ``config``'s run: synthetic task, GSM8K jsonl or verl-format parquet."""
     apply_defaults()
     cfg = resolve_config(config, config_path, overrides)
+    name_flow_run(f"{cfg.run_name} data prep")
     check_inputs(cfg)
     preflight(cfg)
     store = store_for(cfg)

@@ -13,6 +13,7 @@ from prefect import flow
 from rlstage.engines.preflight import preflight
 from rlstage.flows.checks import check_eval, stored_config_with
 from rlstage.flows.replay import stage_inputs
+from rlstage.flows.training import name_flow_run
 from rlstage.infra.ray_runtime import ensure_ray
 from rlstage.infra.story import publish_eval
 from rlstage.schemas.config import RunConfig
@@ -34,6 +35,7 @@ def evaluate_run(
     store, cfg = stored_config_with(store_root, run_name, overrides, "an evaluation")
     preflight(cfg)
     iteration = check_eval(store, run_name, iteration)
+    name_flow_run(f"{run_name} eval of iteration {iteration}")
     prompts, policy = stage_inputs(cfg, store, "eval", iteration)  # the policy after update k
     version = eval_version(cfg)
     ensure_ray(cfg)

@@ -14,7 +14,7 @@ from prefect import flow
 
 from rlstage.engines.preflight import preflight
 from rlstage.flows.checks import check_replay, need, stored_config_with
-from rlstage.flows.training import Models, models_before
+from rlstage.flows.training import Models, models_before, name_flow_run
 from rlstage.infra.ray_runtime import ensure_ray
 from rlstage.infra.store import ArtifactStore
 from rlstage.infra.story import publish_replay, published
@@ -80,6 +80,7 @@ def replay(
     overrides = list(overrides or [])
     store, cfg = stored_config_with(store_root, run_name, overrides, "a replay")
     check_replay(store, run_name, iteration, stage)
+    name_flow_run(f"{run_name} replay of {stage}, iteration {iteration}")
     preflight(cfg)
     original = need(store, run_name, iteration, stage)
     version = replay_version(overrides)

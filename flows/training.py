@@ -127,8 +127,8 @@ def _detail(line: str) -> None:
         TERMINAL.line(line)
 
 
-def _name_flow_run(name: str) -> None:
-    """Prefect names flow runs at random; a training flow run is named after its run and iterations."""
+def name_flow_run(name: str) -> None:
+    """Prefect names flow runs at random (`tiny-kagu`); ours say what they are: the run and what it does."""
     ctx = FlowRunContext.get()
     if ctx is not None:
         with get_client(sync_client=True) as client:
@@ -403,7 +403,7 @@ def run_training(cfg: RunConfig, first: int = 1, last: int | None = None) -> dic
     ensure_ray(cfg)
     check_placement(cfg)
     STOPPING.clear()  # a run stopped earlier in this process (by a signal) left it set
-    _name_flow_run(f"{cfg.run_name} iterations {first}-{last}" if last > first else f"{cfg.run_name} iteration {last}")
+    name_flow_run(f"{cfg.run_name} iterations {first}-{last}" if last > first else f"{cfg.run_name} iteration {last}")
     _emit(f"rlstage: run {cfg.run_name!r}, iterations {first}..{last}, artifacts under {store.root}/{cfg.run_name}")
     flow_run_id = _flow_run_id()
     label = f"flow run {flow_run_id or os.getpid()}"

@@ -16,7 +16,23 @@ def _out(capsys, argv: list[str]) -> str:
 
 
 def test_version(capsys):
-    assert _out(capsys, ["--version"]).startswith("rlstage ")
+    import subprocess
+    from importlib.metadata import version
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    assert _out(capsys, ["--version"]).strip() == f"rlstage {version('rlstage')} (commit {commit})"
+
+
+def test_every_help_names_its_docs_page(capsys):
+    from pathlib import Path
+
+    from rlstage.flows.cli import DOCS
+
+    docs = Path(__file__).resolve().parent.parent / "docs"
+    assert "docs/reference/config.md" in " ".join(_out(capsys, ["--help"]).split())
+    for name, page in DOCS.items():
+        assert (docs / page).is_file(), page
+        assert f"More: docs/{page}" in " ".join(_out(capsys, [name, "--help"]).split())
 
 
 def test_help_lists_choices_and_defaults(capsys):

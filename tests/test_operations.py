@@ -15,6 +15,16 @@ TINY = tiny_overrides() + moving_overrides()  # replays of runs whose weights mo
 pytestmark = pytest.mark.slow
 
 
+def flow_run_names(prefix: str) -> set[str]:
+    """Names of the flow runs starting with ``prefix`` in the session's Prefect API."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(like_=f"{prefix}%")))
+    return {r.name for r in runs}
+
+
 @pytest.fixture(scope="module")
 def ops_run(prefect_api, tmp_path_factory):
     from rlstage.flows.training import train
@@ -122,6 +132,7 @@ def test_replay_with_changed_settings_writes_a_sibling_version(ops_run):
     # the same result again (the same replay, answered from its committed version) is recorded once
     again = log_result(cfg, "again", f"replay/1/update/{summary['version']}", {"x": 1.0}, 1, {}, {})
     assert again == nested.info.run_id and "x" not in client.get_run(again).data.metrics
+    assert "ops replay of update, iteration 1" in flow_run_names("ops replay")  # not `tiny-kagu`
 
 
 def test_replay_of_missing_stage_or_iteration_is_a_clear_error(ops_run):
@@ -195,6 +206,7 @@ def test_eval_flow_scores_a_stored_policy_into_a_sibling_version(ops_run):
     assert [(m.step, m.value) for m in history] == [(1, again["metrics"]["val/accuracy"])]
     with pytest.raises(ConfigError, match="iteration: run 'ops' has policies for 0.."):
         evaluate_run(run_name="ops", iteration=99, store_root=root)
+    assert {"ops eval of iteration 1", "ops eval of iteration 0"} <= flow_run_names("ops eval")
     with pytest.raises(ConfigError, match="store.root: an evaluation cannot change it"):
         evaluate_run(run_name="ops", store_root=root, overrides=["store.root=/elsewhere"])
 
@@ -207,6 +219,7 @@ def test_data_prep_flow_commits_prompts_that_training_reuses(prefect_api, tmp_pa
     first = prepare_data(overrides=overrides)
     assert first["executed"] and first["train_rows"] > 0 and first["test_rows"] > 0
     assert not prepare_data(overrides=overrides)["executed"]  # committed once
+    assert "prep data prep" in flow_run_names("prep data")
     m = ArtifactStore(str(tmp_path)).manifest("prep", None, "data_prep")
     assert m is not None and ArtifactStore(str(tmp_path)).read_table(m, "train.parquet").num_rows == first["train_rows"]
     with pytest.raises(ConfigError, match="exists with another config"):
