@@ -192,6 +192,11 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
 
 
+def is_correct(score: float) -> bool:
+    """Whether a rule score counts as a correct answer: above 0.5, so a format credit (GSM8K's 0.1) is not one."""
+    return score > 0.5
+
+
 def pass_at_k_metrics(
     data_sources: Sequence[str], uids: Sequence[Hashable], correct: Sequence[bool], var: str = "reward"
 ) -> dict[str, float]:

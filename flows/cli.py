@@ -267,9 +267,12 @@ def cmd_ui(args) -> int:
 
 def _summary(result: dict) -> None:
     hist = [h for h in result["history"] if "val/accuracy" in h]
-    print("\nheld-out accuracy (greedy, exact match):")
+    # a partial-credit reward (a format score) makes the mean reward another number than the share correct
+    partial = any(abs(h.get("val/reward_mean", h["val/accuracy"]) - h["val/accuracy"]) > 1e-9 for h in hist)
+    print("\nheld-out accuracy (greedy answers scored correct)" + (", and their mean reward:" if partial else ":"))
     for h in hist:
-        print(f"  iteration {h['iteration']:>3}: {h['val/accuracy']:.3f}")
+        reward = f"   mean reward {h['val/reward_mean']:.3f}" if partial else ""
+        print(f"  iteration {h['iteration']:>3}: {h['val/accuracy']:.3f}{reward}")
     if len(hist) >= 2:
         gain = hist[-1]["val/accuracy"] - hist[0]["val/accuracy"]
         print(f"learning: {hist[0]['val/accuracy']:.3f} -> {hist[-1]['val/accuracy']:.3f} ({gain * 100:+.1f} points)")

@@ -24,6 +24,7 @@ from rlstage.infra.tracking import RUN_NAME_TAG, metric_name
 KEY_METRICS: dict[str, str | None] = {
     "critic/score/mean": "max",
     "val/accuracy": "max",
+    "val/reward_mean": "max",
     "actor/ppo_kl": "min_abs",
     "actor/kl_loss": "min_abs",
     "actor/entropy": None,
@@ -35,6 +36,7 @@ TIMING = "timing_s/iteration"
 SHORT = {
     "critic/score/mean": "score",
     "val/accuracy": "val_acc",
+    "val/reward_mean": "val_reward",
     "actor/ppo_kl": "ppo_kl",
     "actor/kl_loss": "kl_loss",
     "actor/entropy": "entropy",

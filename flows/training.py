@@ -489,12 +489,14 @@ def _run_iterations(cfg: RunConfig, store: ArtifactStore, first: int, last: int,
                 books.submit(partial(_track_iteration, cfg, store, tracker, outcome, metrics, pruned, it == last, it in logged))
                 executed.extend(f"iter-{it}/{s}" for s in outcome.executed)
                 TERMINAL.status(None)
-                acc = metrics.get("val/accuracy")
+                acc, val_reward = metrics.get("val/accuracy"), metrics.get("val/reward_mean")
                 score = metrics.get("critic/score/mean")
+                credit = acc is not None and val_reward is not None and abs(val_reward - acc) > 1e-9
                 _emit(
                     f"iteration {it:>3}: "
                     + (f"train reward {score:.3f} | " if score is not None else "")
                     + (f"held-out accuracy {acc:.3f} | " if acc is not None else "")
+                    + (f"held-out mean reward {val_reward:.3f} | " if credit else "")
                     + f"{history[-1]['wall_s']:.1f}s, executed {len(outcome.executed)} stage(s)"
                 )
 

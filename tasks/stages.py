@@ -685,9 +685,11 @@ def evaluate(
                 )
             nested = eval_metrics.validation_metrics(sources[greedy_n:], uids, infos)
             metrics.update(eval_metrics.flatten_validation_metrics(nested))
-            correct = [s > 0.5 for s in scores[greedy_n:]]
+            correct = [eval_metrics.is_correct(s) for s in scores[greedy_n:]]
             metrics.update(eval_metrics.pass_at_k_metrics(sources[greedy_n:], uids, correct))
-        metrics["val/accuracy"] = float(np.mean(scores[:greedy_n]))
+        # the share of greedy answers scored correct; with a partial-credit rule the mean score differs
+        metrics["val/accuracy"] = float(np.mean([eval_metrics.is_correct(s) for s in scores[:greedy_n]]))
+        metrics["val/reward_mean"] = float(np.mean(scores[:greedy_n]))
         return StageOutput(tables={"eval.parquet": table}, metrics=metrics)
 
     inputs = {"prompts": prompts.artifact_id, "policy": policy.version}

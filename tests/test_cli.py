@@ -90,3 +90,18 @@ def test_the_flows_import_without_the_model_libraries():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr[-2000:]
+
+
+def test_the_learning_summary_says_what_it_measures(capsys):
+    from rlstage.flows.cli import _summary
+
+    exact = [{"iteration": 0, "val/accuracy": 0.5, "val/reward_mean": 0.5}, {"iteration": 2, "val/accuracy": 0.75, "val/reward_mean": 0.75}]
+    _summary({"history": exact, "store": "s", "run": "r", "mlflow": "m"})
+    out = capsys.readouterr().out
+    assert "held-out accuracy (greedy answers scored correct):" in out and "mean reward" not in out
+    assert "learning: 0.500 -> 0.750 (+25.0 points)" in out
+    # GSM8K's format credit: 3 of 16 answers earned 0.1, none was correct (the case a user met)
+    credit = [{"iteration": 0, "val/accuracy": 0.0, "val/reward_mean": 0.0}, {"iteration": 2, "val/accuracy": 0.0, "val/reward_mean": 0.019}]
+    _summary({"history": credit, "store": "s", "run": "r", "mlflow": "m"})
+    out = capsys.readouterr().out
+    assert "iteration   2: 0.000   mean reward 0.019" in out and "learning: 0.000 -> 0.000 (+0.0 points)" in out

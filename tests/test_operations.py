@@ -207,6 +207,16 @@ def test_eval_flow_scores_a_stored_policy_into_a_sibling_version(ops_run):
     with pytest.raises(ConfigError, match="iteration: run 'ops' has policies for 0.."):
         evaluate_run(run_name="ops", iteration=99, store_root=root)
     assert {"ops eval of iteration 1", "ops eval of iteration 0"} <= flow_run_names("ops eval")
+    # a partial-credit rule (a wrong number earns the 0.1 format score): accuracy is the share scored correct,
+    # the mean reward is reported beside it under its own name
+    credit = ["reward.function=gsm8k", "reward.gsm8k_method=flexible", "reward.format_score=0.1"]
+    partial = evaluate_run(run_name="ops", iteration=1, store_root=root, overrides=credit)
+    scores = store.read_table(store.manifest("ops", 1, "eval", version=partial["version"]), "eval.parquet")
+    greedy = [s for s, i in zip(scores["score"].to_pylist(), scores["sample_index"].to_pylist(), strict=True) if i == -1]
+    assert 0.1 in [round(s, 6) for s in greedy]  # some answers earned only the format credit
+    assert partial["metrics"]["val/accuracy"] == pytest.approx(sum(s > 0.5 for s in greedy) / len(greedy))
+    assert partial["metrics"]["val/reward_mean"] == pytest.approx(sum(greedy) / len(greedy))
+    assert partial["metrics"]["val/reward_mean"] > partial["metrics"]["val/accuracy"]
     with pytest.raises(ConfigError, match="store.root: an evaluation cannot change it"):
         evaluate_run(run_name="ops", store_root=root, overrides=["store.root=/elsewhere"])
 
