@@ -92,7 +92,7 @@ class _Section(BaseModel):
 
 class StoreConfig(_Section):
     root: str = "./rlstage-runs"  # local folder or any fsspec URL (s3://bucket/prefix)
-    storage_options: dict[str, Any] = Field(default_factory=dict)
+    storage_options: dict[str, Any] = Field(default_factory=dict)  # fsspec options of the store's filesystem (S3: endpoint_url, key, secret, ...)
     retries: int = Field(3, ge=0)  # transient store errors are retried with backoff
 
 
@@ -100,38 +100,38 @@ class KitConfig(_Section):
     """The tiny local model kit: a synthetic verifiable task, a char tokenizer, a tiny Llama."""
 
     task: Literal["addition", "multiply"] = "addition"  # multiply: a tool-calling task (see agent)
-    digits: int = Field(2, ge=1, le=6)
-    train_size: int = Field(9500, ge=1)
-    test_size: int = Field(500, ge=1)
-    seed: int = 1234
-    hidden_size: int = Field(128, ge=8)
-    num_layers: int = Field(4, ge=1)
-    num_heads: int = Field(4, ge=1)
-    intermediate_size: int = Field(256, ge=8)
+    digits: int = Field(2, ge=1, le=6)  # digits of each operand of the synthetic task
+    train_size: int = Field(9500, ge=1)  # synthetic training prompts
+    test_size: int = Field(500, ge=1)  # synthetic held-out prompts, never trained on
+    seed: int = 1234  # seed of the task's numbers and of the tiny model's initial weights
+    hidden_size: int = Field(128, ge=8)  # the tiny Llama's width
+    num_layers: int = Field(4, ge=1)  # its decoder layers
+    num_heads: int = Field(4, ge=1)  # its attention heads
+    intermediate_size: int = Field(256, ge=8)  # its MLP width
 
 
 class SFTConfig(_Section):
     steps: int = Field(1000, ge=0)  # at most; training stops once target_accuracy is reached
-    batch_size: int = Field(128, ge=1)
-    lr: float = Field(1e-3, gt=0)
-    seed: int = 0
+    batch_size: int = Field(128, ge=1)  # samples per SFT step
+    lr: float = Field(1e-3, gt=0)  # SFT's AdamW learning rate
+    seed: int = 0  # seed of SFT's batches
     # A partial start (not a solved task) leaves RL something to learn: accuracy jumps steeply
     # during SFT of the tiny model, so it is checked every eval_every steps.
     target_accuracy: float | None = Field(0.3, gt=0, le=1)
-    eval_every: int = Field(10, ge=1)
-    eval_size: int = Field(200, ge=1)
+    eval_every: int = Field(10, ge=1)  # SFT steps between held-out checks
+    eval_size: int = Field(200, ge=1)  # held-out prompts per SFT check
 
 
 class ModelConfig(_Section):
     # A local Hugging Face model directory or a .gguf file (converted once at run start, infra/models.py);
     # None builds the tiny kit.
     path: str | None = None
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    torch_threads: int = Field(1, ge=1)
+    dtype: Literal["float32", "bfloat16"] = "float32"  # weights' dtype in training and rollout (bfloat16 on GPUs; float32 on CPU)
+    torch_threads: int = Field(1, ge=1)  # torch threads per engine process (set per worker when several share a machine)
     # LoRA (verl's actor_rollout_ref.model keys, engines/lora.py): the actor trains only low-rank adapters on
     # the frozen base; 0 trains every weight. Whether the model has the target modules is checked by preflight.
     lora_rank: int = Field(0, ge=0)
-    lora_alpha: float = Field(16, gt=0)
+    lora_alpha: float = Field(16, gt=0)  # LoRA's scaling numerator: adapters scale by lora_alpha / lora_rank
     # peft's target_modules: module names (or name suffixes), or "all-linear" (every linear layer but the head).
     target_modules: list[str] | str = "all-linear"
 
@@ -182,16 +182,16 @@ class DataConfig(_Section):
 
 class RolloutConfig(_Section):
     engine: Literal["hf", "vllm"] = "hf"
-    n: int = Field(8, ge=1)
-    temperature: float = Field(1.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
+    n: int = Field(8, ge=1)  # samples per prompt (GRPO's group size)
+    temperature: float = Field(1.0, ge=0)  # sampling temperature (0: greedy)
+    top_p: float = Field(1.0, gt=0, le=1)  # nucleus sampling's probability mass (1: off)
     top_k: int = Field(0, ge=0)  # 0 disables top-k
-    max_new_tokens: int = Field(8, ge=1)
+    max_new_tokens: int = Field(8, ge=1)  # the response length limit, in tokens
     batch_size: int = Field(512, ge=1)  # sequences per generate call
     # engine=hf: the n samples of a prompt share one prefill of it (its key/value cache indexed out to each), as
     # vLLM's prefix caching does; the prefill of a short answer's prompt is most of a generate call otherwise.
     share_prompts: bool = Field(False, json_schema_extra=HASHED_WHEN_SET)
-    seed: int = 0
+    seed: int = 0  # seed of sampling: the same config and policy sample the same responses
     # The advantage stage fails when mean |rollout log-prob - trainer's recompute| exceeds this
     # (a stale or wrong weight sync); fp32 engines agree to ~1e-6. None: only logged.
     max_logprob_gap: float | None = Field(0.05, gt=0)
@@ -200,9 +200,9 @@ class RolloutConfig(_Section):
     # (VLLM_CPU_OMP_THREADS_BIND: "auto" every core, none kept for the frontend; "0-1" those cores; None: vLLM's
     # default, which on a 2-core machine is one core).
     vllm_kv_cache_bytes: int = Field(1 << 30, ge=1 << 20)
-    vllm_enforce_eager: bool = True
-    vllm_max_num_seqs: int = Field(256, ge=1)
-    vllm_cpu_threads_bind: str | None = None
+    vllm_enforce_eager: bool = True  # engine=vllm: no CUDA graphs / compiled mode (on CPU it starts faster and runs no slower)
+    vllm_max_num_seqs: int = Field(256, ge=1)  # engine=vllm: sequences in flight at once
+    vllm_cpu_threads_bind: str | None = None  # engine=vllm on CPU: VLLM_CPU_OMP_THREADS_BIND (auto: every core; "0-1": those; None: vLLM's default)
     # vLLM's processes sleep on each other's messages instead of spinning for 1 s after each (engines/vllm_plugin.py):
     # on CPU a spinning engine core takes a core from the worker (SmolLM2 rollout 59 s -> 35 s with both cores
     # bound); a tiny model's millisecond steps pay a wake-up each instead. Off: vLLM's own waits.
@@ -214,9 +214,9 @@ class OverlongBufferConfig(_Section):
     """DAPO's soft overlong punishment (verl's reward ``overlong_buffer_cfg``): a response longer than
     ``max_response - len`` tokens loses ``penalty_factor * excess / len``, at most ``penalty_factor``."""
 
-    enable: bool = False
+    enable: bool = False  # apply the penalty
     len: int = Field(0, ge=0)  # the buffer before the length limit, in response tokens
-    penalty_factor: float = Field(1.0, ge=0)
+    penalty_factor: float = Field(1.0, ge=0)  # the largest penalty, at the length limit
 
 
 class RewardConfig(_Section):
@@ -227,7 +227,7 @@ class RewardConfig(_Section):
     gsm8k_method: Literal["strict", "flexible"] = "strict"  # verl's gsm8k extraction method
     # verl's gsm8k format_score: the reward of a parsable but wrong answer (0 in verl's default scorer)
     format_score: float = 0.0
-    timeout_s: float = Field(2.0, gt=0)
+    timeout_s: float = Field(2.0, gt=0)  # seconds one sample's scoring may take before it counts as failed
     # A scoring stage stops when at least this share of its samples failed (1.0: only when all did).
     stop_failure_share: float = Field(1.0, gt=0, le=1)
     overlong_buffer: OverlongBufferConfig = Field(default_factory=OverlongBufferConfig)
@@ -249,8 +249,8 @@ class RewardServerConfig(_Section):
     chat-completions endpoint (vLLM's, SGLang's, a hosted one), one request per sample, the first number
     of the reply divided by ``score_scale`` as the score."""
 
-    url: str | None = None
-    api: Literal["plain", "openai_chat"] = "plain"
+    url: str | None = None  # the scorer's base URL (None: no server; the model in reward_model.model scores)
+    api: Literal["plain", "openai_chat"] = "plain"  # plain: a batch scoring endpoint; openai_chat: a generative judge
     timeout_s: float = Field(10.0, gt=0)  # per request; a timed-out or failed request errors its samples only
     batch_size: int = Field(32, ge=1)  # plain: samples per request
     model: str | None = None  # openai_chat: the judge's model name (required)
@@ -273,19 +273,19 @@ class RewardServerConfig(_Section):
 class RewardModelConfig(_Section):
     """verl's ``reward_model`` section: a learned scorer beside the rule rewards."""
 
-    enable: bool = False
+    enable: bool = False  # score samples with a reward model beside (or instead of) the rule
     model: RewardModelPathConfig = Field(default_factory=RewardModelPathConfig)
     server: RewardServerConfig = Field(default_factory=RewardServerConfig)
     # How the RM score meets the rule reward: replace (RM only), add (rule + RM),
     # rule_first (the rule where the sample's data_source has one, the RM otherwise).
     combine: Literal["replace", "add", "rule_first"] = "replace"
-    micro_batch_size_per_gpu: int = Field(8, ge=1)
-    use_dynamic_bsz: bool = False
+    micro_batch_size_per_gpu: int = Field(8, ge=1)  # samples per RM forward
+    use_dynamic_bsz: bool = False  # RM forwards by token budget instead of sample count
     forward_max_token_len_per_gpu: int = Field(4096, ge=1)  # the token budget when use_dynamic_bsz
     # 0: the worker computes only while the reward stage's task (which holds a CPU) waits on it;
     # a reserved CPU would starve stage tasks on a small cluster (ray.worker_num_cpus holds the rest).
     num_cpus: float = Field(0.0, ge=0)
-    num_gpus: float = Field(0.0, ge=0)
+    num_gpus: float = Field(0.0, ge=0)  # GPUs reserved for the RM's worker
 
 
 class ToolConfig(_Section):
@@ -302,13 +302,13 @@ class ToolConfig(_Section):
 class AgentConfig(_Section):
     """Multi-turn tool-calling rollouts (README: "Multi-turn tool-calling rollouts")."""
 
-    enable: bool = False
-    tools: list[ToolConfig] = Field(default_factory=list)
+    enable: bool = False  # multi-turn tool-calling rollouts instead of single-turn sampling
+    tools: list[ToolConfig] = Field(default_factory=list)  # the tools the model may call (name, description, JSON-schema parameters, callable)
     max_turns: int = Field(4, ge=1)  # assistant turns per request
     max_tool_calls: int = Field(4, ge=0)  # tool calls run per request
     max_response_tokens: int = Field(256, ge=1)  # after the prompt: policy + tool + template tokens
     tool_timeout_s: float = Field(5.0, gt=0)  # per call
-    max_tool_output_chars: int = Field(2048, ge=1)
+    max_tool_output_chars: int = Field(2048, ge=1)  # a tool's output is cut to this many characters
     tool_workers: int = Field(8, ge=1)  # threads running sync tools
     max_concurrency: int = Field(1024, ge=1)  # requests in flight at once
     batch_window_ms: float = Field(50.0, ge=0)  # how long a batch waits for requests in tool calls
@@ -326,14 +326,14 @@ class AgentConfig(_Section):
 
 
 class OptimConfig(_Section):
-    lr: float = Field(1e-4, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.999)
-    warmup_steps: int = Field(0, ge=0)
-    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    lr: float = Field(1e-4, gt=0)  # AdamW's peak learning rate
+    weight_decay: float = Field(0.0, ge=0)  # AdamW's decoupled weight decay
+    betas: tuple[float, float] = (0.9, 0.999)  # AdamW's moment decay rates
+    warmup_steps: int = Field(0, ge=0)  # optimizer steps of linear warm-up from 0
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"  # after warm-up: constant, or cosine / linear decay to min_lr_ratio x lr over total_steps
     total_steps: int | None = Field(None, ge=1)  # for decaying schedules; None: derived from the run
-    min_lr_ratio: float = Field(0.0, ge=0, le=1)
-    grad_clip: float = Field(1.0, gt=0)
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)  # the decayed schedule's floor, as a share of lr
+    grad_clip: float = Field(1.0, gt=0)  # gradient-norm clipping threshold
     # torch's fused AdamW kernel (CPU and CUDA): a third of the tiny model's optimizer step; its results differ
     # from the default loop's in the last bit, so runs stored without it keep replaying bit for bit.
     fused: bool = Field(False, json_schema_extra=HASHED_WHEN_SET)
@@ -419,17 +419,17 @@ class ActorConfig(_Section):
 class CriticConfig(_Section):
     """The value model (for ``gae``): initialised from the starting policy with a fresh value head."""
 
-    enable: bool = False
+    enable: bool = False  # train a value model (needed by the gae estimator)
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-4))
-    cliprange_value: float = Field(0.5, gt=0)
-    ppo_mini_batch_size: int = Field(64, ge=1)
-    micro_batch_size: int = Field(64, ge=1)
+    cliprange_value: float = Field(0.5, gt=0)  # PPO's value clipping: a value moves at most this far from the old one
+    ppo_mini_batch_size: int = Field(64, ge=1)  # samples per critic optimizer step
+    micro_batch_size: int = Field(64, ge=1)  # samples per critic forward/backward
     micro_batch_tokens: int | None = Field(None, ge=1)  # as actor.micro_batch_tokens
     packing: bool = False  # as actor.packing
-    ppo_epochs: int = Field(1, ge=1)
-    loss_agg_mode: LossAggMode = "token-mean"
+    ppo_epochs: int = Field(1, ge=1)  # passes over each batch
+    loss_agg_mode: LossAggMode = "token-mean"  # how token losses reduce to one (as actor.loss_agg_mode)
     warmup_iterations: int = Field(0, ge=0)  # iterations that train only the critic
-    shuffle: bool = True
+    shuffle: bool = True  # shuffle samples between mini-batches
 
 
 class KLControlConfig(_Section):
@@ -463,13 +463,13 @@ class AlgorithmConfig(_Section):
 
 
 class TrainerConfig(_Section):
-    iterations: int = Field(10, ge=0)
-    eval_every: int = Field(1, ge=1)
+    iterations: int = Field(10, ge=0)  # iterations of the run (a nightly continuation adds more)
+    eval_every: int = Field(1, ge=1)  # iterations between held-out evaluations (the start policy and the last are always evaluated)
     eval_n: int = Field(0, ge=0)  # sampled answers per held-out prompt for mean@N (0: greedy only)
     # maj@N is reported where the reward function extracts answers (verl: where it returns a pred); true
     # refuses, at config load, a reward function that extracts none instead of leaving maj@N out
     eval_require_maj: bool = False
-    seed: int = 0
+    seed: int = 0  # the run's seed: each iteration's update shuffle and fresh heads derive from it (sft.seed is SFT's)
     # Policy weights + optimizer state are stored every k-th update; a policy in between is rebuilt
     # on demand (resume, replay, a restarted worker) by re-running its updates from stored experience.
     checkpoint_every: int = Field(1, ge=1)
@@ -477,7 +477,7 @@ class TrainerConfig(_Section):
     # their weights and optimizer state, plus every m-th iteration's (keep_checkpoint_every); a pruned policy is
     # rebuilt on demand from the nearest kept one, as between checkpoints. None keeps every checkpoint.
     max_actor_ckpt_to_keep: int | None = Field(None, ge=1)
-    keep_checkpoint_every: int | None = Field(None, ge=1)
+    keep_checkpoint_every: int | None = Field(None, ge=1)  # also keep every m-th iteration's checkpoint (with max_actor_ckpt_to_keep)
     # Pipelined iterations: the rollout of iteration k+1 runs while update k trains, with the policy that
     # iteration k started from, so a rollout lags the trained policy by this many versions (0: synchronous).
     # Needs ray.rollout_placement=separate; pair it with algorithm.rollout_correction (off-policy weights).
@@ -493,10 +493,10 @@ class StageResources(_Section):
 
 class RayConfig(_Section):
     address: str | None = None  # None starts a local Ray; "auto" or ray://host:port joins one
-    num_cpus: int | None = Field(None, ge=1)
-    object_store_memory_mb: int = Field(128, ge=75)
+    num_cpus: int | None = Field(None, ge=1)  # CPUs of a local Ray (None: the machine's)
+    object_store_memory_mb: int = Field(128, ge=75)  # a local Ray's object store (75 MiB at least)
     worker_num_cpus: float = Field(1, ge=0)  # each long-lived engine actor (rank)
-    worker_num_gpus: float = Field(0, ge=0)
+    worker_num_gpus: float = Field(0, ge=0)  # GPUs per trainer rank
     # Data-parallel trainer ranks (DeepSpeed over gloo on CPU, NCCL on GPU). Rank 0 also holds the rollout
     # engine, the reference and the critic; N > 1 trains with actor.engine=torch (an all-reduce per step) or
     # deepspeed (ZeRO 0-3; under ZeRO 1-3 each rank checkpoints its own optimizer partition).
@@ -505,20 +505,20 @@ class RayConfig(_Section):
     # new weights by a same-node file handoff or from the store, so generation can run while the trainer trains.
     rollout_placement: Literal["colocated", "separate"] = "colocated"
     rollout_num_cpus: float = Field(1, ge=0)  # each rollout actor's
-    rollout_num_gpus: float = Field(0, ge=0)
+    rollout_num_gpus: float = Field(0, ge=0)  # GPUs per rollout actor
     # Rollout actors placed apart, each with its own engine and copy of the weights; a generation's prompts are
     # split between them (data-parallel generation, as verl's rollout replicas).
     rollout_num_workers: int = Field(1, ge=1)
     # The reference and critic roles: on trainer rank 0 (colocated) or an actor of their own (separate), which
     # loads them from the store, serves their log-probs and values, and trains and commits the critic.
     ref_critic_placement: Literal["colocated", "separate"] = "colocated"
-    ref_critic_num_cpus: float = Field(1, ge=0)
-    ref_critic_num_gpus: float = Field(0, ge=0)
+    ref_critic_num_cpus: float = Field(1, ge=0)  # CPUs of the separate reference/critic actor
+    ref_critic_num_gpus: float = Field(0, ge=0)  # its GPUs
     # Custom Ray resources each role's actors require, e.g. {"node_a": 1}: puts roles on chosen nodes.
     trainer_resources: dict[str, float] = Field(default_factory=dict)
-    rollout_resources: dict[str, float] = Field(default_factory=dict)
-    ref_critic_resources: dict[str, float] = Field(default_factory=dict)
-    stages: dict[str, StageResources] = Field(default_factory=dict)
+    rollout_resources: dict[str, float] = Field(default_factory=dict)  # custom Ray resources the rollout actors require
+    ref_critic_resources: dict[str, float] = Field(default_factory=dict)  # those the reference/critic actor requires
+    stages: dict[str, StageResources] = Field(default_factory=dict)  # per stage (rollout, reward, ...): CPUs, GPUs, retries and retry delay of its Ray task
 
     @field_validator("stages")
     @classmethod
@@ -536,8 +536,8 @@ class RayConfig(_Section):
 
 class TrackingConfig(_Section):
     tracking_uri: str | None = None  # None: MLFLOW_TRACKING_URI, else <RLSTAGE_HOME>/mlflow/mlflow.db
-    experiment: str = "rlstage"
-    rollout_sample_rows: int = Field(16, ge=0)
+    experiment: str = "rlstage"  # the MLflow experiment runs are logged to
+    rollout_sample_rows: int = Field(16, ge=0)  # sampled responses per iteration logged to MLflow as a table (0: none)
 
 
 class DrillConfig(_Section):
@@ -558,7 +558,7 @@ class DrillConfig(_Section):
 
 
 class RunConfig(_Section):
-    run_name: str = "demo"
+    run_name: str = "demo"  # the run's name: its folder in the store, its MLflow run, its Prefect flow runs' names
     kit: KitConfig = Field(default_factory=KitConfig)
     sft: SFTConfig = Field(default_factory=SFTConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
