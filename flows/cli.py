@@ -59,17 +59,22 @@ def prefect_api():
         with _lost_if_down(url):
             yield url
         return
-    from rlstage.infra.prefect_server import start_prefect_server
+    from rlstage.infra.prefect_server import ServerKeeper, retry_refused_connections, start_prefect_server
 
     print(f"starting a local Prefect server on 127.0.0.1 (home {home.prefect_home()}) ...", file=sys.stderr, flush=True)
     server = start_prefect_server(home.prefect_home())
     os.environ["PREFECT_API_URL"] = server.url
+    # what this command started, it heals: a server that dies mid-run is started again on the same home and port
+    keeper = ServerKeeper(server, lambda line: print(f"rlstage: {line}", file=sys.stderr, flush=True))
+    keeper.start()
+    retry_refused_connections()
     try:
         with _lost_if_down(server.url):
             yield server.url
     finally:
         from prefect.logging.handlers import APILogHandler
 
+        keeper.stop()
         APILogHandler().flush()  # the run's logs reach the server before it stops
         server.stop()
 

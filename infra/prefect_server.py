@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Callable
@@ -54,6 +55,64 @@ class PrefectServer:
 
     def stop(self) -> None:
         stop_process_group(self.proc)
+
+
+class ServerKeeper(threading.Thread):
+    """Starts ``server`` again, on its home and port, when its process dies while the command runs: checked every
+    ``poll_s`` seconds, at most ``max_restarts`` times, each said in one line. The command's Prefect client
+    retries its calls meanwhile (PREFECT_CLIENT_MAX_RETRIES), so the flow run goes on where it was."""
+
+    def __init__(self, server: PrefectServer, say: Callable[[str], None], max_restarts: int = 3, poll_s: float = 2.0):
+        super().__init__(name="rlstage-prefect-keeper", daemon=True)
+        self.server, self.say, self.max_restarts, self.poll_s = server, say, max_restarts, poll_s
+        self.restarts = 0
+        self._stopping = threading.Event()
+
+    def run(self) -> None:
+        port = int(self.server.url.rsplit(":", 1)[1].split("/")[0])
+        while not self._stopping.wait(self.poll_s):
+            if self.server.proc.poll() is None:
+                continue
+            if self.restarts == self.max_restarts:
+                self.say(f"the Prefect server this command started stopped again; {self.max_restarts} restarts are spent")
+                return
+            self.restarts += 1
+            try:
+                proc = spawn_prefect_server(self.server.home, port)
+                wait_http(prefect_health(port), 90.0, proc)
+            except (OSError, RuntimeError, TimeoutError) as err:
+                self.say(f"the Prefect server this command started stopped, and could not be started again: {err}")
+                return
+            self.server.proc = proc
+            self.say(
+                f"the Prefect server this command started stopped; started again on port {port} "
+                f"(restart {self.restarts} of {self.max_restarts})"
+            )
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self.join()
+
+
+def retry_refused_connections() -> None:
+    """Prefect's clients retry a refused connection (with backoff, PREFECT_CLIENT_MAX_RETRIES) only once they
+    have connected; a client made while the command's own server restarts would fail at once. The command
+    knows its server comes back (``ServerKeeper``), so its clients retry from their first call. (Prefect 3.8's
+    ``_has_connected`` flag; where a version lacks it nothing changes.)"""
+    from prefect.client.base import PrefectHttpxAsyncClient, PrefectHttpxSyncClient
+
+    for cls in (PrefectHttpxAsyncClient, PrefectHttpxSyncClient):
+        if getattr(cls.__init__, "_rlstage_retrying", False):
+            continue
+        original = cls.__init__
+
+        def init(self, *args, _original=original, **kwargs) -> None:
+            _original(self, *args, **kwargs)
+            if hasattr(self, "_has_connected"):
+                self._has_connected = True
+
+        init._rlstage_retrying = True
+        cls.__init__ = init
 
 
 def prefect_env(home: Path, ui_port: int | None = None) -> dict[str, str]:

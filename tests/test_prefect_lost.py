@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
+import sqlite3
 import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -58,18 +58,31 @@ def test_a_failure_while_the_server_answers_is_the_failure_itself():
         server.shutdown()
 
 
+def _servers_of(prefect_home: Path) -> dict[int, bytes]:
+    """The Prefect server processes on ``prefect_home``: pid -> command line."""
+    home = f"PREFECT_HOME={prefect_home.resolve()}"
+    cmdlines = {p: Path(f"/proc/{p}/cmdline").read_bytes() for p in _processes_with_env(home)}
+    return {p: c for p, c in cmdlines.items() if b"prefect\0server\0start" in c}
+
+
 @pytest.mark.slow
-def test_a_server_killed_mid_run_is_one_line_and_the_rerun_continues(migrated_prefect_home, tmp_path):
-    """Through the CLI, on its own server: SIGKILL the server once the SFT is committed; the command stops with
-    the line (exit 3, no traceback, no half-written artifact) and the same command then trains on from the SFT."""
+def test_a_lost_server_is_one_line_and_the_rerun_heals_its_own(migrated_prefect_home, tmp_path):
+    """A server the command did not start (PREFECT_API_URL), SIGKILLed once the SFT is committed: the command
+    stops with one line (exit 3, no traceback, nothing half-written). The same command again, now on a server it
+    starts itself: SIGKILL that one too; within seconds the command starts it again on the same home and port
+    (one line), trains on from the kept SFT, and the flow run that lived through it ends Completed."""
     from safetensors.torch import load
 
+    from rlstage.infra.prefect_server import start_prefect_server
     from rlstage.infra.store import ArtifactStore
     from rlstage.schemas.config import load_config
     from rlstage.schemas.stages import kit_run_name
 
-    migrated_prefect_home(tmp_path / ".rlstage" / "prefect")  # the command's home
-    env = cli_env(PREFECT_CLIENT_MAX_RETRIES="1")
+    theirs = migrated_prefect_home(tmp_path / "their-prefect")
+    ours = tmp_path / ".rlstage" / "prefect"  # the command's own home
+    migrated_prefect_home(ours)
+    server = start_prefect_server(theirs)
+    env = cli_env(PREFECT_API_URL=server.url, PREFECT_CLIENT_MAX_RETRIES="1")
     overrides = [
         *tiny_overrides(),
         *moving_overrides(),
@@ -78,19 +91,17 @@ def test_a_server_killed_mid_run_is_one_line_and_the_rerun_continues(migrated_pr
         "trainer.iterations=1",
     ]
     cmd = [sys.executable, "-m", "rlstage.flows.cli", "train", *overrides]
-    proc = start_cli_until(cmd, tmp_path, env, "iteration   0:")  # the SFT checkpoint is committed and evaluated
     try:
-        home = f"PREFECT_HOME={(tmp_path / '.rlstage' / 'prefect').resolve()}"
-        cmdlines = {p: Path(f"/proc/{p}/cmdline").read_bytes() for p in _processes_with_env(home)}
-        servers = [p for p, cmdline in cmdlines.items() if b"prefect\0server\0start" in cmdline]
-        assert servers, "no Prefect server of the command's home"
-        for pid in servers:
-            os.kill(pid, signal.SIGKILL)
-        rest = proc.stdout.read()
-        assert proc.wait(300) == 3, rest
+        proc = start_cli_until(cmd, tmp_path, env, "iteration   0:")  # the SFT checkpoint is committed and evaluated
+        try:
+            server.proc.kill()
+            rest = proc.stdout.read()
+            assert proc.wait(300) == 3, rest
+        finally:
+            if proc.poll() is None:
+                proc.kill()
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        server.stop()
     assert "Traceback" not in rest
     last = rest.strip().splitlines()[-1]
     assert last.endswith("stopped answering during the run; committed stages are kept, rerun the command to continue")
@@ -100,10 +111,26 @@ def test_a_server_killed_mid_run_is_one_line_and_the_rerun_continues(migrated_pr
     # stopped after the SFT, before the update (nothing of iteration 1 half-written is visible)
     assert sft is not None and store.manifest("lost", 1, "update") is None
 
-    # The fault gone: the same command, on the session's server (another server than the lost one: the run is in the store).
-    env["PREFECT_API_URL"] = os.environ["PREFECT_API_URL"]
-    rerun = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    # The same command on its own server (no PREFECT_API_URL): what it started, it heals.
+    env = cli_env()
+    proc = start_cli_until(cmd, tmp_path, env, "iteration   0:")
+    try:
+        (pid, cmdline), *more = _servers_of(ours).items()
+        assert not more
+        port = cmdline.split(b"--port\0")[1].split(b"\0")[0].decode()
+        os.kill(pid, signal.SIGKILL)
+        rest = proc.stdout.read()
+        assert proc.wait(300) == 0, rest
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    line = f"rlstage: the Prefect server this command started stopped; started again on port {port} (restart 1 of 3)"
+    assert line in rest.splitlines(), rest
+    assert "Traceback" not in rest and "learning:" in rest
+    assert not _servers_of(ours), "the restarted server outlived the command"
     assert store.manifest(kit_run_name(cfg), None, "sft").artifact_id == sft.artifact_id  # reused, not redone
     start = load(store.read_bytes(sft, "model/model.safetensors"))
     assert weights_moved(start, update_weights(store, "lost", 1))  # it trained on from the kept SFT
+    with sqlite3.connect(ours / "prefect.db") as db:  # the flow run that lived through the restart
+        states = db.execute("select state_type from flow_run where name = 'lost iteration 1'").fetchall()
+    assert states == [("COMPLETED",)]
