@@ -93,8 +93,10 @@ def main() -> None:
         help="default: TRL's (bf16 autocast where the CPU has bf16); fp32: bf16=False",
     )  # fmt: skip
     parser.add_argument("--work", default="/tmp/rlstage-trl-work", help="TRL's output_dir (nothing is saved there)")
+    # bench/vs_trl.py passes the cores rlstage's config uses: both sides get the same CPU threads
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (the cores rlstage's side uses)")
     args = parser.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
 
     train = pq.read_table(Path(args.data) / "train.parquet", columns=["prompt", "ground_truth"]).to_pylist()
     test = pq.read_table(Path(args.data) / "test.parquet", columns=["prompt", "ground_truth"]).to_pylist()
@@ -128,6 +130,7 @@ def main() -> None:
     trainer.train()
     result = {
         "system": "trl",
+        "threads": torch.get_num_threads(),
         "version": __import__("trl").__version__,
         "seed": args.seed,
         "steps": args.steps,

@@ -94,6 +94,7 @@ def run_rlstage(args: argparse.Namespace, seed: int, out: Path) -> dict:
     not_compute = statistics.median(1 - c / h["wall_s"] for c, h in zip(compute, steady, strict=True))
     row = {
         "system": "rlstage",
+        "cores": rlstage_cores(cfg),
         "config": args.config,
         "overrides": args.overrides,
         "seed": seed,
@@ -108,6 +109,11 @@ def run_rlstage(args: argparse.Namespace, seed: int, out: Path) -> dict:
     }
     out.write_text(json.dumps(row))
     return row
+
+
+def rlstage_cores(cfg) -> int:
+    """The CPU cores rlstage's side computes on: its local Ray's (ray.num_cpus, else the machine's)."""
+    return min(cfg.ray.num_cpus or os.cpu_count(), os.cpu_count())
 
 
 def side(cmd: list, out: Path) -> dict:
@@ -153,7 +159,8 @@ def main() -> None:
             runs.append(
                 side(
                     [py, ROOT / "bench" / "trl_grpo.py", "--model", ours["sft_model"], "--data", ours["data"],
-                     "--seed", seed, "--steps", args.trl_steps, "--eval-every", args.trl_eval_every, "--precision", args.trl_precision, "--out", trl_out],
+                     "--seed", seed, "--steps", args.trl_steps, "--eval-every", args.trl_eval_every, "--precision", args.trl_precision,
+                     "--threads", ours["cores"], "--out", trl_out],
                     trl_out,
                 )
             )  # fmt: skip
@@ -161,7 +168,8 @@ def main() -> None:
             r |= {"time_to_target_s": first_at(r["curve"], args.target), "final": r["curve"][-1][1], "target": args.target}
             print(json.dumps(r), flush=True)
         rows += runs
-    summary: dict = {"target": args.target, "seeds": args.seeds}
+    # equal cores, always: TRL's torch threads are the cores rlstage's side uses (both in every line)
+    summary: dict = {"target": args.target, "seeds": args.seeds, "cores": {r["system"]: r.get("cores", r.get("threads")) for r in rows}}
     for system in ("rlstage", "trl"):
         times = [r["time_to_target_s"] for r in rows if r["system"] == system]
         if times:
