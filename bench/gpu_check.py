@@ -409,6 +409,10 @@ def deepspeed(check: Check, device: torch.device, dtype: torch.dtype, tiny: bool
     rounding), then the speed and peak memory of both on the speed section's shape and batch (bf16 on a GPU)."""
     from rlstage.engines.actor_deepspeed import DeepSpeedActor
 
+    # one process, one rank: a launcher's (or a test's) RANK / WORLD_SIZE / MASTER_PORT would make DeepSpeed wait
+    # for ranks that never come
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(key, None)
     tok = build_char_tokenizer()
     batch = ragged_batch(tok, 32, seed=0)
     cfg = ActorConfig(ppo_mini_batch_size=32, micro_batch_size=8)
