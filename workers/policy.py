@@ -35,6 +35,7 @@ from rlstage.engines.lora import (
     save_hf,
     with_adapters,
 )
+from rlstage.engines.plugins import load_plugins
 from rlstage.engines.rollout import HFRolloutEngine, SamplingParams
 from rlstage.infra.drill import WorkerDrill, fault_point, hold_point
 from rlstage.infra.env import pid_alive
@@ -201,6 +202,7 @@ class PolicyWorker:
 
     def __init__(self, cfg_json: dict, total_steps: int, rank: int = 0, world_size: int = 1) -> None:
         self.cfg = RunConfig.model_validate(cfg_json)
+        load_plugins(self.cfg.plugins)  # the entries the run's plugins register, in this process too
         self.rank, self.world_size = rank, world_size
         self.pending = False  # holds trained weights that a commit (on rank 0) has not named yet
         torch.set_num_threads(self.cfg.model.torch_threads)

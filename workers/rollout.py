@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from rlstage.engines.lora import save_hf
+from rlstage.engines.plugins import load_plugins
 from rlstage.engines.rollout import SamplingParams
 from rlstage.infra.drill import WorkerDrill
 from rlstage.infra.store import ArtifactStore
@@ -38,6 +39,7 @@ from rlstage.workers.policy import (
 class RolloutWorker:
     def __init__(self, cfg_json: dict) -> None:
         self.cfg = RunConfig.model_validate(cfg_json)
+        load_plugins(self.cfg.plugins)  # the entries the run's plugins register, in this process too
         torch.set_num_threads(self.cfg.model.torch_threads)
         self.store = ArtifactStore(self.cfg.store.root, self.cfg.store.storage_options, retries=self.cfg.store.retries)
         self.held: str | None = None
