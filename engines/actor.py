@@ -102,7 +102,7 @@ class TorchActor(MiniBatchTrainer):
     def _micro_step(self, batch, micro: MicroBatch, temperature: float, loss_fn, extra: dict) -> dict[str, float]:
         cfg = self.cfg
         fields = ["response_mask", "old_log_probs", "advantages"]
-        fields += ["ref_log_probs"] if cfg.use_kl_loss else []
+        fields += ["ref_log_probs"] if algos.actor_needs_ref(cfg) else []
         fields += ["rollout_is_weights"] if "rollout_is_weights" in batch else []
         inputs, tensors = self._micro_inputs(batch, micro.idx, *fields, filler=micro.filler)
         got = dict(zip(fields, tensors, strict=True))
@@ -116,7 +116,15 @@ class TorchActor(MiniBatchTrainer):
         agg = micro.norm
         glob = {} if agg is None else agg.agg_kwargs()
         pg_loss, pg_metrics = loss_fn(
-            old, logp, adv, mask, cfg.loss_agg_mode, rollout_is_weights=got.get("rollout_is_weights"), agg=agg, **extra
+            old,
+            logp,
+            adv,
+            mask,
+            cfg.loss_agg_mode,
+            rollout_is_weights=got.get("rollout_is_weights"),
+            ref_log_prob=got.get("ref_log_probs"),  # for a loss that declares needs=("ref",); the others ignore it
+            agg=agg,
+            **extra
         )
         entropy_loss = algos.agg_loss(entropy, mask, cfg.loss_agg_mode, **glob)
         w_tok = 1.0 if agg is None else metric_weight(mask, agg)

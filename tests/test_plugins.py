@@ -267,3 +267,37 @@ def test_data_sources_registered_by_a_plugin_are_named_by_data_source(plugin_dir
     assert stage_config_hash(cfg, "data_prep") != view_hash(
         cfg, "data_prep"
     )  # the loader's version is the stage's
+
+
+def test_a_loss_that_needs_the_reference_gets_its_log_probs(plugin_dir):
+    import torch
+
+    from rlstage.engines.actor import TorchActor
+    from rlstage.engines.tinykit import build_char_tokenizer, build_tiny_llama
+    from rlstage.schemas.config import KitConfig
+
+    seen = []
+
+    @algos.register_policy_loss("ref_anchored", needs=("ref",))
+    def ref_anchored(
+        old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", *, ref_log_prob, **kw
+    ):
+        seen.append(ref_log_prob.detach().clone())
+        return algos.agg_loss((log_prob - ref_log_prob).square(), response_mask, loss_agg_mode), {}
+
+    cfg = _load("actor.policy_loss=ref_anchored")
+    assert algos.needs_reference(cfg) and not cfg.needs_ref  # the loss's need, not a KL setting's
+    tok = build_char_tokenizer()
+    model = build_tiny_llama(KitConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64), tok)
+    responses = [[5, 6, 7], [5, 6]]
+    batch = {
+        "prompt_ids": [tok("What is 1+2? ", add_special_tokens=False)["input_ids"]] * 2,
+        "response_ids": responses,
+        "response_mask": [[1] * len(r) for r in responses],
+        "old_log_probs": [[-1.0] * len(r) for r in responses],
+        "ref_log_probs": [[-2.0] * len(r) for r in responses],
+        "advantages": [[0.5] * len(r) for r in responses],
+    }
+    actor_cfg = cfg.actor.model_copy(update={"ppo_mini_batch_size": 2, "micro_batch_size": 2})
+    TorchActor(model, actor_cfg, tok.pad_token_id, 1).update(batch, 1.0, seed=0)
+    assert seen and torch.equal(seen[0], torch.full((2, 3), -2.0) * torch.tensor([[1, 1, 1], [1, 1, 0]]))

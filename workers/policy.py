@@ -23,6 +23,7 @@ from pathlib import Path
 import pyarrow as pa
 import torch
 
+from rlstage.engines import algorithms as algos
 from rlstage.engines.actor import DataParallelTorchActor, TorchActor
 from rlstage.engines.checkpoint import load_trainer_state, save_trainer_state
 from rlstage.engines.critic import TorchCritic
@@ -560,7 +561,7 @@ class PolicyWorker:
         cfg = self.cfg
         exp = self.store.read_table(Manifest.model_validate(experience_json), "experience.parquet")
         columns = ("prompt_ids", "response_ids", "response_mask", "old_log_probs", "advantages")
-        columns += ("ref_log_probs",) if cfg.actor.use_kl_loss else ()
+        columns += ("ref_log_probs",) if algos.actor_needs_ref(cfg.actor) else ()
         columns += ("rollout_log_probs",) if cfg.actor.rollout_correction.enabled else ()
         batch = update_batch(exp, columns)
         seed = iteration_seed(cfg.trainer.seed, iteration)

@@ -71,7 +71,7 @@ def register_policy_loss(
 ) -> Callable[[PolicyLossFn], PolicyLossFn]:
     """Decorator: register a policy loss under ``name`` with the model of its own ``settings`` (a pydantic model
     the config's ``actor.policy_loss`` section is validated against; None: it takes none) and what it ``needs``
-    (``ref``: the reference policy's log-probs come as ``ref_log_prob``).
+    (``ref``: the reference policy's log-probs come as ``ref_log_prob``, ``[batch, len]``).
 
     Signature: ``fn(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", *,
     rollout_is_weights=None, agg=None, **settings_and_kw) -> (loss, metrics)``; the settings come as keywords
@@ -86,6 +86,18 @@ def register_policy_loss(
 def get_policy_loss(name: str) -> PolicyLossFn:
     """The registered policy loss called ``name``; ValueError naming the registered ones otherwise."""
     return POLICY_LOSSES.entry(name).obj
+
+
+def actor_needs_ref(actor: Any) -> bool:
+    """The update reads the reference policy's log-probs (``actor`` is the config's actor section): for a KL loss,
+    or for a policy loss registered with ``needs=("ref",)``, which then receives them as ``ref_log_prob``."""
+    return actor.use_kl_loss or "ref" in POLICY_LOSSES.entry(actor.policy_loss.name).needs
+
+
+def needs_reference(cfg: Any) -> bool:
+    """The run needs a frozen reference policy: KL in the reward (``RunConfig.needs_ref``, which schemas can answer
+    alone) or an update that reads it (``actor_needs_ref``, which asks the loss's registry entry)."""
+    return cfg.needs_ref or actor_needs_ref(cfg.actor)
 
 
 def policy_loss_settings(section: Any) -> LossSettings | None:
