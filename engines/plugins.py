@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
 
-from rlstage.engines.registry import NAMED_SETTINGS, REGISTRIES, DuplicateEntry, Entry, named_value
+from rlstage.engines.registry import NAMED_SETTINGS, REGISTRIES, DuplicateEntry, Entry, named_values
 from rlstage.schemas.config import ConfigError
 
 ENTRY_POINT_GROUP = "rlstage.plugins"
@@ -90,12 +90,10 @@ def plugins_used(cfg: Any, settings: Iterable[str] = NAMED_SETTINGS) -> dict[str
     """``{plugin: version}`` of the entries that ``settings`` (dotted paths of ``NAMED_SETTINGS``) of ``cfg`` name."""
     used: dict[str, str] = {}
     for setting in settings:
-        name = named_value(cfg, setting)
-        if name is None:
-            continue
-        plugin = plugin_of(REGISTRIES[NAMED_SETTINGS[setting]].entry(name))
-        if plugin is not None:
-            used[plugin.name] = plugin.version
+        for name in named_values(cfg, setting):
+            plugin = plugin_of(REGISTRIES[NAMED_SETTINGS[setting]].entry(name))
+            if plugin is not None:
+                used[plugin.name] = plugin.version
     return dict(sorted(used.items()))
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from rlstage.engines.agent_loop import check_agent_template
 from rlstage.engines.plugins import load_plugins
-from rlstage.engines.registry import CHECKED_SETTINGS, REGISTRIES, named_value
+from rlstage.engines.registry import CHECKED_SETTINGS, REGISTRIES, named_values
 from rlstage.engines.rewards import check_reward_fn
 from rlstage.engines.tools import ToolConfigError, check_parameters_schema, resolve_callable
 from rlstage.schemas.config import ConfigError, RunConfig
@@ -120,7 +120,8 @@ def check_algorithm_names(cfg: RunConfig) -> None:
 
     for setting, kind in CHECKED_SETTINGS.items():
         try:
-            REGISTRIES[kind].entry(named_value(cfg, setting))
+            for name in named_values(cfg, setting):
+                REGISTRIES[kind].entry(name)
         except ValueError as err:
             raise ConfigError(f"config error: {setting}: {err}") from None
     est, n = cfg.algorithm.adv_estimator, cfg.rollout.n

@@ -129,17 +129,28 @@ ALGORITHM_SETTINGS: dict[str, str] = {
 }
 # Checked by engines/preflight.py (reward.function too takes an import path, or None: engines/rewards.py checks it).
 CHECKED_SETTINGS: dict[str, str] = {**ALGORITHM_SETTINGS, "data.source": "data source"}
-NAMED_SETTINGS: dict[str, str] = {**CHECKED_SETTINGS, "reward.function": "reward function"}
+# agent.tools: a list, each tool's callable a registered name or an import path (engines/tools.py checks them)
+NAMED_SETTINGS: dict[str, str] = {
+    **CHECKED_SETTINGS,
+    "reward.function": "reward function",
+    "agent.tools": "tool",
+}
 
 
-def named_value(cfg: Any, setting: str) -> str | None:
-    """The entry name a config (or a view of it) gives ``setting`` (a nested section's ``name``, or the string);
-    None where it names no entry (unset, or an import path ``module:function``)."""
+def named_values(cfg: Any, setting: str) -> list[str]:
+    """The entry names a config (or a view of it) gives ``setting``: a string, a nested section's ``name``, or each
+    tool's ``callable``; none where it names no entry (unset, or an import path ``module:function``)."""
     node = cfg
     for part in setting.split("."):
         node = getattr(node, part)
-    name = node if node is None or isinstance(node, str) else node.name
-    return None if name is None or ":" in name else name
+    items = node if isinstance(node, list) else [node]
+    names = [getattr(item, "callable", None) or getattr(item, "name", item) for item in items]
+    names = [n for n in names if isinstance(n, str)]
+    if (
+        setting not in CHECKED_SETTINGS
+    ):  # reward.function and tools also take import paths, which name no entry
+        names = [n for n in names if ":" not in n and (setting == "reward.function" or "." not in n)]
+    return names
 
 
 def settings_for(entry: Entry, given: Mapping[str, Any], where: str) -> BaseModel | None:

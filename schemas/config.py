@@ -322,7 +322,7 @@ class ToolConfig(_Section):
     name: str = Field(pattern=r"^[A-Za-z_][A-Za-z0-9_.-]{0,63}$")
     description: str = ""
     parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})  # JSON schema
-    callable: str  # import path of a sync or async function, "package.module:function"
+    callable: str  # a registered tool's name, or the import path of a sync or async function "package.module:function"
     timeout_s: float | None = Field(None, gt=0)  # None: agent.tool_timeout_s
 
 
@@ -917,8 +917,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     return build_config(merge_dicts(data, parse_overrides(overrides)))
 
 
-# The built-in calculator tool (rlstage.engines.tools), by its name and by its name before 0.2.0 (engines.modpath).
+# The built-in calculator tool (rlstage.engines.tools), by its registered name, its import path and its import path
+# before 0.2.0 (engines.modpath).
 CALCULATOR_PATHS = (
+    "calculator",
     "rlstage.engines.tools:calculator",
     "rlstage.engines.tools.calculator",
     "engines.tools:calculator",
@@ -958,7 +960,7 @@ def code_settings(data: Any) -> list[tuple[str, str]]:
     tools = agent.get("tools") if isinstance(agent, dict) else None
     for i, tool in enumerate(tools if isinstance(tools, list) else []):
         path = tool.get("callable") if isinstance(tool, dict) else None
-        if path is not None:
+        if path is not None and (":" in str(path) or "." in str(path)):  # a plain name is a registered tool
             out.append((f"agent.tools.{i}.callable", str(path)))
     plugins = data.get("plugins")
     for i, module in enumerate(plugins if isinstance(plugins, list) else []):

@@ -301,3 +301,27 @@ def test_a_loss_that_needs_the_reference_gets_its_log_probs(plugin_dir):
     actor_cfg = cfg.actor.model_copy(update={"ppo_mini_batch_size": 2, "micro_batch_size": 2})
     TorchActor(model, actor_cfg, tok.pad_token_id, 1).update(batch, 1.0, seed=0)
     assert seen and torch.equal(seen[0], torch.full((2, 3), -2.0) * torch.tensor([[1, 1, 1], [1, 1, 0]]))
+
+
+def test_tools_registered_by_a_plugin_are_named_by_their_name(plugin_dir):
+    from rlstage.engines.preflight import check_engines
+
+    mod = _module(
+        plugin_dir,
+        "from rlstage.engines.tools import register_tool\n\n\n"
+        "@register_tool('shout')\ndef shout(text: str) -> str:\n    return text.upper()\n",
+    )
+    tools = "agent.tools=[{name: calc, callable: calculator}, {name: loud, callable: shout}]"
+    cfg = _load(f"plugins=[{mod}]", "agent.enable=true", "kit.task=multiply", tools)
+    check_engines(cfg)  # each tool resolves: the built-in calculator and the plugin's shout, by name
+    assert list(plugins_used(cfg)) == [mod]
+    assert stage_config_hash(cfg, "rollout") != view_hash(
+        cfg, "rollout"
+    )  # the rollout runs the plugin's tool
+    with pytest.raises(
+        ConfigError,
+        match=r"^config error: agent\.tools\.1\.callable: unknown tool 'shoutt'; registered: calculator",
+    ):
+        check_engines(
+            load_config(None, ["agent.enable=true", "kit.task=multiply", tools.replace("shout", "shoutt")])
+        )

@@ -88,7 +88,7 @@ EXPLICIT = {
 def _candidates(path: str, value: typing.Any, ann: typing.Any) -> list:
     """Other values for a leaf, tried in order until the config validates."""
     named = path.removesuffix(".name")
-    if named in NAMED_SETTINGS:  # a registered name: the others of its registry
+    if named in NAMED_SETTINGS and not isinstance(value, list):  # a registered name: the others of its registry
         return [n for n in REGISTRIES[NAMED_SETTINGS[named]] if n != value]
     for key, values in EXPLICIT.items():
         if path.endswith(key):
