@@ -116,7 +116,7 @@ def check_algorithm_names(cfg: RunConfig) -> None:
     """The estimator, loss, aggregation modes and KL penalties are registered, what the estimator needs is
     configured, and the loss's nested settings pass its settings model (engines/registry.py)."""
     from rlstage.engines import algorithms as algos
-    from rlstage.engines import datasets  # noqa: F401  (registers the built-in data sources)
+    from rlstage.engines import datasets, rollout_engines  # noqa: F401  (register the built-in entries)
 
     for setting, kind in CHECKED_SETTINGS.items():
         try:

@@ -33,7 +33,7 @@ class InputError(ValueError):
 def _registries() -> None:
     """The built-in registry entries and the environment's plugins: the stage views ask what an estimator needs.
     (Imported when first needed: a mistake found before any view is computed is answered without torch.)"""
-    from rlstage.engines import algorithms, datasets, rewards, tools  # noqa: F401  (register the built-in entries)
+    from rlstage.engines import algorithms, datasets, rewards, rollout_engines, tools  # noqa: F401  (built-in entries)
 
     load_plugins()
 

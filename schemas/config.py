@@ -209,7 +209,7 @@ class DataConfig(_Section):
 
 
 class RolloutConfig(_Section):
-    engine: Literal["hf", "vllm"] = "hf"
+    engine: str = "hf"  # a registered rollout engine (hf, vllm, a plugin's)
     n: int = Field(8, ge=1)
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)

@@ -55,7 +55,8 @@ def plugin_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
         for name in set(registry) - before[kind]:
             registry.remove(name)
     for name in set(sys.modules) - modules:
-        del sys.modules[name]
+        if name.startswith("plug_"):  # this test's own modules only (a library imported meanwhile stays)
+            del sys.modules[name]
 
 
 def _module(folder: Path, source: str) -> str:
@@ -325,3 +326,23 @@ def test_tools_registered_by_a_plugin_are_named_by_their_name(plugin_dir):
         check_engines(
             load_config(None, ["agent.enable=true", "kit.task=multiply", tools.replace("shout", "shoutt")])
         )
+
+
+def test_rollout_engines_registered_by_a_plugin_are_named_by_rollout_engine(plugin_dir):
+    from rlstage.workers.policy import rollout_engine
+
+    mod = _module(
+        plugin_dir,
+        "from rlstage.engines.rollout_engines import register_rollout_engine\n\n\n"
+        "@register_rollout_engine('hf_twin')\ndef hf_twin(cfg, model, tokenizer, path, current=None):\n"
+        "    return ('twin', path)\n",
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"^config error: rollout\.engine: unknown rollout engine 'hf_twin'; registered: hf, vllm",
+    ):
+        _load("rollout.engine=hf_twin")
+    cfg = _load(f"plugins=[{mod}]", "rollout.engine=hf_twin")
+    assert rollout_engine(cfg, None, None, "weights") == ("twin", "weights")  # the worker builds the registered one
+    assert stage_config_hash(cfg, "rollout") != view_hash(cfg, "rollout")
+    assert stage_config_hash(cfg, "update") == view_hash(cfg, "update")  # the update does not generate
