@@ -14,7 +14,10 @@ from pathlib import Path
 import pytest
 
 from rlstage.engines import algorithms as algos
-from rlstage.engines import datasets, rewards  # noqa: F401  (every registry exists before a test adds to it)
+
+# every registry exists before a test adds to it
+from rlstage.engines import datasets, rewards, rollout_engines  # noqa: F401
+from rlstage.engines import tools as _tools  # noqa: F401
 from rlstage.engines.plugins import PluginError, load_plugins, plugins_used
 from rlstage.engines.preflight import check_registered_names
 from rlstage.engines.registry import REGISTRIES
@@ -52,7 +55,7 @@ def plugin_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     modules = set(sys.modules)
     yield tmp_path
     for kind, registry in REGISTRIES.items():
-        for name in set(registry) - before[kind]:
+        for name in set(registry) - before.get(kind, set(registry)):
             registry.remove(name)
     for name in set(sys.modules) - modules:
         if name.startswith("plug_"):  # this test's own modules only (a library imported meanwhile stays)
@@ -343,6 +346,9 @@ def test_rollout_engines_registered_by_a_plugin_are_named_by_rollout_engine(plug
     ):
         _load("rollout.engine=hf_twin")
     cfg = _load(f"plugins=[{mod}]", "rollout.engine=hf_twin")
-    assert rollout_engine(cfg, None, None, "weights") == ("twin", "weights")  # the worker builds the registered one
+    assert rollout_engine(cfg, None, None, "weights") == (
+        "twin",
+        "weights",
+    )  # the worker builds the registered one
     assert stage_config_hash(cfg, "rollout") != view_hash(cfg, "rollout")
     assert stage_config_hash(cfg, "update") == view_hash(cfg, "update")  # the update does not generate
