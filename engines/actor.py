@@ -18,12 +18,6 @@ from rlstage.engines.forward import pad_right, response_log_probs
 
 __all__ = ["DataParallelTorchActor", "TorchActor", "lr_lambda"]
 
-# Loss-specific actor settings, handed to every policy loss by keyword (each takes the ones it uses).
-LOSS_SETTINGS = (
-    "clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "tau_pos", "tau_neg", "clip_cov_ratio", "clip_cov_lb",
-    "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef", "dro_beta",
-)  # fmt: skip
-
 
 class TorchActor(MiniBatchTrainer):
     metric_prefix = "actor"
@@ -74,13 +68,15 @@ class TorchActor(MiniBatchTrainer):
         data-parallel rank holding a shard, the batch normalisation is over the shard: verl all-reduces it.)
         """
         rc = self.cfg.rollout_correction
-        name = "bypass_mode" if rc.bypass_mode else self.cfg.policy_loss
+        name = "bypass_mode" if rc.bypass_mode else self.cfg.policy_loss.name
         loss_fn = algos.get_policy_loss(name)
-        extra: dict = {}
+        # the loss's own settings, typed by its registered model (bypass mode takes vanilla's, which it replaces)
+        settings = algos.policy_loss_settings(self.cfg.policy_loss)
+        extra: dict = {} if settings is None else settings.model_dump()
         corr: dict[str, float] = {}
         if rc.bypass_mode:
             batch = {**batch, "old_log_probs": batch["rollout_log_probs"]}
-            extra = {k: getattr(rc, k) for k in ("loss_type", "rollout_is", "rollout_is_threshold", "rollout_is_batch_normalize")}
+            extra.update({k: getattr(rc, k) for k in ("loss_type", "rollout_is", "rollout_is_threshold", "rollout_is_batch_normalize")})
         elif rc.rollout_is is not None:
             batch, corr = self._with_is_weights(batch)
         # clip_cov picks tokens at random: seeded per update so a replay draws the same ones.
@@ -106,7 +102,7 @@ class TorchActor(MiniBatchTrainer):
     def _micro_step(self, batch, micro: MicroBatch, temperature: float, loss_fn, extra: dict) -> dict[str, float]:
         cfg = self.cfg
         fields = ["response_mask", "old_log_probs", "advantages"]
-        fields += ["ref_log_probs"] if cfg.use_kl_loss else []
+        fields += ["ref_log_probs"] if algos.actor_needs_ref(cfg) else []
         fields += ["rollout_is_weights"] if "rollout_is_weights" in batch else []
         inputs, tensors = self._micro_inputs(batch, micro.idx, *fields, filler=micro.filler)
         got = dict(zip(fields, tensors, strict=True))
@@ -115,13 +111,20 @@ class TorchActor(MiniBatchTrainer):
         logp, entropy = response_log_probs(
             self.model, inputs, temperature, with_entropy=True, entropy_grad=cfg.entropy_coeff != 0
         )
-        settings = {k: getattr(cfg, k) for k in LOSS_SETTINGS}
         # Exact mode (token budget, data parallel, token-sum): every term is agg_loss over the mini-batch's global
         # counts, so the accumulated (and rank-averaged) gradient is the whole mini-batch's.
         agg = micro.norm
         glob = {} if agg is None else agg.agg_kwargs()
         pg_loss, pg_metrics = loss_fn(
-            old, logp, adv, mask, cfg.loss_agg_mode, rollout_is_weights=got.get("rollout_is_weights"), agg=agg, **settings, **extra
+            old,
+            logp,
+            adv,
+            mask,
+            cfg.loss_agg_mode,
+            rollout_is_weights=got.get("rollout_is_weights"),
+            ref_log_prob=got.get("ref_log_probs"),  # for a loss that declares needs=("ref",); the others ignore it
+            agg=agg,
+            **extra
         )
         entropy_loss = algos.agg_loss(entropy, mask, cfg.loss_agg_mode, **glob)
         w_tok = 1.0 if agg is None else metric_weight(mask, agg)

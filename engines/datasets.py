@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from rlstage.engines.registry import Registry
 from rlstage.schemas.artifacts import PROMPTS, conform
 from rlstage.schemas.config import KitConfig
 
@@ -24,7 +25,29 @@ GSM8K_SOURCE = "openai/gsm8k"
 # The instruction verl's gsm8k preprocessing appends, so rewards and prompts match verl's recipes.
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 VERL_REQUIRED_COLUMNS = ("data_source", "prompt", "reward_model")
-SOURCES = ("synthetic", "gsm8k", "verl_parquet")
+# data.source -> its loader ``fn(path, split=None, **kw) -> prompts table`` (schemas.artifacts.PROMPTS); a plugin
+# registers more. "synthetic" is the tiny kit's task: the data prep stage builds it from kit.* without a file.
+DATA_SOURCES: Registry[Callable[..., pa.Table]] = Registry("data source")
+
+
+def register_data_source(name: str) -> Callable[[Callable[..., pa.Table]], Callable[..., pa.Table]]:
+    """Decorator: register a loader of prompt files under ``name`` (a ``data.source``)."""
+    return DATA_SOURCES.register(name)
+
+
+@register_data_source("synthetic")
+def _synthetic(path: str | None = None, **kw: Any) -> pa.Table:
+    """The addition task's ``split`` ("train"/"test", default "train"), with ``digits``/``train_size``/
+    ``test_size``/``seed`` (defaults from ``KitConfig``)."""
+    kit = KitConfig()
+    split = kw.pop("split", "train")
+    if split not in ("train", "test"):
+        raise DatasetError(f"synthetic split must be 'train' or 'test', got {split!r}")
+    params = {k: kw.pop(k, getattr(kit, k)) for k in ("digits", "train_size", "test_size", "seed")}
+    if kw:
+        raise TypeError(f"unexpected arguments for the synthetic source: {sorted(kw)}")
+    train, test = make_addition_splits(**params)
+    return train if split == "train" else test
 
 
 class DatasetError(ValueError):
@@ -166,6 +189,7 @@ def gsm8k_ground_truth(answer: str) -> str | None:
     return answer.split("####")[-1].replace(",", "").strip()
 
 
+@register_data_source("gsm8k")
 def load_gsm8k(path: str, split: str | None = None) -> pa.Table:
     """GSM8K jsonl rows ``{"question", "answer"}`` -> prompts; ``split`` defaults to the file's stem."""
     p = _check_file(path)
@@ -253,6 +277,7 @@ def _as_dict(value: Any, where: str, column: str) -> dict[str, Any]:
     return value
 
 
+@register_data_source("verl_parquet")
 def load_verl_parquet(path: str, split: str | None = None) -> pa.Table:
     """A verl RL parquet (data_source, prompt, ability, reward_model, extra_info) -> prompts."""
     p = _check_file(path)
@@ -323,20 +348,10 @@ def load_prompts(source: str, path: str | None, **kw: Any) -> pa.Table:
     ``synthetic`` takes ``split`` ("train"/"test", default "train") and ``digits``/``train_size``/
     ``test_size``/``seed`` (defaults from ``KitConfig``); the file sources take ``split`` for prompt ids.
     """
-    if source == "synthetic":
-        kit = KitConfig()
-        split = kw.pop("split", "train")
-        if split not in ("train", "test"):
-            raise DatasetError(f"synthetic split must be 'train' or 'test', got {split!r}")
-        params = {k: kw.pop(k, getattr(kit, k)) for k in ("digits", "train_size", "test_size", "seed")}
-        if kw:
-            raise TypeError(f"unexpected arguments for the synthetic source: {sorted(kw)}")
-        train, test = make_addition_splits(**params)
-        return train if split == "train" else test
-    if source not in SOURCES:
-        raise DatasetError(f"unknown data source {source!r}; valid: {', '.join(SOURCES)}")
-    if not path:
+    try:
+        loader = DATA_SOURCES.entry(source).obj
+    except ValueError as err:
+        raise DatasetError(str(err)) from None
+    if source != "synthetic" and not path:
         raise DatasetError(f"data source {source!r} needs a path")
-    if source == "gsm8k":
-        return load_gsm8k(path, **kw)
-    return load_verl_parquet(path, **kw)
+    return loader(path, **kw)

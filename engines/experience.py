@@ -17,7 +17,6 @@ import torch
 from rlstage.engines import algorithms as algos
 from rlstage.engines.forward import pad_right
 from rlstage.schemas import artifacts as A
-from rlstage.schemas.config import NEEDS_SUM_PI_SQUARED
 
 BYPASS_CHECK_ROWS = 8  # rows whose old log-probs are still recomputed under bypass, for the gap guard
 
@@ -73,11 +72,16 @@ class Experience:
     kl_state: dict | None  # the adaptive KL controller's state, carried to the next iteration
 
 
+def needs_sum_pi_squared(estimator: str) -> bool:
+    """Whether the estimator declares that it needs the old policy's sum of pi^2 per token."""
+    return "sum_pi_squared" in algos.ADV_ESTIMATORS.entry(estimator).needs
+
+
 def otb_is_weights(algorithm, old: torch.Tensor, rollout_lp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
     """The rollout-correction IS weights that the optimal token baseline folds in (as verl's driver computes them
     before the advantage, decoupled mode only); None for every other estimator."""
     rc = algorithm.rollout_correction
-    if algorithm.adv_estimator not in NEEDS_SUM_PI_SQUARED or rc.rollout_is is None or rc.bypass_mode:
+    if not needs_sum_pi_squared(algorithm.adv_estimator) or rc.rollout_is is None or rc.bypass_mode:
         return None
     weights, _ = algos.rollout_correction(
         old,

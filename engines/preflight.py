@@ -13,6 +13,8 @@ import os
 from pathlib import Path
 
 from rlstage.engines.agent_loop import check_agent_template
+from rlstage.engines.plugins import load_plugins
+from rlstage.engines.registry import CHECKED_SETTINGS, REGISTRIES, named_values
 from rlstage.engines.rewards import check_reward_fn
 from rlstage.engines.tools import ToolConfigError, check_parameters_schema, resolve_callable
 from rlstage.schemas.config import ConfigError, RunConfig
@@ -110,13 +112,50 @@ def check_reward_model(cfg: RunConfig) -> None:
             raise ConfigError(f"config error: reward_model.server.url: {problem}")
 
 
+def check_algorithm_names(cfg: RunConfig) -> None:
+    """The estimator, loss, aggregation modes and KL penalties are registered, what the estimator needs is
+    configured, and the loss's nested settings pass its settings model (engines/registry.py)."""
+    from rlstage.engines import algorithms as algos
+    from rlstage.engines import datasets, rollout_engines  # noqa: F401  (register the built-in entries)
+
+    for setting, kind in CHECKED_SETTINGS.items():
+        try:
+            for name in named_values(cfg, setting):
+                REGISTRIES[kind].entry(name)
+        except ValueError as err:
+            raise ConfigError(f"config error: {setting}: {err}") from None
+    est, n = cfg.algorithm.adv_estimator, cfg.rollout.n
+    needs = algos.ADV_ESTIMATORS.entry(est).needs
+    if "critic" in needs and not cfg.critic.enable:
+        raise ConfigError(
+            f"config error: critic.enable: algorithm.adv_estimator={est} needs a critic, which is not configured"
+        )
+    if "groups" in needs and n < 2:
+        raise ConfigError(
+            f"config error: rollout.n: rollout.n={n}: algorithm.adv_estimator={est} needs groups of n >= 2"
+        )
+    if "sum_pi_squared" in needs and not cfg.actor.calculate_sum_pi_squared:
+        raise ConfigError(
+            f"config error: actor.calculate_sum_pi_squared: algorithm.adv_estimator={est} needs the old policy's sum of "
+            "pi^2 over the vocabulary per token: set actor.calculate_sum_pi_squared=true (verl's name) so the "
+            "old-log-prob pass returns it"
+        )
+    try:
+        algos.policy_loss_settings(cfg.actor.policy_loss)
+    except ValueError as err:
+        raise ConfigError(f"config error: {err}") from None
+
+
 def check_registered_names(cfg: RunConfig) -> None:
-    """Settings that name an entry of an engine's registry (the config models, a leaf, do not import them)."""
+    """Settings that name an entry of an engine's registry (the config models, a leaf, do not import them), after
+    the plugins that may register them are imported."""
     from rlstage.engines.datasets import ADDITION_SOURCE, GSM8K_SOURCE, MULTIPLY_SOURCE
     from rlstage.engines.dynamic_sampling import FILTER_METRICS
     from rlstage.engines.metrics import ANSWER_EXTRACTORS
     from rlstage.engines.rewards import DATA_SOURCE_FNS
 
+    load_plugins(cfg.plugins)
+    check_algorithm_names(cfg)
     metric = cfg.algorithm.filter_groups.metric
     if metric not in FILTER_METRICS:
         raise ConfigError(

@@ -26,10 +26,11 @@ from decimal import Decimal, InvalidOperation
 from typing import Any
 
 from rlstage.engines.modpath import import_module
+from rlstage.engines.registry import Registry
 
 RewardFn = Callable[[str, str, dict], float]
 
-REWARD_FNS: dict[str, RewardFn] = {}
+REWARD_FNS: Registry[RewardFn] = Registry("reward function")
 
 # data_source -> reward function name (verl's default_compute_score: openai/gsm8k -> gsm8k).
 DATA_SOURCE_FNS: dict[str, str] = {
@@ -42,12 +43,7 @@ GSM8K_METHODS = ("strict", "flexible")
 
 def register_reward_fn(name: str) -> Callable[[RewardFn], RewardFn]:
     """Decorator: register ``fn`` under ``name``. It must be a module-level function so the scorer can import it."""
-
-    def deco(fn: RewardFn) -> RewardFn:
-        REWARD_FNS[name] = fn
-        return fn
-
-    return deco
+    return REWARD_FNS.register(name)
 
 
 def default_reward_fn(data_source: str) -> str:

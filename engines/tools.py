@@ -32,6 +32,7 @@ from typing import Any
 import jsonschema
 
 from rlstage.engines.modpath import import_module
+from rlstage.engines.registry import Registry
 from rlstage.schemas.config import CALCULATOR_PATHS  # noqa: F401  re-exported: the tools' own names
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
@@ -78,8 +79,23 @@ class ToolSpec:
 # ---------------------------------------------------------------- loading
 
 
+# Tools a config names by a plain name (``callable: calculator``) instead of an import path; a plugin registers more.
+TOOLS: Registry[Callable[..., Any]] = Registry("tool")
+
+
+def register_tool(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorator: register a sync or async tool function under ``name`` (``agent.tools.<i>.callable: name``)."""
+    return TOOLS.register(name)
+
+
 def resolve_callable(path: str) -> Callable[..., Any]:
-    """``package.module:attr`` (or ``package.module.attr``) -> the callable; ToolConfigError otherwise."""
+    """A registered tool's name, or ``package.module:attr`` (or ``package.module.attr``) -> the callable;
+    ToolConfigError otherwise."""
+    if ":" not in path and "." not in path:
+        try:
+            return TOOLS.entry(path).obj
+        except ValueError as err:
+            raise ToolConfigError(f"{err} (or an import path, package.module:function)") from None
     if ":" in path:
         module_name, qualname = path.split(":", 1)
     elif "." in path:
@@ -406,6 +422,7 @@ def calculate(expression: str) -> int | float:
     return _eval_node(tree)
 
 
+@register_tool("calculator")
 def calculator(expression: str) -> str:
     """The built-in calculator tool: ``{"expression": "123*456"}`` -> ``"56088"``."""
     return format_number(calculate(expression))

@@ -11,6 +11,7 @@ import struct
 import urllib.request
 from pathlib import Path
 
+from rlstage.engines.plugins import check_recorded_plugins, load_plugins, plugins_used
 from rlstage.infra.store import ArtifactStore
 from rlstage.schemas.config import ConfigError, RunConfig, drop_unset_late_settings, stored_config_from
 from rlstage.schemas.manifest import Manifest, unsafe_checkpoint_file
@@ -29,13 +30,23 @@ class InputError(ValueError):
 # ---------------------------------------------------------------- the run's config
 
 
+def _registries() -> None:
+    """The built-in registry entries and the environment's plugins: the stage views ask what an estimator needs.
+    (Imported when first needed: a mistake found before any view is computed is answered without torch.)"""
+    from rlstage.engines import algorithms, datasets, rewards, rollout_engines, tools  # noqa: F401  (built-in entries)
+
+    load_plugins()
+
+
 def stage_reads(cfg: RunConfig, path: str) -> bool:
     """Whether some stage's config view holds ``path`` (its output then depends on it)."""
+    _registries()
     return any(covers(path, view_paths(cfg, s)) for s in STAGES)
 
 
 def _identity(cfg: RunConfig) -> dict:
-    dump = drop_unset_late_settings(RunConfig, cfg.model_dump(mode="json"))
+    _registries()
+    dump = cfg.hashed_dump()
     for path in RUN_MUTABLE:
         if stage_reads(cfg, path):
             continue
@@ -73,13 +84,16 @@ def check_run_config(store: ArtifactStore, cfg: RunConfig) -> bool:
             f"config error: run {cfg.run_name!r} exists with another config ({diff[0]}"
             f"{f' and {len(diff) - 1} more' if len(diff) > 1 else ''}); use a new run_name or replay a stage"
         )
+    check_recorded_plugins(stored.get("plugins") or {}, f"run {cfg.run_name!r}")
     return True
 
 
 def record_run_config(store: ArtifactStore, cfg: RunConfig) -> None:
     """Store the resolved config with the run (once its inputs proved usable); refuse a conflicting one."""
     if not check_run_config(store, cfg):
-        store.put_json(cfg.run_name, "run.json", {"config": cfg.model_dump(mode="json"), "identity": _identity(cfg)})
+        doc = {"config": cfg.model_dump(mode="json"), "identity": _identity(cfg)}
+        plugins = plugins_used(cfg)  # the plugins whose entries the config names, by distribution and version
+        store.put_json(cfg.run_name, "run.json", {**doc, "plugins": plugins} if plugins else doc)
 
 
 def stored_config(
@@ -91,7 +105,12 @@ def stored_config(
         runs = store.runs()
         known = f"; runs there: {', '.join(runs)}" if runs else "; no runs there"
         raise ConfigError(f"config error: run {run_name!r} does not exist under {store.root}{known}")
-    return stored_config_from(stored, f"{store.root}/{run_name}/run.json", overrides, trusted)
+    where = f"{store.root}/{run_name}/run.json"
+    load_plugins()  # the environment's: a stored config's own plugins are imported only once trusted (below)
+    cfg = stored_config_from(stored, where, overrides, trusted)
+    load_plugins(cfg.plugins)
+    check_recorded_plugins(stored.get("plugins") or {}, f"run {run_name!r}")
+    return cfg
 
 
 def stored_config_with(store_root: str, run_name: str, overrides: list[str], what: str) -> tuple[ArtifactStore, RunConfig]:

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 import traceback
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -81,9 +82,16 @@ def prefect_api():
 
 def _load(args) -> object:
     from rlstage.engines.preflight import check_registered_names
-    from rlstage.schemas.config import load_config
+    from rlstage.schemas.config import ConfigDeprecation, load_config
 
-    cfg = load_config(args.config, args.overrides)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ConfigDeprecation)
+        cfg = load_config(args.config, args.overrides)
+    for warning in caught:  # one line each, naming the new place of a setting read under its old name
+        if issubclass(warning.category, ConfigDeprecation):
+            print(f"rlstage: {warning.message}", file=sys.stderr, flush=True)
+        else:
+            warnings.showwarning(warning.message, warning.category, warning.filename, warning.lineno)
     check_registered_names(cfg)  # names looked up in the engines' registries: part of loading the config
     return cfg
 

@@ -24,6 +24,7 @@ from prefect.futures import PrefectFuture
 from prefect.logging.handlers import APILogHandler
 from prefect.settings import temporary_settings
 
+from rlstage.engines import algorithms as algos
 from rlstage.engines.preflight import preflight
 from rlstage.flows.checks import check_inputs, check_run_config, record_run_config
 from rlstage.flows.retention import prune_checkpoints
@@ -193,7 +194,7 @@ class Models:
 
 def models_before(cfg: RunConfig, store: ArtifactStore, iteration: int, initial: PolicyRef) -> Models:
     """The models iteration ``iteration`` (>= 1) starts from, read from the store for k > 1."""
-    ref = initial if cfg.needs_ref else None
+    ref = initial if algos.needs_reference(cfg) else None
     if iteration <= 1:
         return Models(initial, ref, critic_init_ref(initial) if cfg.critic.enable else None)
 

@@ -6,34 +6,40 @@ import hashlib
 import json
 import os
 import re
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-AdvEstimator = Literal[
-    "gae", "grpo", "grpo_vectorized", "rloo", "rloo_vectorized", "reinforce_plus_plus",
-    "reinforce_plus_plus_baseline", "remax", "opo", "gpg", "grpo_passk", "gdpo",
-    "optimal_token_baseline", "tir_optimal_token_baseline",
-]  # fmt: skip
-PolicyLoss = Literal[
-    "vanilla", "dppo_tv", "dppo_kl", "gspo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean", "dro", "cispo",
-    "bypass_mode",
-]  # fmt: skip
-LossAggMode = Literal[
-    "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
-]
-KLType = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "kl+", "k1+", "abs+", "mse+", "k2+", "low_var_kl+", "k3+"]
+# What a registered entry needs ("critic", "groups", "sum_pi_squared", "ref"), asked by registry kind and name. The
+# registries answer it (rlstage.engines.algorithms installs rlstage.engines.registry.needs_of when imported): schemas/
+# is a leaf that never imports them, and a question asked before they are loaded fails rather than guessing.
+_NEEDS_OF: list[Callable[[str, str], frozenset[str]]] = []
 
-# Estimators that need a value model, and those that compare samples within a prompt's group.
-NEEDS_CRITIC = {"gae"}
-NEEDS_GROUPS = {
-    "grpo", "grpo_vectorized", "rloo", "rloo_vectorized", "reinforce_plus_plus_baseline", "opo", "gpg",
-    "grpo_passk", "gdpo", "optimal_token_baseline", "tir_optimal_token_baseline",
+
+def install_needs(answer: Callable[[str, str], frozenset[str]]) -> None:
+    _NEEDS_OF[:] = [answer]
+
+
+def entry_needs(kind: str, name: str) -> frozenset[str]:
+    if not _NEEDS_OF:
+        raise RuntimeError(
+            f"what the {kind} {name!r} needs is known once rlstage.engines.algorithms is imported"
+        )
+    return _NEEDS_OF[0](kind, name)
+
+
+# The policy-loss settings that sat flat in the actor section until they nested under actor.policy_loss (0.2):
+# still read for one release (with a deprecation line), and hashed in this flat form so that stored runs keep their
+# cache keys. Their defaults are the built-in losses' (engines/algorithms/losses.py reads them from here).
+FLAT_LOSS_SETTINGS: dict[str, Any] = {
+    "clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "clip_ratio_c": 3.0, "tau_pos": 1.0, "tau_neg": 1.05,
+    "clip_cov_ratio": 0.0002, "clip_cov_lb": 1.0, "clip_cov_ub": 5.0, "kl_cov_ratio": 0.0002, "ppo_kl_coef": 0.1,
+    "dro_beta": None,
 }  # fmt: skip
-# Estimators that need the old policy's sum over the vocabulary of pi^2 per token (actor.calculate_sum_pi_squared).
-NEEDS_SUM_PI_SQUARED = {"optimal_token_baseline", "tir_optimal_token_baseline"}
 
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
@@ -66,9 +72,17 @@ class ConfigError(ValueError):
     """A bad configuration: the message is one line naming the key."""
 
 
+class ConfigDeprecation(DeprecationWarning):
+    """A setting read under its old name for one more release: the message names the new place (the CLI prints it)."""
+
+
 # A setting added after runs were stored: cache keys hash it only when it differs from its default, so the stages
 # those runs committed keep their keys (a nightly after an upgrade continues them instead of redoing them).
 HASHED_WHEN_SET = {"hashed_when_set": True}
+
+
+def _default(field: Any) -> Any:
+    return field.get_default(call_default_factory=True)
 
 
 def drop_unset_late_settings(model: type[BaseModel], dump: dict) -> dict:
@@ -81,8 +95,22 @@ def drop_unset_late_settings(model: type[BaseModel], dump: dict) -> dict:
         section = field.annotation
         if isinstance(section, type) and issubclass(section, BaseModel) and isinstance(dump[name], dict):
             drop_unset_late_settings(section, dump[name])
-        elif (field.json_schema_extra or {}).get("hashed_when_set") and dump[name] == field.default:
+        elif (field.json_schema_extra or {}).get("hashed_when_set") and dump[name] == _default(field):
             del dump[name]
+    return dump
+
+
+def flat_loss_form(dump: dict) -> dict:
+    """``dump`` (a run config's json dump) with ``actor.policy_loss`` as 0.1 stored it, in place: the loss's name as a
+    string and every flat loss setting beside it, given or at its default. Cache keys and run identities hash this
+    form, so a run stored before the settings nested keeps its keys; settings without a flat name stay nested."""
+    actor = dump.get("actor")
+    if isinstance(actor, dict) and isinstance(actor.get("policy_loss"), dict):
+        loss = dict(actor["policy_loss"])
+        name = loss.pop("name")
+        for key, default in FLAT_LOSS_SETTINGS.items():
+            actor[key] = loss.pop(key, default)
+        actor["policy_loss"] = {"name": name, **loss} if loss else name
     return dump
 
 
@@ -159,16 +187,16 @@ class ModelConfig(_Section):
 
 
 class DataConfig(_Section):
-    source: Literal["synthetic", "gsm8k", "verl_parquet"] = "synthetic"
-    train_path: str | None = None
-    test_path: str | None = None
-    prompts_per_iteration: int = Field(64, ge=1)
+    source: str = "synthetic"  # a registered data source (the kit's task, gsm8k, verl_parquet, a plugin's)
+    train_path: str | None = None  # the training prompts file (gsm8k: JSONL; verl_parquet: a verl RL Parquet file)
+    test_path: str | None = None  # the held-out prompts file, never trained on
+    prompts_per_iteration: int = Field(64, ge=1)  # prompts trained per iteration (verl's train_batch_size), each sampled rollout.n times
     # verl's data.gen_batch_size: prompts per generation round of dynamic sampling (None: prompts_per_iteration);
     # the kept groups are trimmed to prompts_per_iteration (verl's train_batch_size).
     gen_batch_size: int | None = Field(None, ge=1)
     eval_size: int | None = Field(None, ge=1)  # held-out prompts per eval (None: all)
-    max_prompt_length: int = Field(256, ge=1)
-    shuffle_seed: int = 0
+    max_prompt_length: int = Field(256, ge=1)  # prompts longer than this (model tokens, chat template included) are dropped at data prep
+    shuffle_seed: int = 0  # seed of the order the training prompts are drawn in
 
     @model_validator(mode="after")
     def _paths(self) -> DataConfig:
@@ -181,7 +209,7 @@ class DataConfig(_Section):
 
 
 class RolloutConfig(_Section):
-    engine: Literal["hf", "vllm"] = "hf"
+    engine: str = "hf"  # a registered rollout engine (hf, vllm, a plugin's)
     n: int = Field(8, ge=1)  # samples per prompt (GRPO's group size)
     temperature: float = Field(1.0, ge=0)  # sampling temperature (0: greedy)
     top_p: float = Field(1.0, gt=0, le=1)  # nucleus sampling's probability mass (1: off)
@@ -294,7 +322,7 @@ class ToolConfig(_Section):
     name: str = Field(pattern=r"^[A-Za-z_][A-Za-z0-9_.-]{0,63}$")
     description: str = ""
     parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})  # JSON schema
-    callable: str  # import path of a sync or async function, "package.module:function"
+    callable: str  # a registered tool's name, or the import path of a sync or async function "package.module:function"
     timeout_s: float | None = Field(None, gt=0)  # None: agent.tool_timeout_s
 
 
@@ -350,11 +378,11 @@ class RolloutCorrectionConfig(_Section):
     YAML and in overrides (``'0.5_2.0'``): unquoted, YAML reads ``0.5_2.0`` as the number 0.52.
     """
 
-    rollout_is: Literal["token", "sequence"] | None = None
-    rollout_is_threshold: float | str = 2.0
-    rollout_is_batch_normalize: bool = False
-    bypass_mode: bool = False
-    loss_type: Literal["ppo_clip", "reinforce"] = "ppo_clip"
+    rollout_is: Literal["token", "sequence"] | None = None  # importance weights pi_train / pi_rollout per token or per sequence (None: off)
+    rollout_is_threshold: float | str = 2.0  # a number truncates the weights there (TIS); "low_high" zeroes weights outside the band (IcePop)
+    rollout_is_batch_normalize: bool = False  # rescale the weights to mean 1 over the batch
+    bypass_mode: bool = False  # the rollout's log-probs are the old policy (no recompute by the trainer)
+    loss_type: Literal["ppo_clip", "reinforce"] = "ppo_clip"  # bypass mode's loss: ppo_clip or reinforce
 
     @field_validator("rollout_is_threshold")
     @classmethod
@@ -368,9 +396,26 @@ class RolloutCorrectionConfig(_Section):
         return self.rollout_is is not None or self.bypass_mode
 
 
+class PolicyLossConfig(BaseModel):
+    """``actor.policy_loss``: a registered loss's ``name`` and its own settings beside it (verl's PolicyLossConfig).
+
+    The settings are kept as given: engines/preflight.py validates them against the loss's registered settings
+    model (a plugin's too, which schemas cannot import) and the actor receives that typed model.
+    """
+
+    model_config = ConfigDict(extra="allow", validate_assignment=True)
+
+    name: str = "vanilla"  # a registered policy loss (vanilla: PPO's clip; gspo, sapo, a plugin's, ...); its settings sit beside it
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        """The settings given beside the name."""
+        return dict(self.model_extra or {})
+
+
 class ActorConfig(_Section):
-    engine: Literal["torch", "deepspeed"] = "torch"
-    zero_stage: int = Field(0, ge=0, le=3)
+    engine: Literal["torch", "deepspeed"] = "torch"  # torch (a plain loop; data parallel by one all-reduce a step) or deepspeed (ZeRO)
+    zero_stage: int = Field(0, ge=0, le=3)  # engine=deepspeed: ZeRO stage (1: optimizer state sharded; 2: and gradients; 3: and weights)
     optim: OptimConfig = Field(default_factory=OptimConfig)
     ppo_mini_batch_size: int = Field(64, ge=1)  # samples per optimizer step
     micro_batch_size: int = Field(64, ge=1)  # samples per forward/backward
@@ -381,33 +426,57 @@ class ActorConfig(_Section):
     # The samples of one prompt in a micro-batch share the prompt's forward (its key/value cache), as GRPO's n
     # samples per prompt would otherwise each recompute it; padded layout only.
     share_prompts: bool = Field(False, json_schema_extra=HASHED_WHEN_SET)
-    ppo_epochs: int = Field(1, ge=1)
-    policy_loss: PolicyLoss = "vanilla"
-    clip_ratio_low: float = Field(0.2, ge=0)
-    clip_ratio_high: float = Field(0.2, ge=0)
-    clip_ratio_c: float = Field(3.0, gt=1.0)
-    loss_agg_mode: LossAggMode = "token-mean"
-    # Settings of particular policy losses, named and defaulted as verl's actor.policy_loss / actor config.
-    tau_pos: float = Field(1.0, gt=0)  # sapo: gate temperature where A > 0
-    tau_neg: float = Field(1.05, gt=0)  # sapo: where A <= 0
-    clip_cov_ratio: float = Field(0.0002, gt=0)  # clip_cov: share of tokens whose gradient is dropped
-    clip_cov_lb: float = 1.0  # clip_cov: covariance band of the candidates
-    clip_cov_ub: float = 5.0
-    kl_cov_ratio: float = Field(0.0002, gt=0)  # kl_cov: share of tokens given the KL penalty
-    ppo_kl_coef: float = Field(0.1, ge=0)  # kl_cov: coefficient of that penalty
-    dro_beta: float | None = Field(None, gt=0)  # dro: quadratic log-ratio penalty (required by dro)
+    ppo_epochs: int = Field(1, ge=1)  # passes over each iteration's batch
+    # A registered loss: its name (a string), or its name and settings ({name: gspo, clip_ratio_low: 0.2}).
+    policy_loss: PolicyLossConfig = Field(default_factory=PolicyLossConfig)
+    loss_agg_mode: str = "token-mean"  # a registered aggregation mode
     # Copied from algorithm.rollout_correction at load (verl hands it to the actor the same way): set it there.
     rollout_correction: RolloutCorrectionConfig = Field(default_factory=RolloutCorrectionConfig)
-    entropy_coeff: float = 0.0
-    use_kl_loss: bool = False
-    kl_loss_coef: float = Field(0.001, ge=0)
-    kl_loss_type: KLType = "low_var_kl"
-    shuffle: bool = True
+    entropy_coeff: float = 0.0  # weight of the entropy bonus (0: logged, not differentiated)
+    use_kl_loss: bool = False  # a KL term to the reference policy in the loss (GRPO's) instead of in the reward
+    kl_loss_coef: float = Field(0.001, ge=0)  # the KL loss's weight
+    kl_loss_type: str = "low_var_kl"  # a registered KL penalty
+    shuffle: bool = True  # shuffle samples between mini-batches
     # A mini-batch holds whole prompt groups (the shuffle moves a prompt's samples together), as verl's mini-batches
     # of ppo_mini_batch_size prompts x n: with share_prompts each prompt's forward is then shared by all its samples.
     group_mini_batches: bool = Field(False, json_schema_extra=HASHED_WHEN_SET)
     # The old-log-prob pass also returns sum_v pi_v^2 per token (optimal_token_baseline needs it), as verl's.
     calculate_sum_pi_squared: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nest_loss_settings(cls, data: Any) -> Any:
+        # A plain name is a loss without settings; the flat names of 0.1 move under policy_loss (read for one release).
+        if not isinstance(data, dict):
+            return data
+        if not any(key in data for key in FLAT_LOSS_SETTINGS) and not isinstance(data.get("policy_loss"), str):
+            return data
+        data = dict(data)
+        loss = data.get("policy_loss", {})
+        if isinstance(loss, str | BaseModel):
+            loss = {"name": loss} if isinstance(loss, str) else loss.model_dump()
+        if not isinstance(loss, dict):
+            return data  # pydantic names the type it wanted
+        loss = dict(loss)
+        for key, default in FLAT_LOSS_SETTINGS.items():
+            if key not in data:
+                continue
+            value = data.pop(key)
+            # a stored 0.1 config lists every flat setting: at its default one says nothing
+            if value == default:
+                continue
+            if key in loss:
+                raise ValueError(
+                    f"actor.{key} (deprecated) and actor.policy_loss.{key} are both set: keep the second"
+                )
+            warnings.warn(
+                f"actor.{key} is deprecated: set actor.policy_loss.{key} (the flat name is read until 0.3)",
+                ConfigDeprecation,
+                stacklevel=2,
+            )
+            loss[key] = value
+        data["policy_loss"] = loss
+        return data
 
     @model_validator(mode="after")
     def _layout(self) -> ActorConfig:
@@ -427,16 +496,16 @@ class CriticConfig(_Section):
     micro_batch_tokens: int | None = Field(None, ge=1)  # as actor.micro_batch_tokens
     packing: bool = False  # as actor.packing
     ppo_epochs: int = Field(1, ge=1)  # passes over each batch
-    loss_agg_mode: LossAggMode = "token-mean"  # how token losses reduce to one (as actor.loss_agg_mode)
+    loss_agg_mode: str = "token-mean"  # a registered aggregation mode (as actor.loss_agg_mode)
     warmup_iterations: int = Field(0, ge=0)  # iterations that train only the critic
     shuffle: bool = True  # shuffle samples between mini-batches
 
 
 class KLControlConfig(_Section):
-    type: Literal["fixed", "adaptive"] = "fixed"
-    kl_coef: float = Field(0.001, ge=0)
-    target_kl: float = Field(0.1, gt=0)
-    horizon: int = Field(10000, ge=1)
+    type: Literal["fixed", "adaptive"] = "fixed"  # fixed coefficient, or adaptive towards target_kl
+    kl_coef: float = Field(0.001, ge=0)  # the (initial) KL coefficient
+    target_kl: float = Field(0.1, gt=0)  # adaptive: the KL the coefficient steers towards
+    horizon: int = Field(10000, ge=1)  # adaptive: how slowly the coefficient moves (verl's horizon)
 
 
 class FilterGroupsConfig(_Section):
@@ -444,19 +513,19 @@ class FilterGroupsConfig(_Section):
     ``metric`` is equal for all samples are dropped and more prompts generated, up to ``max_num_gen_batches``
     generation rounds in all (verl's default 0 means no cap there; here a cap is required)."""
 
-    enable: bool = False
+    enable: bool = False  # DAPO's dynamic sampling: drop groups whose samples all score alike, generate more
     # a key of rlstage.engines.dynamic_sampling.FILTER_METRICS (checked there, by engines/preflight.py)
     metric: str = "acc"
-    max_num_gen_batches: int = Field(0, ge=0)
+    max_num_gen_batches: int = Field(0, ge=0)  # generation rounds per iteration at most (a cap is required when enabled)
 
 
 class AlgorithmConfig(_Section):
-    adv_estimator: AdvEstimator = "grpo"
-    norm_adv_by_std_in_grpo: bool = True
-    gamma: float = Field(1.0, ge=0, le=1)
-    lam: float = Field(1.0, ge=0, le=1)
-    use_kl_in_reward: bool = False
-    kl_penalty: KLType = "kl"
+    adv_estimator: str = "grpo"  # a registered advantage estimator
+    norm_adv_by_std_in_grpo: bool = True  # GRPO divides advantages by the group's std (false: Dr. GRPO)
+    gamma: float = Field(1.0, ge=0, le=1)  # the discount of gae (and of REINFORCE++'s returns)
+    lam: float = Field(1.0, ge=0, le=1)  # gae's lambda
+    use_kl_in_reward: bool = False  # subtract a KL penalty to the reference from the token rewards (kl_ctrl's coefficient)
+    kl_penalty: str = "kl"  # a registered KL penalty
     kl_ctrl: KLControlConfig = Field(default_factory=KLControlConfig)
     rollout_correction: RolloutCorrectionConfig = Field(default_factory=RolloutCorrectionConfig)
     filter_groups: FilterGroupsConfig = Field(default_factory=FilterGroupsConfig)
@@ -575,6 +644,9 @@ class RunConfig(_Section):
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     drill: DrillConfig = Field(default_factory=DrillConfig)
     agent: AgentConfig = Field(default_factory=AgentConfig)
+    # Modules imported before the config's names are looked up, to register third-party entries (as the
+    # ``rlstage.plugins`` entry points are): code to import, so a stored config may not name them (code_settings).
+    plugins: list[str] = Field(default_factory=list, json_schema_extra=HASHED_WHEN_SET)
 
     @field_validator("run_name")
     @classmethod
@@ -585,16 +657,7 @@ class RunConfig(_Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> RunConfig:
-        est = self.algorithm.adv_estimator
-        if est in NEEDS_CRITIC and not self.critic.enable:
-            raise ValueError(f"algorithm.adv_estimator={est} needs a critic, which is not configured (critic.enable)")
-        if est in NEEDS_GROUPS and self.rollout.n < 2:
-            raise ValueError(f"rollout.n={self.rollout.n}: algorithm.adv_estimator={est} needs groups of n >= 2")
-        if est in NEEDS_SUM_PI_SQUARED and not self.actor.calculate_sum_pi_squared:
-            raise ValueError(
-                f"algorithm.adv_estimator={est} needs the old policy's sum of pi^2 over the vocabulary per token: "
-                "set actor.calculate_sum_pi_squared=true (verl's name) so the old-log-prob pass returns it"
-            )
+        # What the estimator and the loss need (critic, groups, ...) is checked with the registries: engines/preflight.py
         fg = self.algorithm.filter_groups
         if fg.enable and fg.max_num_gen_batches == 0:
             raise ValueError(
@@ -618,18 +681,16 @@ class RunConfig(_Section):
                 "without algorithm.filter_groups.enable: every generated prompt is trained on, so set "
                 "data.prompts_per_iteration instead"
             )
-        if self.actor.policy_loss == "dro" and self.actor.dro_beta is None:
-            raise ValueError("actor.policy_loss=dro needs actor.dro_beta (> 0)")
         rc = self.algorithm.rollout_correction
         if self.actor.rollout_correction not in (RolloutCorrectionConfig(), rc):
             raise ValueError("actor.rollout_correction is copied from algorithm.rollout_correction: set it there")
-        if self.actor.policy_loss == "bypass_mode" and not rc.bypass_mode:
+        if self.actor.policy_loss.name == "bypass_mode" and not rc.bypass_mode:
             raise ValueError(
                 "actor.policy_loss=bypass_mode is selected by algorithm.rollout_correction.bypass_mode=true"
             )
-        if rc.bypass_mode and self.actor.policy_loss not in ("vanilla", "bypass_mode"):
+        if rc.bypass_mode and self.actor.policy_loss.name not in ("vanilla", "bypass_mode"):
             raise ValueError(
-                f"algorithm.rollout_correction.bypass_mode=true replaces actor.policy_loss={self.actor.policy_loss} "
+                f"algorithm.rollout_correction.bypass_mode=true replaces actor.policy_loss={self.actor.policy_loss.name} "
                 "(its loss is rollout_correction.loss_type): leave actor.policy_loss at vanilla"
             )
         if self.actor.rollout_correction != rc:
@@ -761,9 +822,14 @@ class RunConfig(_Section):
         """A frozen reference policy is needed for KL in the reward or as a loss."""
         return self.algorithm.use_kl_in_reward or self.actor.use_kl_loss
 
+    def hashed_dump(self) -> dict:
+        """The config as cache keys and run identities see it: late settings at their default left out, the policy
+        loss in its flat 0.1 form (flat_loss_form)."""
+        return flat_loss_form(drop_unset_late_settings(type(self), self.model_dump(mode="json")))
+
     def stage_hash(self, *sections: str) -> str:
         """Hash of the named config sections (dotted paths): what a stage's output depends on."""
-        dump = drop_unset_late_settings(type(self), self.model_dump(mode="json"))
+        dump = self.hashed_dump()
         picked = {}
         for path in sections:
             node: Any = dump
@@ -851,8 +917,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     return build_config(merge_dicts(data, parse_overrides(overrides)))
 
 
-# The built-in calculator tool (rlstage.engines.tools), by its name and by its name before 0.2.0 (engines.modpath).
+# The built-in calculator tool (rlstage.engines.tools), by its registered name, its import path and its import path
+# before 0.2.0 (engines.modpath).
 CALCULATOR_PATHS = (
+    "calculator",
     "rlstage.engines.tools:calculator",
     "rlstage.engines.tools.calculator",
     "engines.tools:calculator",
@@ -892,8 +960,11 @@ def code_settings(data: Any) -> list[tuple[str, str]]:
     tools = agent.get("tools") if isinstance(agent, dict) else None
     for i, tool in enumerate(tools if isinstance(tools, list) else []):
         path = tool.get("callable") if isinstance(tool, dict) else None
-        if path is not None:
+        if path is not None and (":" in str(path) or "." in str(path)):  # a plain name is a registered tool
             out.append((f"agent.tools.{i}.callable", str(path)))
+    plugins = data.get("plugins")
+    for i, module in enumerate(plugins if isinstance(plugins, list) else []):
+        out.append((f"plugins.{i}", str(module)))
     return out
 
 

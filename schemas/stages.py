@@ -14,10 +14,11 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from rlstage.schemas.config import NEEDS_SUM_PI_SQUARED, RunConfig
+from rlstage.schemas.config import RunConfig, entry_needs
 
 # Where and how a run executes, never what a stage computes: readable by every stage, never hashed.
-EXECUTION = ("run_name", "store", "ray", "tracking", "drill")
+# The plugin modules too: what their entries compute is keyed by the plugins' versions (tasks/runtime.py).
+EXECUTION = ("run_name", "store", "ray", "tracking", "drill", "plugins")
 
 
 class UndeclaredConfigRead(RuntimeError):
@@ -103,6 +104,10 @@ _ROLLOUT = (
 _REWARD = ("reward", "reward_model.enable")
 
 
+def _needs_sum_pi_squared(v: ConfigView) -> bool:
+    return "sum_pi_squared" in entry_needs("advantage estimator", v.algorithm.adv_estimator)
+
+
 def _eval_extra(v: ConfigView) -> tuple[str, ...]:
     return _agent(v) + (("rollout.temperature", "trainer.eval_require_maj") if v.trainer.eval_n > 0 else ())
 
@@ -164,9 +169,9 @@ SPECS: tuple[StageSpec, ...] = (
             "algorithm", "rollout.temperature", "rollout.max_logprob_gap", "rollout.engine", "critic.enable",
             *_ACTOR_PASS, *_WORKER,
         ),  # fmt: skip
-        # optimal_token_baseline needs sum pi^2 from the old-log-prob pass (config load requires the flag)
+        # an estimator that needs sum pi^2 gets it from the old-log-prob pass (config load requires the flag)
         reads_if=lambda v: (_CRITIC_PASS if v.critic.enable else ())
-        + (("actor.calculate_sum_pi_squared",) if v.algorithm.adv_estimator in NEEDS_SUM_PI_SQUARED else ()),
+        + (("actor.calculate_sum_pi_squared",) if _needs_sum_pi_squared(v) else ()),
         inputs=("rollouts", "rewards", "policy", "ref", "critic", "prev_experience"),
         optional=("ref", "critic", "prev_experience"),
         output="experience",
@@ -246,7 +251,9 @@ class ConfigView:
         allowed = (not self._prefix and name in EXECUTION) or covers(path, self._paths)
         if name in type(self._node).model_fields:
             value = getattr(self._node, name)
-            if isinstance(value, BaseModel):  # a section: checked at the setting read from it
+            # a section: checked at the setting read from it; a declared entry's section (a name and the settings
+            # its registry entry validates, e.g. actor.policy_loss) is read whole, as its keys are not fields
+            if isinstance(value, BaseModel) and not (allowed and value.model_config.get("extra") == "allow"):
                 return ConfigView(value, self._stage, (path,) if allowed else self._paths, path + ".")
             if allowed:
                 return value

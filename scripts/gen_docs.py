@@ -52,6 +52,26 @@ def sections(model: type[BaseModel], prefix: str = "") -> list[tuple[str, type[B
     return found
 
 
+def rows() -> list[tuple[str, type[BaseModel], str, object, str]]:
+    """(section prefix, section model, field name, field info, help) for every leaf setting of ``RunConfig``."""
+    out = []
+    for prefix, model in sections(RunConfig):
+        helps: dict[str, str] = {}
+        for klass in reversed(model.__mro__):
+            if isinstance(klass, type) and issubclass(klass, BaseModel) and klass.__module__ == model.__module__:
+                helps |= comments(klass)
+        for name, field in model.model_fields.items():
+            sub = field.annotation
+            if not (isinstance(sub, type) and issubclass(sub, BaseModel)):
+                out.append((prefix, model, name, field, field.description or helps.get(name, "")))
+    return out
+
+
+def missing_help() -> list[str]:
+    """Settings with neither a description nor a comment in schemas/config.py (tests/test_docs.py fails on any)."""
+    return [f"{prefix}{name}" for prefix, _, name, _, text in rows() if not text]
+
+
 def render() -> str:
     lines = [
         "# Configuration reference",
@@ -60,24 +80,19 @@ def render() -> str:
         "A run's config is one YAML file plus dotted overrides (`actor.optim.lr=2e-4`); an unknown key or a bad",
         "value is refused in one line naming it.",
     ]
+    by_section: dict[str, list] = {}
+    for prefix, model, name, field, text in rows():
+        by_section.setdefault(prefix, [model]).append((name, field, text))
     for prefix, model in sections(RunConfig):
-        helps = {}
-        for klass in reversed(model.__mro__):
-            if isinstance(klass, type) and issubclass(klass, BaseModel) and klass.__module__ == model.__module__:
-                helps |= comments(klass)
         doc = inspect.getdoc(model) if model.__doc__ else ""
         lines += ["", f"## `{prefix.rstrip('.') or 'top level'}`", ""]
         if doc and not doc.startswith(("Usage docs", "A base class")):
             lines += [doc.splitlines()[0], ""]
         lines += ["| field | type | default | help |", "| --- | --- | --- | --- |"]
-        for name, field in model.model_fields.items():
-            sub = field.annotation
-            if isinstance(sub, type) and issubclass(sub, BaseModel):
-                continue
+        for name, field, text in by_section.get(prefix, [model])[1:]:
             default = "required" if field.is_required() else repr(field.get_default(call_default_factory=True))
-            text = (field.description or helps.get(name, "")).replace("|", "\\|")
             kind = type_name(field.annotation).replace("|", "\\|")
-            lines.append(f"| `{prefix}{name}` | `{kind}` | `{default}` | {text} |".replace("`|", "` |"))
+            lines.append(f"| `{prefix}{name}` | `{kind}` | `{default}` | {text.replace('|', chr(92) + '|')} |")
     return "\n".join(lines) + "\n"
 
 

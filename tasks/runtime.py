@@ -8,10 +8,12 @@ import subprocess
 from functools import lru_cache
 from pathlib import Path
 
+from rlstage.engines.plugins import plugins_used
+from rlstage.engines.registry import NAMED_SETTINGS
 from rlstage.infra.store import ArtifactStore
 from rlstage.schemas.config import RunConfig
 from rlstage.schemas.manifest import Manifest, PolicyRef
-from rlstage.schemas.stages import ConfigView
+from rlstage.schemas.stages import ConfigView, covers, view_hash, view_paths, whole_config
 
 
 @lru_cache(maxsize=1)
@@ -26,6 +28,19 @@ def code_version() -> str:
 
 def store_for(cfg: RunConfig | ConfigView) -> ArtifactStore:
     return ArtifactStore(cfg.store.root, cfg.store.storage_options, retries=cfg.store.retries)
+
+
+def stage_config_hash(cfg: RunConfig | ConfigView, stage: str) -> str:
+    """What a stage's output depends on in the config (its view's hash) and, where its view names entries that
+    plugins registered, those plugins' versions: another version of a plugin's loss is another stage. Without
+    plugins it is the view's hash itself, so runs stored before plugins keep their keys."""
+    paths = view_paths(cfg, stage)
+    used = plugins_used(whole_config(cfg), [s for s in NAMED_SETTINGS if covers(s, paths)])
+    config_hash = view_hash(cfg, stage)
+    if not used:
+        return config_hash
+    blob = json.dumps({"config": config_hash, "plugins": used}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 def stage_key(stage: str, inputs: dict[str, str], config_hash: str) -> str:

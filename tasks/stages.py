@@ -33,14 +33,15 @@ from rlstage.engines import metrics as eval_metrics
 from rlstage.engines.agent_loop import agent_metrics
 from rlstage.engines.cursor import extra_prompt_batch, prompt_batch
 from rlstage.engines.experience import BYPASS_CHECK_ROWS  # noqa: F401  (tests read it here)
+from rlstage.engines.plugins import load_plugins
 from rlstage.engines.tools import agent_tokenizer
 from rlstage.infra.drill import fault_point, hold_point
 from rlstage.infra.ray_runtime import get_unless_stopping
 from rlstage.schemas import artifacts as A
-from rlstage.schemas.config import NEEDS_SUM_PI_SQUARED, RunConfig
+from rlstage.schemas.config import RunConfig
 from rlstage.schemas.manifest import Manifest, PolicyRef
-from rlstage.schemas.stages import ConfigView, spec, stage_view, view_hash, whole_config
-from rlstage.tasks.runtime import code_version, stage_key, store_for
+from rlstage.schemas.stages import ConfigView, spec, stage_view, whole_config
+from rlstage.tasks.runtime import code_version, stage_config_hash, stage_key, store_for
 from rlstage.workers.group import PolicyGroup, open_group
 from rlstage.workers.roles import Generator, Trainer
 
@@ -80,7 +81,7 @@ def run_stage(
     """
     store = store_for(cfg)
     run = run or cfg.run_name
-    config_hash = view_hash(cfg, stage)
+    config_hash = stage_config_hash(cfg, stage)
     key = stage_key(stage, inputs, config_hash)
     existing = store.committed(run, iteration, stage, key, version=version)
     if existing is not None:
@@ -117,6 +118,7 @@ BODIES: dict[str, Callable[..., StageResult]] = {}
 
 @ray.remote(max_retries=0)  # a lost worker fails the Prefect task, whose retry (visible in Prefect) runs it again
 def _stage_process(name: str, cfg: RunConfig, args: tuple, kwargs: dict) -> StageResult:
+    load_plugins(cfg.plugins)  # this worker process registers what the run's plugins register
     return BODIES[name](stage_view(cfg, name), *args, **kwargs)
 
 
@@ -488,7 +490,7 @@ def _forwards(
     temp = cfg.rollout.temperature
     a = cfg.algorithm
     sum_pi_sq = None
-    if a.adv_estimator in NEEDS_SUM_PI_SQUARED and cfg.actor.calculate_sum_pi_squared:
+    if experience.needs_sum_pi_squared(a.adv_estimator) and cfg.actor.calculate_sum_pi_squared:
         # sum pi^2 needs every row's forward, which gives the old log-probs too (under bypass as well: the
         # update still trains against the rollout's, and the gap guard sees every row)
         checked = list(range(len(prompt_ids)))
@@ -593,7 +595,7 @@ def is_checkpoint(cfg: ConfigView, iteration: int) -> bool:
 def update_hash(cfg: ConfigView) -> str:
     """The update settings a policy committed between checkpoints must have been trained with to be rebuilt
     (by re-running its updates from stored experience): the update stage's view."""
-    return view_hash(whole_config(cfg), "update")
+    return stage_config_hash(whole_config(cfg), "update")
 
 
 def hold_policy(group: PolicyGroup, cfg: ConfigView, ref: PolicyRef) -> None:
@@ -604,7 +606,7 @@ def hold_policy(group: PolicyGroup, cfg: ConfigView, ref: PolicyRef) -> None:
 def hold_critic(group: PolicyGroup, cfg: ConfigView, ref: PolicyRef) -> None:
     """Make the actor serving the critic (rank 0, or the reference/critic actor placed apart) hold critic
     ``ref``, rebuilt there when retention pruned its weights: valid under the critic stage's settings only."""
-    group.acquire(ref, "critic", update_hash=view_hash(whole_config(cfg), "critic"))
+    group.acquire(ref, "critic", update_hash=stage_config_hash(whole_config(cfg), "critic"))
 
 
 @stage_task("update")

@@ -5,14 +5,12 @@ from __future__ import annotations
 import math
 import statistics
 from collections import defaultdict
-from typing import get_args
 
 import numpy as np
 import pytest
 import torch
 
 from rlstage.engines import algorithms as A
-from rlstage.schemas.config import AdvEstimator, KLType, LossAggMode, PolicyLoss
 
 T = torch.tensor
 
@@ -50,11 +48,39 @@ SCORES = [1.0, 0.0, 0.0, 0.5, 1.0, 1.0]
 
 
 # ---------------------------------------------------------------- names
-def test_names_match_config_literals():
-    assert tuple(A.ADV_ESTIMATORS) == get_args(AdvEstimator)
-    assert tuple(A.POLICY_LOSSES) == get_args(PolicyLoss)
-    assert A.LOSS_AGG_MODES == get_args(LossAggMode)
-    assert A.KL_TYPES == get_args(KLType)
+# verl 0.9.1's names: the registries hold each built in (a plugin may add more, engines/plugins.py)
+VERL_NAMES = {
+    "ADV_ESTIMATORS": (
+        "gae", "grpo", "grpo_vectorized", "rloo", "rloo_vectorized", "reinforce_plus_plus",
+        "reinforce_plus_plus_baseline", "remax", "opo", "gpg", "grpo_passk", "gdpo", "optimal_token_baseline",
+        "tir_optimal_token_baseline",
+    ),
+    "POLICY_LOSSES": (
+        "vanilla", "dppo_tv", "dppo_kl", "gspo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean", "dro", "cispo",
+        "bypass_mode",
+    ),
+    "LOSS_AGG_MODES": ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
+    "KL_TYPES": (
+        "kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "kl+", "k1+", "abs+", "mse+", "k2+", "low_var_kl+", "k3+",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("registry", sorted(VERL_NAMES))
+def test_registries_hold_verls_names(registry):
+    names = [n for n in getattr(A, registry) if getattr(A, registry).entry(n).module.startswith("rlstage.")]
+    assert sorted(names) == sorted(VERL_NAMES[registry])
+
+
+def test_estimators_declare_what_they_need():
+    needs = {n: A.ADV_ESTIMATORS.entry(n).needs for n in A.ADV_ESTIMATORS}
+    assert {n for n, k in needs.items() if "critic" in k} == {"gae"}
+    assert {n for n, k in needs.items() if "sum_pi_squared" in k} == {"optimal_token_baseline", "tir_optimal_token_baseline"}
+    # the estimators that compare samples within a prompt's group
+    assert {n for n, k in needs.items() if "groups" in k} == {
+        "grpo", "grpo_vectorized", "rloo", "rloo_vectorized", "reinforce_plus_plus_baseline", "opo", "gpg",
+        "grpo_passk", "gdpo", "optimal_token_baseline", "tir_optimal_token_baseline",
+    }  # fmt: skip
 
 
 def test_unknown_names_list_valid_ones():
@@ -69,9 +95,9 @@ def test_unknown_names_list_valid_ones():
 
 
 def test_reregistering_a_name_with_another_function_fails():
-    with pytest.raises(ValueError, match="already registered"):
+    with pytest.raises(ValueError, match="'grpo' is registered twice: by rlstage.engines.algorithms.advantages and by"):
         A.register_adv_estimator("grpo")(lambda **kw: None)
-    with pytest.raises(ValueError, match="already registered"):
+    with pytest.raises(ValueError, match="registered twice"):
         A.register_policy_loss("vanilla")(lambda *a, **kw: None)
     assert A.ADV_ESTIMATORS["grpo"] is A.grpo_advantage
 
@@ -491,7 +517,7 @@ def test_k3_is_clamped():
     assert torch.isfinite(A.kl_penalty(lp, ref, "k3+")).all()
 
 
-@pytest.mark.parametrize("name", [n for n in get_args(KLType) if n.endswith("+")])
+@pytest.mark.parametrize("name", [n for n in VERL_NAMES["KL_TYPES"] if n.endswith("+")])
 def test_plus_variants_have_base_value_and_k2_gradient(name):
     g = torch.Generator().manual_seed(3)
     ref = torch.randn(5, generator=g)
@@ -836,12 +862,17 @@ def test_rollout_correction_token_sequence_icepop_and_normalisation():
 
 
 def test_config_refuses_bad_settings_in_one_line():
+    from rlstage.engines.preflight import check_registered_names
     from rlstage.schemas.config import ConfigError, load_config
+
+    def load(overrides):  # the CLI's loading: the model, then the names and needs against the registries
+        check_registered_names(cfg := load_config(None, overrides))
+        return cfg
 
     bad = {
         "rollout_is_threshold": (["algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.rollout_is_threshold='2_0.5'"], "IcePop band needs low < high"),
         "passk": (["algorithm.adv_estimator=grpo_passk", "rollout.n=1"], "needs groups of n >= 2"),
-        "dro": (["actor.policy_loss=dro"], "needs actor.dro_beta"),
+        "dro": (["actor.policy_loss=dro"], r"actor\.policy_loss\.dro_beta: Field required"),
         "otb": (["algorithm.adv_estimator=optimal_token_baseline"], "set actor.calculate_sum_pi_squared=true"),
         "bypass": (["actor.policy_loss=bypass_mode"], "bypass_mode=true"),
         "bypass_other": (["algorithm.rollout_correction.bypass_mode=true", "actor.policy_loss=gspo"], "leave actor.policy_loss"),
@@ -850,7 +881,7 @@ def test_config_refuses_bad_settings_in_one_line():
     }
     for key, (overrides, match) in bad.items():
         with pytest.raises(ConfigError, match=match) as err:
-            load_config(None, overrides)
+            load(overrides)
         assert "\n" not in str(err.value), key
     cfg = load_config(None, ["algorithm.rollout_correction.rollout_is=sequence", "algorithm.rollout_correction.rollout_is_threshold='0.5_2'"])
     assert cfg.algorithm.rollout_correction.rollout_is_threshold == "0.5_2"

@@ -133,10 +133,24 @@ def _world(w: Path) -> dict[str, str]:
     store.commit("done", 1, "update", blobs=pickled, **kw)
     (w / "store" / "broken").mkdir()
     (w / "store" / "broken" / "run.json").write_text("{half a document")
+    # Plugins (modules on the commands' path): one that fails to import, two that register one name, one whose loss
+    # has a settings model; and a run stored with a plugin distribution this environment lacks.
+    loss = "from rlstage.engines.algorithms import register_policy_loss\n\n"
+    (w / "broken_plugin.py").write_text("raise RuntimeError('this plugin is broken')\n")
+    for mod in ("twin_a", "twin_b"):
+        (w / f"{mod}.py").write_text(loss + "@register_policy_loss('twin')\ndef twin(*a, **kw):\n    raise AssertionError\n")
+    (w / "strict_plugin.py").write_text(
+        "from pydantic import BaseModel, Field\n\n" + loss + "class Strict(BaseModel):\n    beta: float = Field(1.0, gt=0)\n\n\n"
+        "@register_policy_loss('strict', settings=Strict)\ndef strict(*a, **kw):\n    raise AssertionError\n"
+    )
+    record_run_config(store, RunConfig(run_name="plugged"))
+    doc = json.loads((w / "store" / "plugged" / "run.json").read_text())
+    (w / "store" / "plugged" / "run.json").write_text(json.dumps({**doc, "plugins": {"rlstage-no-such-plugin": "0.1.0"}}))
     return p
 
 
 GSM = ["data.source=gsm8k"]
+NOPYC = {"PYTHONDONTWRITEBYTECODE": "1"}
 
 
 def _train_data(train: str, test: str = "{good_jsonl}", source: str = "gsm8k") -> list[str]:
@@ -154,7 +168,7 @@ CASES: list[tuple[str, list[str], dict[str, str], str]] = [
     ("override without =", ["train", "nonsense"], {}, r"override 'nonsense' is not of the form key=value"),
     ("unknown key", ["train", "actor.optim.lrr=1"], {}, r"config error: actor\.optim\.lrr: Extra inputs are not permitted"),
     ("bad value", ["train", "actor.optim.lr=-1"], {}, r"config error: actor\.optim\.lr: Input should be greater than 0"),
-    ("unknown estimator", ["demo", "algorithm.adv_estimator=ppo2"], {}, r"config error: algorithm\.adv_estimator: .*'grpo'"),
+    ("unknown estimator", ["demo", "algorithm.adv_estimator=ppo2"], {}, r"config error: algorithm\.adv_estimator: unknown advantage estimator 'ppo2'; registered: gae, grpo, "),
     ("override value not YAML", ["train", "actor.optim.betas=[0.9,"], {}, r"config error: override actor\.optim\.betas: value is not YAML"),
     ("config file missing", ["train", "-c", "{w}/nope.yaml"], {}, r"config error: config file .*/nope\.yaml does not exist"),
     ("config file YAML syntax", ["train", "-c", "{bad_yaml}"], {}, r"config error: config file .*/bad\.yaml is not valid YAML \(expected .* at line 3, column 1\)"),
@@ -162,7 +176,7 @@ CASES: list[tuple[str, list[str], dict[str, str], str]] = [
     ("config file not UTF-8", ["train", "-c", "{latin1_yaml}"], {}, r"config error: config file .*/latin1\.yaml is not UTF-8 text"),
     ("config file not a mapping", ["train", "-c", "{list_yaml}"], {}, r"config error: .*/list\.yaml must hold a mapping"),
     ("run name with /", ["train", "run_name=a/b"], {}, r"config error: run_name: run name 'a/b' must be"),
-    ("groups of one", ["train", "rollout.n=1"], {}, r"config error: <root>: rollout\.n=1: algorithm\.adv_estimator=grpo needs groups"),
+    ("groups of one", ["train", "rollout.n=1"], {}, r"config error: rollout\.n: rollout\.n=1: algorithm\.adv_estimator=grpo needs groups"),
     ("dynamic sampling without a cap", ["train", "algorithm.filter_groups.enable=true"], {}, r"algorithm\.filter_groups\.max_num_gen_batches=0: dynamic sampling needs a cap"),
     ("maj@N without an extractor", ["train", *GSM, "data.train_path=t.jsonl", "data.test_path=h.jsonl", "trainer.eval_n=4", "trainer.eval_require_maj=true"], {}, r"trainer\.eval_require_maj: the reward function of data\.source=gsm8k, gsm8k extracts no answer"),
     ("no held-out set", ["train", *GSM, "data.train_path=x.jsonl"], {}, r"data\.test_path \(the held-out set\) is required for data\.source=gsm8k"),
@@ -223,6 +237,14 @@ CASES: list[tuple[str, list[str], dict[str, str], str]] = [
     ("pickle in an evaluated checkpoint", ["eval", "pickled", "-i", "1", "--store", "{store}"], {}, r"checkpoint .*/pickled/iter-0+1/update holds a pickled actor_state\.pt"),
     ("pickle in the shared SFT kit", ["train", "run_name=fresh", "store.root={store}"], {}, r"checkpoint .*/kit-\w+/.*sft holds model/pytorch_model\.bin, a file type that is never loaded"),
     ("pickle in a resumed run's reference", ["train", "run_name=resumed", "store.root={store}", "trainer.iterations=2"], {}, r"checkpoint .*/kit-\w+/.*sft holds model/pytorch_model\.bin"),
+    # ---- registries and plugins (a plugin's import must not write its bytecode into the checked folder)
+    ("unknown policy loss", ["train", "actor.policy_loss=gspoo"], {}, r"config error: actor\.policy_loss: unknown policy loss 'gspoo'; registered: vanilla, "),
+    ("plugin fails to import", ["train", "plugins=[broken_plugin]"], NOPYC, r"config error: plugins\.0: plugin 'broken_plugin' failed to import: RuntimeError: this plugin is broken$"),
+    ("two plugins, one name", ["train", "plugins=[twin_a, twin_b]"], NOPYC, r"config error: plugins\.1: plugin 'twin_b': policy loss 'twin' is registered twice: by twin_a and by twin_b$"),
+    ("plugin settings refused", ["train", "plugins=[strict_plugin]", "actor.policy_loss={{name: strict, beta: -1}}"], NOPYC, r"config error: actor\.policy_loss\.beta: Input should be greater than 0"),
+    ("plugin setting unknown", ["train", "plugins=[strict_plugin]", "actor.policy_loss={{name: strict, gamma: 1}}"], NOPYC, r"config error: actor\.policy_loss\.gamma: strict takes no gamma \(its settings: beta\)"),
+    ("stored run's plugin missing", ["nightly", "plugged", "--store", "{store}"], {}, r"config error: run 'plugged' was run with plugin rlstage-no-such-plugin==0\.1\.0, which is not installed here"),
+    ("stored run's plugin missing: resume", ["train", "run_name=plugged", "store.root={store}"], {}, r"run 'plugged' was run with plugin rlstage-no-such-plugin==0\.1\.0"),
     ("stored tool: replay", ["replay", "eviltool", "1", "rollout", "--store", "{store}"], {}, r"agent\.tools\.0\.callable: 'evil_tool:score' comes from the stored config"),
 ]  # fmt: skip
 
@@ -239,7 +261,9 @@ def outcomes(tmp_path_factory) -> dict:
     cwd.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RLSTAGE_", "PREFECT_API", "MLFLOW_TRACKING"))}
     # Our modules from this tree; evil_tool importable if the check failed to stop it; an empty allow-list.
-    env.update(PYTHONPATH=os.pathsep.join([str(REPO), str(w)]), XDG_CONFIG_HOME=str(w / "xdg"))
+    # (an inherited PYTHONPATH first: a worktree whose folder is not named rlstage is importable through it)
+    path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env.update(PYTHONPATH=os.pathsep.join([*path, str(REPO), str(w)]), XDG_CONFIG_HOME=str(w / "xdg"))
     before = _files(w)
 
     def run(case):

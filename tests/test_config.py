@@ -27,8 +27,12 @@ def test_yaml_and_dotted_overrides(tmp_path):
         (["actor.optim.lrr=1"], "config error: actor.optim.lrr: Extra inputs are not permitted"),
         (["actor.optim.lr=-1"], "config error: actor.optim.lr:"),
         (["rollout.n=0"], "config error: rollout.n:"),
-        (["algorithm.adv_estimator=foo"], "config error: algorithm.adv_estimator:"),
-        (["actor.clip_ratio_low=-0.1"], "config error: actor.clip_ratio_low:"),
+        (["algorithm.adv_estimator=foo"], "config error: algorithm.adv_estimator: unknown advantage estimator 'foo'"),
+        (["actor.policy_loss.clip_ratio_low=-0.1"], "config error: actor.policy_loss.clip_ratio_low: Input should be"),
+        (["actor.policy_loss=gspoo"], "config error: actor.policy_loss: unknown policy loss 'gspoo'; registered: vanilla"),
+        (["actor.policy_loss={name: sapo, clip_ratio_low: 0.1}"], "actor.policy_loss.clip_ratio_low: sapo takes no"),
+        (["actor.loss_agg_mode=mean"], "config error: actor.loss_agg_mode: unknown loss aggregation mode 'mean'"),
+        (["algorithm.kl_penalty=k4"], "config error: algorithm.kl_penalty: unknown KL penalty 'k4'; registered: kl, k1"),
         (["actor.zero_stage=4"], "config error: actor.zero_stage:"),
         (["run_name=a/b"], "config error: run_name:"),
         (["run_name=.."], "config error: run_name:"),
@@ -44,21 +48,53 @@ def test_yaml_and_dotted_overrides(tmp_path):
 )
 def test_bad_config_names_the_key(overrides, needle):
     with pytest.raises(ConfigError) as err:
-        load_config(None, overrides)
+        load(overrides)
     msg = str(err.value)
     assert needle in msg
     assert "\n" not in msg
 
 
+def load(overrides):
+    """What the CLI loads: the config model, then the names it gives against the engines' registries."""
+    from rlstage.engines.preflight import check_registered_names
+
+    check_registered_names(cfg := load_config(None, overrides))
+    return cfg
+
+
 def test_unknown_estimator_lists_valid_names():
     with pytest.raises(ConfigError) as err:
-        load_config(None, ["algorithm.adv_estimator=ppo2"])
+        load(["algorithm.adv_estimator=ppo2"])
     assert "grpo" in str(err.value) and "rloo" in str(err.value)
 
 
 def test_missing_config_file(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "nope.yaml")
+
+
+def test_policy_loss_settings_nest_under_their_loss():
+    from rlstage.engines import algorithms as algos
+
+    cfg = load(["actor.policy_loss={name: gspo, clip_ratio_low: 0.0003, clip_ratio_high: 0.0004}"])
+    settings = algos.policy_loss_settings(cfg.actor.policy_loss)
+    assert isinstance(settings, algos.LossSettings)
+    assert (settings.clip_ratio_low, settings.clip_ratio_high, settings.clip_ratio_c) == (0.0003, 0.0004, 3.0)
+    plain = load(["actor.policy_loss=sapo"])  # a plain name: the loss's defaults
+    assert algos.policy_loss_settings(plain.actor.policy_loss).model_dump() == {"tau_pos": 1.0, "tau_neg": 1.05}
+
+
+def test_flat_loss_settings_are_read_with_a_deprecation_line_and_hash_as_before():
+    with pytest.warns(DeprecationWarning, match=r"actor\.clip_ratio_high is deprecated: set actor\.policy_loss\.clip_ratio_high"):
+        flat = load(["actor.policy_loss=gspo", "actor.clip_ratio_high=0.28"])
+    nested = load(["actor.policy_loss={name: gspo, clip_ratio_high: 0.28}"])
+    assert flat.actor.policy_loss == nested.actor.policy_loss
+    assert flat.stage_hash("actor") == nested.stage_hash("actor")
+    # the hashed form is 0.1's flat one: a loss name and every flat setting beside it
+    actor = nested.hashed_dump()["actor"]
+    assert actor["policy_loss"] == "gspo" and actor["clip_ratio_high"] == 0.28 and actor["dro_beta"] is None
+    with pytest.raises(ConfigError, match=r"actor\.clip_ratio_high \(deprecated\) and actor\.policy_loss\.clip_ratio_high"):
+        load_config(None, ["actor.policy_loss={name: gspo, clip_ratio_high: 0.3}", "actor.clip_ratio_high=0.28"])
 
 
 def test_override_values_are_yaml_scalars():

@@ -298,6 +298,6 @@ def test_load_prompts_dispatch(tmp_path: Path) -> None:
     with pytest.raises(D.DatasetError, match="needs a path"):
         D.load_prompts("gsm8k", None)
     with pytest.raises(
-        D.DatasetError, match="unknown data source 'csv'; valid: synthetic, gsm8k, verl_parquet"
+        D.DatasetError, match="unknown data source 'csv'; registered: synthetic, gsm8k, verl_parquet"
     ):
         D.load_prompts("csv", "x.csv")

@@ -31,3 +31,11 @@ def test_relative_links_of_the_readme_and_the_pages_resolve():
 def test_the_configuration_reference_is_the_config_models():
     out = subprocess.run([sys.executable, "scripts/gen_docs.py", "--check"], cwd=REPO, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
+
+
+def test_every_setting_says_what_it_does():
+    sys.path.insert(0, str(REPO / "scripts"))
+    import gen_docs
+
+    missing = gen_docs.missing_help()
+    assert not missing, f"settings without help in schemas/config.py (a description, or a comment beside it): {missing}"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rlstage.schemas.config import ConfigError, load_config
+from rlstage.schemas.config import ConfigError, PolicyLossConfig, load_config
 from rlstage.schemas.stages import STAGE_FILES, spec
 from tests_support import flow_graph, stage_states, tiny_overrides
 
@@ -148,7 +148,8 @@ def test_conflicting_config_for_existing_run_is_refused(first_run):
     from rlstage.flows.training import train
 
     cfg, _ = first_run
-    other = cfg.model_copy(update={"actor": cfg.actor.model_copy(update={"clip_ratio_high": 0.28})})
+    loss = PolicyLossConfig(name="vanilla", clip_ratio_high=0.28)
+    other = cfg.model_copy(update={"actor": cfg.actor.model_copy(update={"policy_loss": loss})})
     with pytest.raises(ConfigError, match="actor.clip_ratio_high"):
         train(config=other)
 

@@ -14,6 +14,7 @@ from transformers import LlamaForTokenClassification
 
 from rlstage.engines.actor import TorchActor
 from rlstage.engines.critic import TorchCritic
+from rlstage.engines.registry import NAMED_SETTINGS, REGISTRIES
 from rlstage.engines.tinykit import build_char_tokenizer, build_tiny_llama
 from rlstage.schemas.config import ConfigError, KitConfig, RunConfig, build_config, load_config, merge_dicts
 from rlstage.schemas.stages import (
@@ -86,6 +87,9 @@ EXPLICIT = {
 
 def _candidates(path: str, value: typing.Any, ann: typing.Any) -> list:
     """Other values for a leaf, tried in order until the config validates."""
+    named = path.removesuffix(".name")
+    if named in NAMED_SETTINGS and not isinstance(value, list):  # a registered name: the others of its registry
+        return [n for n in REGISTRIES[NAMED_SETTINGS[named]] if n != value]
     for key, values in EXPLICIT.items():
         if path.endswith(key):
             return values

@@ -219,7 +219,7 @@ def test_local_functions_are_refused() -> None:
         with pytest.raises(ValueError, match="not a module-level function"):
             R.score_batch(_rows(["x"]), timeout_s=1.0, function="test_local")
     finally:
-        del R.REWARD_FNS["test_local"]
+        R.REWARD_FNS.remove("test_local")
 
 
 def test_raising_and_hanging_functions_cost_only_their_sample() -> None:

@@ -23,19 +23,21 @@ from pathlib import Path
 import pyarrow as pa
 import torch
 
+from rlstage.engines import algorithms as algos
 from rlstage.engines.actor import DataParallelTorchActor, TorchActor
 from rlstage.engines.checkpoint import load_trainer_state, save_trainer_state
 from rlstage.engines.critic import TorchCritic
 from rlstage.engines.lora import (
     base_ref,
     is_adapter_dir,
-    is_peft,
     load_adapters,
     save_adapters,
     save_hf,
     with_adapters,
 )
-from rlstage.engines.rollout import HFRolloutEngine, SamplingParams
+from rlstage.engines.plugins import load_plugins
+from rlstage.engines.rollout import SamplingParams
+from rlstage.engines.rollout_engines import IN_MEMORY, ROLLOUT_ENGINES
 from rlstage.infra.drill import WorkerDrill, fault_point, hold_point
 from rlstage.infra.env import pid_alive
 from rlstage.infra.store import ArtifactStore
@@ -128,37 +130,9 @@ def load_policy_model(cfg: RunConfig, store: ArtifactStore, ref: PolicyRef, path
 
 
 def rollout_engine(cfg: RunConfig, model, tokenizer, path: str, current=None):
-    """The ``rollout.engine`` for weights just loaded from ``path`` (``model`` holds them in memory).
-
-    HF shares ``model``. A running vLLM engine (``current``) takes the new weights in place: starting one
-    costs 15-60 s on CPU. A LoRA policy held in memory (a ``PeftModel``, colocated) reaches vLLM as its adapter
-    over the base's weights in ``path`` (vLLM's LoRA support, as verl's LoRA rollout); a folder of merged
-    weights (the rollout worker placed apart) is loaded as it is.
-    """
-    r = cfg.rollout
-    if r.engine == "hf":
-        return HFRolloutEngine(model, tokenizer, r.batch_size, r.share_prompts)
-    from rlstage.engines.rollout_vllm import VLLMRolloutEngine  # lazy: vllm is an optional extra
-
-    adapter = is_peft(model)
-    if not isinstance(current, VLLMRolloutEngine):
-        current = VLLMRolloutEngine(
-            path,
-            tokenizer,
-            dtype=cfg.model.dtype,
-            seed=r.seed,
-            kv_cache_bytes=r.vllm_kv_cache_bytes,
-            enforce_eager=r.vllm_enforce_eager,
-            max_num_seqs=r.vllm_max_num_seqs,
-            cpu_threads_bind=r.vllm_cpu_threads_bind,
-            quiet_waits=r.vllm_quiet_waits,
-            lora_rank=cfg.model.lora_rank if adapter else 0,
-        )
-    else:
-        current.load_weights(path)
-    if adapter:
-        current.load_adapter(model)
-    return current
+    """The ``rollout.engine`` for weights just loaded from ``path`` (``model`` holds them in memory): its registered
+    factory (engines/rollout_engines.py), given the engine held so far, which a running engine reuses."""
+    return ROLLOUT_ENGINES.entry(cfg.rollout.engine).obj(cfg, model, tokenizer, path, current)
 
 
 SCRATCH = re.compile(r"^rlstage-(?:worker|rollout)-p(\d+)-")
@@ -169,7 +143,7 @@ def every_rank_generates(cfg: RunConfig) -> bool:
     is data parallel too): the HF engine over a rank's whole policy (ZeRO 0-2). Under ZeRO-3 the other ranks keep
     a partition only, and a vLLM engine is started once, on rank 0."""
     zero3 = cfg.actor.engine == "deepspeed" and cfg.actor.zero_stage == 3
-    return cfg.ray.rollout_placement == "colocated" and cfg.rollout.engine == "hf" and not zero3
+    return cfg.ray.rollout_placement == "colocated" and cfg.rollout.engine == IN_MEMORY and not zero3
 
 
 def scratch_dir(kind: str, run: str) -> Path:
@@ -201,6 +175,7 @@ class PolicyWorker:
 
     def __init__(self, cfg_json: dict, total_steps: int, rank: int = 0, world_size: int = 1) -> None:
         self.cfg = RunConfig.model_validate(cfg_json)
+        load_plugins(self.cfg.plugins)  # the entries the run's plugins register, in this process too
         self.rank, self.world_size = rank, world_size
         self.pending = False  # holds trained weights that a commit (on rank 0) has not named yet
         torch.set_num_threads(self.cfg.model.torch_threads)
@@ -558,7 +533,7 @@ class PolicyWorker:
         cfg = self.cfg
         exp = self.store.read_table(Manifest.model_validate(experience_json), "experience.parquet")
         columns = ("prompt_ids", "response_ids", "response_mask", "old_log_probs", "advantages")
-        columns += ("ref_log_probs",) if cfg.actor.use_kl_loss else ()
+        columns += ("ref_log_probs",) if algos.actor_needs_ref(cfg.actor) else ()
         columns += ("rollout_log_probs",) if cfg.actor.rollout_correction.enabled else ()
         batch = update_batch(exp, columns)
         seed = iteration_seed(cfg.trainer.seed, iteration)

@@ -17,7 +17,9 @@ from pathlib import Path
 import torch
 
 from rlstage.engines.lora import save_hf
+from rlstage.engines.plugins import load_plugins
 from rlstage.engines.rollout import SamplingParams
+from rlstage.engines.rollout_engines import IN_MEMORY
 from rlstage.infra.drill import WorkerDrill
 from rlstage.infra.store import ArtifactStore
 from rlstage.schemas.config import RunConfig
@@ -38,6 +40,7 @@ from rlstage.workers.policy import (
 class RolloutWorker:
     def __init__(self, cfg_json: dict) -> None:
         self.cfg = RunConfig.model_validate(cfg_json)
+        load_plugins(self.cfg.plugins)  # the entries the run's plugins register, in this process too
         torch.set_num_threads(self.cfg.model.torch_threads)
         self.store = ArtifactStore(self.cfg.store.root, self.cfg.store.storage_options, retries=self.cfg.store.retries)
         self.held: str | None = None
@@ -89,12 +92,12 @@ class RolloutWorker:
         model, base = load_policy_model(self.cfg, self.store, ref, path, self.scratch, trainable=False)
         if base is not None:  # a LoRA checkpoint from the store: its adapter merged into its base
             model = model.merge_and_unload()
-            if self.cfg.rollout.engine != "hf":  # vLLM starts from (or reloads) a folder of plain weights
+            if self.cfg.rollout.engine != IN_MEMORY:  # vLLM (any other engine) starts from a folder of plain weights
                 path = self.scratch / "merged"
                 shutil.rmtree(path, ignore_errors=True)
                 save_hf(model, self.tokenizer, path)
         # the HF engine generates on the actor's GPU; vLLM loads its own copy from the folder
-        self.model = model.requires_grad_(False).to(compute_device() if self.cfg.rollout.engine == "hf" else "cpu")
+        self.model = model.requires_grad_(False).to(compute_device() if self.cfg.rollout.engine == IN_MEMORY else "cpu")
         self.rollout = rollout_engine(self.cfg, self.model, self.tokenizer, str(path), self.rollout)
         self.held = ref.version
         return ref.version

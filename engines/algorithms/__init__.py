@@ -6,8 +6,8 @@ One module each: ``advantages`` (estimators), ``losses`` (policy and value losse
 importance weights) and ``masked`` (masked reductions, group statistics); this package re-exports them.
 
 Pure torch (plus numpy-compatible group ids), no Prefect, no Ray. Everything that a config picks
-by name lives in a registry (``ADV_ESTIMATORS``, ``POLICY_LOSSES``) or a name tuple
-(``LOSS_AGG_MODES``, ``KL_TYPES``), and the conventions follow verl 0.9.1
+by name lives in a registry (``ADV_ESTIMATORS``, ``POLICY_LOSSES``, ``LOSS_AGG_MODES``, ``KL_TYPES``:
+engines/registry.py), and the conventions follow verl 0.9.1
 (``verl/trainer/ppo/core_algos.py`` and ``verl/utils/torch_functional.py``).
 
 Shapes and masks
@@ -42,7 +42,13 @@ from rlstage.engines.algorithms.advantages import (
     rloo_vectorized_advantage,
     tir_optimal_token_baseline_advantage,
 )
-from rlstage.engines.algorithms.aggregation import LOSS_AGG_MODES, AggNorm, agg_loss, agg_norm
+from rlstage.engines.algorithms.aggregation import (
+    LOSS_AGG_MODES,
+    AggNorm,
+    agg_loss,
+    agg_norm,
+    register_loss_agg_mode,
+)
 from rlstage.engines.algorithms.correction import (
     ROLLOUT_IS_LEVELS,
     SAFETY_BOUND,
@@ -57,12 +63,16 @@ from rlstage.engines.algorithms.kl import (
     apply_kl_penalty,
     get_kl_controller,
     kl_penalty,
+    register_kl_penalty,
 )
 from rlstage.engines.algorithms.losses import (
     FIXED_PG_AGG,
     POLICY_LOSSES,
+    LossSettings,
+    actor_needs_ref,
     compute_value_loss,
     get_policy_loss,
+    needs_reference,
     policy_loss_bypass_mode,
     policy_loss_cispo,
     policy_loss_clip_cov,
@@ -75,6 +85,7 @@ from rlstage.engines.algorithms.losses import (
     policy_loss_kl_cov,
     policy_loss_reinforce,
     policy_loss_sapo,
+    policy_loss_settings,
     policy_loss_vanilla,
     register_policy_loss,
 )
@@ -85,6 +96,10 @@ from rlstage.engines.algorithms.masked import (
     masked_var,
     masked_whiten,
 )
+from rlstage.engines.registry import needs_of
+from rlstage.schemas.config import install_needs
+
+install_needs(needs_of)  # the stage views ask what an estimator needs (schemas cannot import the registries)
 
 __all__ = [
     "ADV_ESTIMATORS",
@@ -95,9 +110,11 @@ __all__ = [
     "KLController",
     "KL_TYPES",
     "LOSS_AGG_MODES",
+    "LossSettings",
     "POLICY_LOSSES",
     "ROLLOUT_IS_LEVELS",
     "SAFETY_BOUND",
+    "actor_needs_ref",
     "agg_loss",
     "agg_norm",
     "apply_kl_penalty",
@@ -117,6 +134,7 @@ __all__ = [
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "needs_reference",
     "offpolicy_metrics",
     "opo_advantage",
     "optimal_token_baseline_advantage",
@@ -133,8 +151,11 @@ __all__ = [
     "policy_loss_kl_cov",
     "policy_loss_reinforce",
     "policy_loss_sapo",
+    "policy_loss_settings",
     "policy_loss_vanilla",
     "register_adv_estimator",
+    "register_kl_penalty",
+    "register_loss_agg_mode",
     "register_policy_loss",
     "reinforce_plus_plus_advantage",
     "reinforce_plus_plus_baseline_advantage",

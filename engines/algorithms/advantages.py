@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
 from rlstage.engines.algorithms.masked import _group_ids, _group_stats, _group_sum, _safe_den, masked_whiten
+from rlstage.engines.registry import Registry
 
 Tensor = torch.Tensor
 GroupIndex = Sequence[Hashable] | np.ndarray
@@ -17,11 +18,15 @@ AdvEstimatorFn = Callable[..., tuple[Tensor, Tensor]]
 
 
 # ====================================================================== advantage estimators
-ADV_ESTIMATORS: dict[str, AdvEstimatorFn] = {}
+# What each needs is declared where it is registered: ``critic`` (values), ``groups`` (n >= 2 samples a prompt),
+# ``sum_pi_squared`` (the old policy's sum over the vocabulary of pi^2 per token, actor.calculate_sum_pi_squared).
+ADV_ESTIMATORS: Registry[AdvEstimatorFn] = Registry("advantage estimator")
 
 
-def register_adv_estimator(name: str) -> Callable[[AdvEstimatorFn], AdvEstimatorFn]:
-    """Decorator: register an advantage estimator under ``name``.
+def register_adv_estimator(
+    name: str, *, needs: Iterable[str] = ()
+) -> Callable[[AdvEstimatorFn], AdvEstimatorFn]:
+    """Decorator: register an advantage estimator under ``name``, declaring what it ``needs``.
 
     An estimator is called with keyword arguments only, taking the subset of
     ``token_level_rewards, response_mask, index, values, reward_baselines, gamma, lam,
@@ -29,28 +34,19 @@ def register_adv_estimator(name: str) -> Callable[[AdvEstimatorFn], AdvEstimator
     signature names; parameters without a default are required. It returns ``(advantages, returns)``,
     both ``[batch, response_len]``.
     """
-
-    def deco(fn: AdvEstimatorFn) -> AdvEstimatorFn:
-        if name in ADV_ESTIMATORS and ADV_ESTIMATORS[name] is not fn:
-            raise ValueError(f"advantage estimator {name!r} is already registered")
-        ADV_ESTIMATORS[name] = fn
-        return fn
-
-    return deco
+    return ADV_ESTIMATORS.register(name, needs=needs)
 
 
 def get_adv_estimator(name: str) -> AdvEstimatorFn:
-    """The registered estimator called ``name``; ValueError naming the valid ones otherwise."""
-    if name not in ADV_ESTIMATORS:
-        raise ValueError(f"unknown advantage estimator {name!r}; valid: {', '.join(ADV_ESTIMATORS)}")
-    return ADV_ESTIMATORS[name]
+    """The registered estimator called ``name``; ValueError naming the registered ones otherwise."""
+    return ADV_ESTIMATORS.entry(name).obj
 
 
 def _float_mask(response_mask: Tensor, like: Tensor) -> Tensor:
     return response_mask.to(dtype=like.dtype, device=like.device)
 
 
-@register_adv_estimator("gae")
+@register_adv_estimator("gae", needs=("critic",))
 @torch.no_grad()
 def gae_advantage(
     *,
@@ -96,8 +92,8 @@ def gae_advantage(
     return masked_whiten(out, mask), returns
 
 
-@register_adv_estimator("grpo_vectorized")
-@register_adv_estimator("grpo")
+@register_adv_estimator("grpo_vectorized", needs=("groups",))
+@register_adv_estimator("grpo", needs=("groups",))
 @torch.no_grad()
 def grpo_advantage(
     *,
@@ -127,7 +123,7 @@ def grpo_advantage(
     return out, out
 
 
-@register_adv_estimator("rloo")
+@register_adv_estimator("rloo", needs=("groups",))
 @torch.no_grad()
 def rloo_advantage(
     *, token_level_rewards: Tensor, response_mask: Tensor, index: GroupIndex, **kwargs: Any
@@ -148,7 +144,7 @@ def rloo_advantage(
     return out, out
 
 
-@register_adv_estimator("rloo_vectorized")
+@register_adv_estimator("rloo_vectorized", needs=("groups",))
 @torch.no_grad()
 def rloo_vectorized_advantage(
     *, token_level_rewards: Tensor, response_mask: Tensor, index: GroupIndex, **kwargs: Any
@@ -196,7 +192,7 @@ def reinforce_plus_plus_advantage(
     return masked_whiten(returns, mask) * mask, returns
 
 
-@register_adv_estimator("reinforce_plus_plus_baseline")
+@register_adv_estimator("reinforce_plus_plus_baseline", needs=("groups",))
 @torch.no_grad()
 def reinforce_plus_plus_baseline_advantage(
     *, token_level_rewards: Tensor, response_mask: Tensor, index: GroupIndex, **kwargs: Any
@@ -234,7 +230,7 @@ def remax_advantage(
     return returns - base * mask, returns
 
 
-@register_adv_estimator("opo")
+@register_adv_estimator("opo", needs=("groups",))
 @torch.no_grad()
 def opo_advantage(
     *, token_level_rewards: Tensor, response_mask: Tensor, index: GroupIndex, **kwargs: Any
@@ -258,7 +254,7 @@ def opo_advantage(
     return out, out
 
 
-@register_adv_estimator("gpg")
+@register_adv_estimator("gpg", needs=("groups",))
 @torch.no_grad()
 def gpg_advantage(
     *, token_level_rewards: Tensor, response_mask: Tensor, index: GroupIndex, **kwargs: Any
@@ -278,7 +274,7 @@ def gpg_advantage(
     return out, out
 
 
-@register_adv_estimator("grpo_passk")
+@register_adv_estimator("grpo_passk", needs=("groups",))
 @torch.no_grad()
 def grpo_passk_advantage(
     *,
@@ -314,7 +310,7 @@ def grpo_passk_advantage(
     return out, out
 
 
-@register_adv_estimator("gdpo")
+@register_adv_estimator("gdpo", needs=("groups",))
 @torch.no_grad()
 def gdpo_advantage(
     *,
@@ -364,7 +360,7 @@ def _zero_tail(baselines: Tensor, lengths: Tensor, rows: list[int]) -> None:
         baselines[rows[int(at_max[0])], second:] = 0.0
 
 
-@register_adv_estimator("optimal_token_baseline")
+@register_adv_estimator("optimal_token_baseline", needs=("groups", "sum_pi_squared"))
 @torch.no_grad()
 def optimal_token_baseline_advantage(
     *,
@@ -406,7 +402,7 @@ def optimal_token_baseline_advantage(
     return (returns - baselines) * mask, returns
 
 
-@register_adv_estimator("tir_optimal_token_baseline")
+@register_adv_estimator("tir_optimal_token_baseline", needs=("groups", "sum_pi_squared"))
 @torch.no_grad()
 def tir_optimal_token_baseline_advantage(
     *,

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from rlstage.engines.algorithms.masked import _safe_den, masked_sum
+from rlstage.engines.registry import Registry
 
 Tensor = torch.Tensor
 
@@ -57,9 +58,58 @@ def _global(agg: AggNorm | None) -> dict[str, Any]:
     return {} if agg is None else agg.agg_kwargs()
 
 
-LOSS_AGG_MODES: tuple[str, ...] = (
-    "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm",
-)  # fmt: skip
+# An aggregation mode: ``fn(loss_mat, mask, tokens, seq_mask, *, dp_size, batch_num_tokens, global_batch_size,
+# loss_scale_factor) -> scalar`` with ``mask`` the float mask, ``tokens`` its per-row sums and ``seq_mask`` the
+# non-empty rows (agg_loss computes them once and checks the data-parallel arguments).
+AggModeFn = Callable[..., Tensor]
+LOSS_AGG_MODES: Registry[AggModeFn] = Registry("loss aggregation mode")
+# The modes whose data-parallel normalisation needs the global token count (the others need the sequence count,
+# or nothing: token-sum).
+_NEEDS_TOKENS = {"token-mean"}
+
+
+def register_loss_agg_mode(name: str) -> Callable[[AggModeFn], AggModeFn]:
+    """Decorator: register an aggregation mode under ``name`` (its signature: ``AggModeFn`` above)."""
+    return LOSS_AGG_MODES.register(name)
+
+
+def _seqs(seq_mask: Tensor, global_batch_size: float | Tensor | None, like: Tensor) -> Tensor:
+    return (
+        seq_mask.sum() if global_batch_size is None else torch.as_tensor(global_batch_size, dtype=like.dtype)
+    )
+
+
+@register_loss_agg_mode("token-mean")
+def _token_mean(loss_mat, mask, tokens, seq_mask, *, dp_size, batch_num_tokens, **kw) -> Tensor:
+    den = mask.sum() if batch_num_tokens is None else torch.as_tensor(batch_num_tokens, dtype=loss_mat.dtype)
+    return masked_sum(loss_mat, mask) / _safe_den(den) * dp_size
+
+
+@register_loss_agg_mode("token-sum")
+def _token_sum(loss_mat, mask, tokens, seq_mask, *, dp_size, **kw) -> Tensor:
+    return masked_sum(loss_mat, mask) * dp_size
+
+
+@register_loss_agg_mode("seq-mean-token-sum")
+def _seq_mean_token_sum(loss_mat, mask, tokens, seq_mask, *, dp_size, global_batch_size, **kw) -> Tensor:
+    seq_losses = masked_sum(loss_mat, mask, dim=-1)
+    return (
+        masked_sum(seq_losses, seq_mask) / _safe_den(_seqs(seq_mask, global_batch_size, loss_mat)) * dp_size
+    )
+
+
+@register_loss_agg_mode("seq-mean-token-mean")
+def _seq_mean_token_mean(loss_mat, mask, tokens, seq_mask, *, dp_size, global_batch_size, **kw) -> Tensor:
+    seq_losses = masked_sum(loss_mat, mask, dim=-1) / (tokens + 1e-8)
+    return (
+        masked_sum(seq_losses, seq_mask) / _safe_den(_seqs(seq_mask, global_batch_size, loss_mat)) * dp_size
+    )
+
+
+@register_loss_agg_mode("seq-mean-token-sum-norm")
+def _seq_mean_token_sum_norm(loss_mat, mask, tokens, seq_mask, *, loss_scale_factor, **kw) -> Tensor:
+    width = mask.shape[-1] if loss_scale_factor is None else loss_scale_factor
+    return _seq_mean_token_sum(loss_mat, mask, tokens, seq_mask, **kw) / width
 
 
 def agg_loss(
@@ -91,27 +141,21 @@ def agg_loss(
     entries are dropped even if they hold NaN/inf. An empty batch gives 0 with a finite gradient (verl
     would divide 0 by 0).
     """
+    mode = LOSS_AGG_MODES.entry(loss_agg_mode).obj
     mask = loss_mask.to(dtype=loss_mat.dtype, device=loss_mat.device)
     if dp_size > 1 and loss_agg_mode != "token-sum":
-        needed = batch_num_tokens if loss_agg_mode == "token-mean" else global_batch_size
-        if needed is None:
-            key = "batch_num_tokens" if loss_agg_mode == "token-mean" else "global_batch_size"
+        key = "batch_num_tokens" if loss_agg_mode in _NEEDS_TOKENS else "global_batch_size"
+        if {"batch_num_tokens": batch_num_tokens, "global_batch_size": global_batch_size}[key] is None:
             raise ValueError(f"agg_loss: dp_size={dp_size} needs the global {key} of the mini-batch")
-    if loss_agg_mode == "token-mean":
-        den = mask.sum() if batch_num_tokens is None else torch.as_tensor(batch_num_tokens, dtype=loss_mat.dtype)
-        return masked_sum(loss_mat, mask) / _safe_den(den) * dp_size
-    if loss_agg_mode == "token-sum":
-        return masked_sum(loss_mat, mask) * dp_size
     tokens = mask.sum(dim=-1)
     seq_mask = (tokens > 0).to(loss_mat.dtype)
-    seqs = seq_mask.sum() if global_batch_size is None else torch.as_tensor(global_batch_size, dtype=loss_mat.dtype)
-    if loss_agg_mode in ("seq-mean-token-sum", "seq-mean-token-sum-norm"):
-        seq_losses = masked_sum(loss_mat, mask, dim=-1)
-        loss = masked_sum(seq_losses, seq_mask) / _safe_den(seqs) * dp_size
-        if loss_agg_mode == "seq-mean-token-sum-norm":
-            loss = loss / (loss_mask.shape[-1] if loss_scale_factor is None else loss_scale_factor)
-        return loss
-    if loss_agg_mode == "seq-mean-token-mean":
-        seq_losses = masked_sum(loss_mat, mask, dim=-1) / (tokens + 1e-8)
-        return masked_sum(seq_losses, seq_mask) / _safe_den(seqs) * dp_size
-    raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; valid: {', '.join(LOSS_AGG_MODES)}")
+    return mode(
+        loss_mat,
+        mask,
+        tokens,
+        seq_mask,
+        dp_size=dp_size,
+        batch_num_tokens=batch_num_tokens,
+        global_batch_size=global_batch_size,
+        loss_scale_factor=loss_scale_factor,
+    )

@@ -2,35 +2,67 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
 from rlstage.engines.algorithms.masked import masked_mean
+from rlstage.engines.registry import Registry
 
 Tensor = torch.Tensor
 
 
 # ====================================================================== KL
-KL_TYPES: tuple[str, ...] = (
-    "kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3",
-    "kl+", "k1+", "abs+", "mse+", "k2+", "low_var_kl+", "k3+",
-)  # fmt: skip
+# A KL penalty: ``fn(log_prob, ref_log_prob) -> [batch, len]`` estimate of KL(pi || pi_ref) per token. Registering
+# ``name`` registers ``name+`` too: the same value with k2's gradient (straight-through, see kl_penalty).
+KLPenaltyFn = Callable[[Tensor, Tensor], Tensor]
+KL_TYPES: Registry[KLPenaltyFn] = Registry("KL penalty")
 
 
-def _kl_forward(log_prob: Tensor, ref_log_prob: Tensor, kind: str) -> Tensor:
-    if kind in ("kl", "k1"):
-        return log_prob - ref_log_prob
-    if kind == "abs":
-        return (log_prob - ref_log_prob).abs()
-    if kind in ("mse", "k2"):
-        return 0.5 * (log_prob - ref_log_prob).square()
-    if kind in ("low_var_kl", "k3"):
-        # clamp the exponent (±20) and then the estimate (±10), both as verl, for stability
-        d = torch.clamp(ref_log_prob - log_prob, min=-20.0, max=20.0)
-        return torch.clamp(torch.exp(d) - d - 1, min=-10.0, max=10.0)
-    raise ValueError(f"unknown KL type {kind!r}; valid: {', '.join(KL_TYPES)}")
+def register_kl_penalty(*names: str) -> Callable[[KLPenaltyFn], KLPenaltyFn]:
+    """Decorator: register a per-token KL estimate under ``names`` (aliases) and each ``name+``."""
+
+    def deco(fn: KLPenaltyFn) -> KLPenaltyFn:
+        for name in names:
+            KL_TYPES.add(name, fn, needs=("ref",))
+        for name in names:
+            KL_TYPES.add(f"{name}+", _k2_gradient(fn), needs=("ref",), module=fn.__module__)
+        return fn
+
+    return deco
+
+
+def _k2_gradient(fn: KLPenaltyFn) -> KLPenaltyFn:
+    def straight_through(log_prob: Tensor, ref_log_prob: Tensor) -> Tensor:
+        k2 = 0.5 * (log_prob - ref_log_prob).square()
+        return k2 - k2.detach() + fn(log_prob, ref_log_prob).detach()
+
+    straight_through.__qualname__ = f"{fn.__qualname__}+"
+    return straight_through
+
+
+@register_kl_penalty("kl", "k1")
+def _k1(log_prob: Tensor, ref_log_prob: Tensor) -> Tensor:
+    return log_prob - ref_log_prob
+
+
+@register_kl_penalty("abs")
+def _abs(log_prob: Tensor, ref_log_prob: Tensor) -> Tensor:
+    return (log_prob - ref_log_prob).abs()
+
+
+@register_kl_penalty("mse", "k2")
+def _k2(log_prob: Tensor, ref_log_prob: Tensor) -> Tensor:
+    return 0.5 * (log_prob - ref_log_prob).square()
+
+
+@register_kl_penalty("low_var_kl", "k3")
+def _k3(log_prob: Tensor, ref_log_prob: Tensor) -> Tensor:
+    # clamp the exponent (±20) and then the estimate (±10), both as verl, for stability
+    d = torch.clamp(ref_log_prob - log_prob, min=-20.0, max=20.0)
+    return torch.clamp(torch.exp(d) - d - 1, min=-10.0, max=10.0)
 
 
 def kl_penalty(log_prob: Tensor, ref_log_prob: Tensor, kl_penalty: str) -> Tensor:
@@ -48,14 +80,7 @@ def kl_penalty(log_prob: Tensor, ref_log_prob: Tensor, kl_penalty: str) -> Tenso
     but takes the GRADIENT of k2 (whose expected gradient is the gradient of the KL), straight-through:
     ``k2 - sg(k2) + sg(k)``. ``mse+`` / ``k2+`` equal ``k2``. Nothing is masked here.
     """
-    base = kl_penalty[:-1] if kl_penalty.endswith("+") else kl_penalty
-    if kl_penalty not in KL_TYPES:
-        raise ValueError(f"unknown KL type {kl_penalty!r}; valid: {', '.join(KL_TYPES)}")
-    value = _kl_forward(log_prob, ref_log_prob, base)
-    if not kl_penalty.endswith("+"):
-        return value
-    k2 = 0.5 * (log_prob - ref_log_prob).square()
-    return k2 - k2.detach() + value.detach()
+    return KL_TYPES.entry(kl_penalty).obj(log_prob, ref_log_prob)
 
 
 class FixedKLController:

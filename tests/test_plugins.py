@@ -1,0 +1,354 @@
+"""Open registries and plugins: names checked against the registries at load, entries that declare what they need
+and their own settings, third-party entries from plugins, and a stored run that records which plugins it used."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from rlstage.engines import algorithms as algos
+
+# every registry exists before a test adds to it
+from rlstage.engines import datasets, rewards, rollout_engines  # noqa: F401
+from rlstage.engines import tools as _tools  # noqa: F401
+from rlstage.engines.plugins import PluginError, load_plugins, plugins_used
+from rlstage.engines.preflight import check_registered_names
+from rlstage.engines.registry import REGISTRIES
+from rlstage.flows.checks import check_run_config, record_run_config, stored_config
+from rlstage.infra.store import ArtifactStore
+from rlstage.schemas.config import ALLOWED_CALLABLES_ENV, ConfigError, load_config
+from rlstage.schemas.stages import kit_run_name, view_hash
+from rlstage.tasks.runtime import stage_config_hash
+
+REPO = Path(__file__).resolve().parent.parent
+LOSS = """
+from pydantic import BaseModel, Field
+
+from rlstage.engines.algorithms import register_policy_loss
+
+
+class Settings(BaseModel):
+    model_config = {{"extra": "forbid"}}
+    beta: float = Field(1.0, gt=0)
+
+
+@register_policy_loss({name!r}, settings=Settings)
+def loss(*args, **kw):
+    raise AssertionError("not run here")
+"""
+
+
+@pytest.fixture
+def plugin_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A folder on the path for plugin modules; what they register is forgotten afterwards."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
+    monkeypatch.delenv(ALLOWED_CALLABLES_ENV, raising=False)
+    before = {kind: set(registry) for kind, registry in REGISTRIES.items()}
+    modules = set(sys.modules)
+    yield tmp_path
+    for kind, registry in REGISTRIES.items():
+        for name in set(registry) - before.get(kind, set(registry)):
+            registry.remove(name)
+    for name in set(sys.modules) - modules:
+        if name.startswith("plug_"):  # this test's own modules only (a library imported meanwhile stays)
+            del sys.modules[name]
+
+
+def _module(folder: Path, source: str) -> str:
+    name = f"plug_{uuid.uuid4().hex[:8]}"  # a fresh name: imported anew
+    (folder / f"{name}.py").write_text(source)
+    return name
+
+
+def _load(*overrides: str):
+    """The CLI's loading (flows/cli.py: _load): the config model, then its names against the registries."""
+    cfg = load_config(None, list(overrides))
+    check_registered_names(cfg)
+    return cfg
+
+
+def test_a_config_module_registers_a_loss_the_config_then_names(plugin_dir):
+    mod = _module(plugin_dir, LOSS.format(name="beta_loss"))
+    cfg = _load(f"plugins=[{mod}]", "actor.policy_loss={name: beta_loss, beta: 0.5}")
+    assert algos.policy_loss_settings(cfg.actor.policy_loss).beta == 0.5
+    used = plugins_used(cfg)
+    assert list(used) == [mod] and used[mod].startswith("sha256:")  # no distribution: its source's hash
+    # the update stage's key carries the plugin's version; a stage that names no plugin entry keeps its view's hash
+    assert stage_config_hash(cfg, "update") != view_hash(cfg, "update")
+    assert stage_config_hash(cfg, "reward") == view_hash(cfg, "reward")
+    key = stage_config_hash(cfg, "update")
+    (plugin_dir / f"{mod}.py").write_text(LOSS.format(name="beta_loss") + "# another version\n")
+    assert stage_config_hash(cfg, "update") != key  # another version of the plugin: another stage
+
+
+def test_runs_without_plugins_keep_their_keys():
+    cfg = load_config(None, [])
+    assert plugins_used(cfg) == {}
+    assert all(
+        stage_config_hash(cfg, s) == view_hash(cfg, s) for s in ("rollout", "reward", "advantage", "update")
+    )
+
+
+def test_bad_plugins_are_one_line_each(plugin_dir):
+    broken = _module(plugin_dir, "raise ImportError('needs a package this machine lacks')\n")
+    with pytest.raises(
+        PluginError,
+        match=rf"^config error: plugins\.0: plugin '{broken}' failed to import: ImportError: needs a package",
+    ):
+        _load(f"plugins=[{broken}]")
+    a, b = _module(plugin_dir, LOSS.format(name="twin")), _module(plugin_dir, LOSS.format(name="twin"))
+    with pytest.raises(
+        PluginError,
+        match=rf"^config error: plugins\.1: plugin '{b}': policy loss 'twin' is registered twice: by {a} and by {b}$",
+    ):
+        _load(f"plugins=[{a}, {b}]")
+    clash = _module(plugin_dir, LOSS.format(name="gspo"))  # a built-in's name
+    with pytest.raises(
+        PluginError,
+        match=rf"policy loss 'gspo' is registered twice: by rlstage\.engines\.algorithms\.losses and by {clash}",
+    ):
+        _load(f"plugins=[{clash}]")
+    strict = _module(plugin_dir, LOSS.format(name="strict"))
+    with pytest.raises(
+        ConfigError, match=r"^config error: actor\.policy_loss\.beta: Input should be greater than 0$"
+    ):
+        _load(f"plugins=[{strict}]", "actor.policy_loss={name: strict, beta: -1}")
+    with pytest.raises(
+        ConfigError,
+        match=r"^config error: actor\.policy_loss: unknown policy loss 'strictt'; registered: vanilla",
+    ):
+        _load(f"plugins=[{strict}]", "actor.policy_loss=strictt")
+
+
+def test_a_stored_run_records_its_plugins_and_refuses_another_version(plugin_dir):
+    mod = _module(plugin_dir, LOSS.format(name="recorded_loss"))
+    cfg = _load(f"plugins=[{mod}]", "actor.policy_loss=recorded_loss", "run_name=plugged")
+    store = ArtifactStore(str(plugin_dir / "store"))
+    record_run_config(store, cfg)
+    doc = store.get_json("plugged", "run.json")
+    assert doc["plugins"] == plugins_used(cfg)
+    assert check_run_config(store, cfg)  # the same plugin: the run continues
+    (plugin_dir / f"{mod}.py").write_text(LOSS.format(name="recorded_loss") + "# changed\n")
+    with pytest.raises(
+        PluginError,
+        match=rf"^config error: run 'plugged' was run with plugin {mod} sha256:\w+, this environment has sha256:\w+: its stages would not be reused",
+    ):
+        check_run_config(store, cfg)
+    # a plugin distribution this environment lacks
+    path = plugin_dir / "store" / "plugged" / "run.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "plugins": {"rlstage-gone": "1.2.0"}}))
+    with pytest.raises(
+        PluginError,
+        match=r"run 'plugged' was run with plugin rlstage-gone==1\.2\.0, which is not installed here: pip install 'rlstage-gone==1\.2\.0'$",
+    ):
+        check_run_config(store, cfg)
+
+
+def test_a_stored_config_never_imports_its_plugins(plugin_dir):
+    marker = plugin_dir / "marker"
+    mod = _module(plugin_dir, f"import pathlib\npathlib.Path({str(marker)!r}).write_text('imported')\n")
+    store = ArtifactStore(str(plugin_dir / "store"))
+    record_run_config(store, load_config(None, ["run_name=victim"]))
+    path = plugin_dir / "store" / "victim" / "run.json"
+    doc = json.loads(path.read_text())
+    doc["config"]["plugins"] = [mod]  # a writer of the store names code
+    path.write_text(json.dumps(doc))
+    with pytest.raises(
+        ConfigError, match=rf"plugins\.0: '{mod}' comes from the stored config .* may not name code to import"
+    ):
+        stored_config(store, "victim")
+    assert not marker.exists()
+    named = stored_config(store, "victim", [f"plugins=[{mod}]"])  # named by this command: loaded
+    assert named.plugins == [mod]
+    assert marker.read_text() == "imported"
+
+
+def test_rewards_registered_by_a_plugin_are_named_by_reward_function(plugin_dir):
+    mod = _module(
+        plugin_dir,
+        "from rlstage.engines.rewards import register_reward_fn\n\n\n"
+        "@register_reward_fn('always_half')\ndef always_half(response_text, ground_truth, extra_info):\n    return 0.5\n",
+    )
+    load_plugins([mod])
+    cfg = _load(f"plugins=[{mod}]", "reward.function=always_half")
+    assert rewards.REWARD_FNS.entry("always_half").module == mod
+    assert list(plugins_used(cfg)) == [mod]
+    assert stage_config_hash(cfg, "reward") != view_hash(cfg, "reward")
+
+
+# ---------------------------------------------------------------- an installed plugin package, end to end
+@pytest.mark.slow
+def test_an_installed_plugin_trains_with_its_loss_and_reward_and_replays_identically(prefect_api, tmp_path):
+    """tests/plugin_pkg installed into the run's environment (its entry point registers it): a pipeline run names
+    its loss and reward, the weights move, the run records the plugin, and the replay of its update is identical."""
+    from tests_support import tiny_overrides, update_weights, weights_moved
+
+    site, src = tmp_path / "site", tmp_path / "plugin_pkg"
+    shutil.copytree(REPO / "tests" / "plugin_pkg", src)  # setuptools writes build/ beside the sources
+    install = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "-q",
+        "--no-deps",
+        "--no-build-isolation",
+        "--target",
+        str(site),
+    ]
+    done = subprocess.run([*install, str(src)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    path = [str(site), *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_HOME", "RLSTAGE_", "MLFLOW_"))}
+    env.update(
+        PYTHONPATH=os.pathsep.join(path), RLSTAGE_HOME=str(tmp_path / "home"), PYTHONDONTWRITEBYTECODE="1"
+    )
+    store_root = tmp_path / "store"
+    run = [
+        "run_name=plugged",
+        f"store.root={store_root}",
+        *tiny_overrides(),
+        "trainer.iterations=1",
+        "data.eval_size=8",
+    ]
+    run += [
+        "actor.policy_loss={name: scaled_pg, scale: 4.0}",
+        "reward.function=even_last_digit",
+        "actor.optim.lr=1e-3",
+    ]
+
+    def cli(*args: str) -> str:
+        proc = subprocess.run(
+            [sys.executable, "-m", "rlstage.flows.cli", *args],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-3000:])
+        return proc.stdout
+
+    cli("train", *run)
+    store = ArtifactStore(str(store_root))
+    assert store.get_json("plugged", "run.json")["plugins"] == {"rlstage-testplugin": "0.1.0"}
+    update = store.manifest("plugged", 1, "update")
+    assert update.meta["metrics"]["scaled_pg/scale"] == pytest.approx(4.0)  # the plugin's loss trained it
+    rewarded = store.read_table(store.manifest("plugged", 1, "reward"), "rewards.parquet")
+    assert set(rewarded.column("reward_fn").to_pylist()) == {"even_last_digit"}
+    sft = store.manifest(kit_run_name(load_config(None, run)), None, "sft")
+    from safetensors.torch import load
+
+    assert weights_moved(
+        load(store.read_bytes(sft, "model/model.safetensors")), update_weights(store, "plugged", 1)
+    )
+    replayed = cli("replay", "plugged", "1", "update", "--store", str(store_root))
+    assert "output checksums equal the stored ones" in replayed, replayed
+
+
+def test_data_sources_registered_by_a_plugin_are_named_by_data_source(plugin_dir):
+    mod = _module(
+        plugin_dir,
+        "from rlstage.engines.datasets import load_gsm8k, register_data_source\n\n\n"
+        "@register_data_source('gsm8k_copy')\ndef gsm8k_copy(path, split=None):\n    return load_gsm8k(path, split)\n",
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"^config error: data\.source: unknown data source 'gsm8k_copy'; registered: synthetic",
+    ):
+        _load("data.source=gsm8k_copy", "data.train_path=t.jsonl", "data.test_path=h.jsonl")
+    cfg = _load(
+        f"plugins=[{mod}]", "data.source=gsm8k_copy", "data.train_path=t.jsonl", "data.test_path=h.jsonl"
+    )
+    assert stage_config_hash(cfg, "data_prep") != view_hash(
+        cfg, "data_prep"
+    )  # the loader's version is the stage's
+
+
+def test_a_loss_that_needs_the_reference_gets_its_log_probs(plugin_dir):
+    import torch
+
+    from rlstage.engines.actor import TorchActor
+    from rlstage.engines.tinykit import build_char_tokenizer, build_tiny_llama
+    from rlstage.schemas.config import KitConfig
+
+    seen = []
+
+    @algos.register_policy_loss("ref_anchored", needs=("ref",))
+    def ref_anchored(
+        old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", *, ref_log_prob, **kw
+    ):
+        seen.append(ref_log_prob.detach().clone())
+        return algos.agg_loss((log_prob - ref_log_prob).square(), response_mask, loss_agg_mode), {}
+
+    cfg = _load("actor.policy_loss=ref_anchored")
+    assert algos.needs_reference(cfg) and not cfg.needs_ref  # the loss's need, not a KL setting's
+    tok = build_char_tokenizer()
+    model = build_tiny_llama(KitConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64), tok)
+    responses = [[5, 6, 7], [5, 6]]
+    batch = {
+        "prompt_ids": [tok("What is 1+2? ", add_special_tokens=False)["input_ids"]] * 2,
+        "response_ids": responses,
+        "response_mask": [[1] * len(r) for r in responses],
+        "old_log_probs": [[-1.0] * len(r) for r in responses],
+        "ref_log_probs": [[-2.0] * len(r) for r in responses],
+        "advantages": [[0.5] * len(r) for r in responses],
+    }
+    actor_cfg = cfg.actor.model_copy(update={"ppo_mini_batch_size": 2, "micro_batch_size": 2})
+    TorchActor(model, actor_cfg, tok.pad_token_id, 1).update(batch, 1.0, seed=0)
+    assert seen and torch.equal(seen[0], torch.full((2, 3), -2.0) * torch.tensor([[1, 1, 1], [1, 1, 0]]))
+
+
+def test_tools_registered_by_a_plugin_are_named_by_their_name(plugin_dir):
+    from rlstage.engines.preflight import check_engines
+
+    mod = _module(
+        plugin_dir,
+        "from rlstage.engines.tools import register_tool\n\n\n"
+        "@register_tool('shout')\ndef shout(text: str) -> str:\n    return text.upper()\n",
+    )
+    tools = "agent.tools=[{name: calc, callable: calculator}, {name: loud, callable: shout}]"
+    cfg = _load(f"plugins=[{mod}]", "agent.enable=true", "kit.task=multiply", tools)
+    check_engines(cfg)  # each tool resolves: the built-in calculator and the plugin's shout, by name
+    assert list(plugins_used(cfg)) == [mod]
+    assert stage_config_hash(cfg, "rollout") != view_hash(
+        cfg, "rollout"
+    )  # the rollout runs the plugin's tool
+    with pytest.raises(
+        ConfigError,
+        match=r"^config error: agent\.tools\.1\.callable: unknown tool 'shoutt'; registered: calculator",
+    ):
+        check_engines(
+            load_config(None, ["agent.enable=true", "kit.task=multiply", tools.replace("shout", "shoutt")])
+        )
+
+
+def test_rollout_engines_registered_by_a_plugin_are_named_by_rollout_engine(plugin_dir):
+    from rlstage.workers.policy import rollout_engine
+
+    mod = _module(
+        plugin_dir,
+        "from rlstage.engines.rollout_engines import register_rollout_engine\n\n\n"
+        "@register_rollout_engine('hf_twin')\ndef hf_twin(cfg, model, tokenizer, path, current=None):\n"
+        "    return ('twin', path)\n",
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"^config error: rollout\.engine: unknown rollout engine 'hf_twin'; registered: hf, vllm",
+    ):
+        _load("rollout.engine=hf_twin")
+    cfg = _load(f"plugins=[{mod}]", "rollout.engine=hf_twin")
+    assert rollout_engine(cfg, None, None, "weights") == (
+        "twin",
+        "weights",
+    )  # the worker builds the registered one
+    assert stage_config_hash(cfg, "rollout") != view_hash(cfg, "rollout")
+    assert stage_config_hash(cfg, "update") == view_hash(cfg, "update")  # the update does not generate
