@@ -20,6 +20,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from tests_support import source_path
+
 REPO = Path(__file__).resolve().parent.parent
 
 GOOD_GSM8K = '{"question": "What is 2+3?", "answer": "2+3=5\\n#### 5"}\n'
@@ -261,9 +263,7 @@ def outcomes(tmp_path_factory) -> dict:
     cwd.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RLSTAGE_", "PREFECT_API", "MLFLOW_TRACKING"))}
     # Our modules from this tree; evil_tool importable if the check failed to stop it; an empty allow-list.
-    # (an inherited PYTHONPATH first: a worktree whose folder is not named rlstage is importable through it)
-    path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    env.update(PYTHONPATH=os.pathsep.join([*path, str(REPO), str(w)]), XDG_CONFIG_HOME=str(w / "xdg"))
+    env.update(PYTHONPATH=os.pathsep.join([source_path(), str(w)]), XDG_CONFIG_HOME=str(w / "xdg"))
     before = _files(w)
 
     def run(case):

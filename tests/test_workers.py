@@ -13,7 +13,7 @@ from safetensors.torch import load as load_safetensors
 
 from rlstage.schemas.config import ConfigError, load_config
 from rlstage.workers.roles import Trainer
-from tests_support import moving_overrides, tiny_overrides, update_weights, weights_moved
+from tests_support import moving_overrides, source_path, tiny_overrides, update_weights, weights_moved
 
 pytestmark = pytest.mark.slow
 
@@ -511,7 +511,6 @@ def test_replay_and_eval_while_the_run_trains_corrupt_nothing(prefect_api, tmp_p
     import sys
     import time
     from datetime import datetime
-    from pathlib import Path
 
     import ray
 
@@ -532,7 +531,7 @@ def test_replay_and_eval_while_the_run_trains_corrupt_nothing(prefect_api, tmp_p
     markers.mkdir()
     args += ["drill.hold_worker_at=['update:4']", f"drill.markers={markers}"]
     log_path = tmp_path / "train.log"
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    env = {**os.environ, "PYTHONPATH": source_path()}
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "rlstage.flows.cli", "train", *args], env=env, stdout=log, stderr=log)
     try:

@@ -89,10 +89,19 @@ def cli_env(**extra: str) -> dict[str, str]:
     """The environment of a CLI command run as a user would: no Prefect API, Prefect home or rlstage home of the
     test session (the command uses its own, under its cwd), the source tree importable."""
     import os
-    from pathlib import Path
 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API", "PREFECT_HOME", "RLSTAGE_"))}
-    return {**env, "PYTHONPATH": str(Path(__file__).resolve().parent.parent), **extra}
+    return {**env, "PYTHONPATH": source_path(), **extra}
+
+
+def source_path() -> str:
+    """PYTHONPATH for a command of this tree: an inherited PYTHONPATH first (a worktree whose folder is not named
+    rlstage is importable through it, where the editable install names another checkout), then the tree."""
+    import os
+    from pathlib import Path
+
+    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return os.pathsep.join([*inherited, str(Path(__file__).resolve().parent.parent)])
 
 
 def start_cli_until(cmd: list[str], cwd, env: dict[str, str], prefix: str):
