@@ -42,7 +42,12 @@ from update_throughput import ragged_batch, raw_update  # noqa: E402
 
 from rlstage.engines.actor import TorchActor  # noqa: E402
 from rlstage.engines.rollout import HFRolloutEngine, SamplingParams  # noqa: E402
-from rlstage.engines.tinykit import build_char_tokenizer, build_tiny_llama  # noqa: E402
+from rlstage.engines.tinykit import (  # noqa: E402
+    SPECIAL_TOKENS,
+    build_char_tokenizer,
+    build_tiny_llama,
+    word_level_tokenizer,
+)
 from rlstage.schemas.config import ActorConfig, KitConfig  # noqa: E402
 
 # Stated tolerances of the fp32 device run against the CPU (the same weights and batch).
@@ -236,22 +241,9 @@ def correctness(check: Check, device: torch.device, bf16: bool) -> dict:
 def id_tokenizer(vocab: int):
     """A word-level tokenizer over ``vocab`` ids (no model hub here, and a random-init model needs none of its
     text): ids 0-3 are pad, bos, eos, unk."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from tokenizers import pre_tokenizers
 
-    words = {
-        w: i for i, w in enumerate(["<pad>", "<bos>", "<eos>", "<unk>"] + [f"w{i}" for i in range(4, vocab)])
-    }
-    tok = Tokenizer(models.WordLevel(vocab=words, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        pad_token="<pad>",
-        bos_token="<bos>",
-        eos_token="<eos>",
-        unk_token="<unk>",
-        padding_side="left",
-    )
+    return word_level_tokenizer([f"w{i}" for i in range(len(SPECIAL_TOKENS), vocab)], pre_tokenizers.WhitespaceSplit())
 
 
 def qwen2(shape: Shape, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:

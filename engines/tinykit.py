@@ -37,13 +37,21 @@ CHAT_TEMPLATE = (
 
 
 def build_char_tokenizer() -> PreTrainedTokenizerFast:
+    split = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    hf = word_level_tokenizer(CHARS, split, decoders.Fuse())  # characters join back without separators
+    hf.chat_template = CHAT_TEMPLATE
+    return hf
+
+
+def word_level_tokenizer(words: list[str], pre_tokenizer, decoder=None) -> PreTrainedTokenizerFast:
+    """A left-padding Hugging Face tokenizer whose ids are ``SPECIAL_TOKENS`` then ``words``, one id each."""
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARS)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    tok.decoder = decoders.Fuse()  # characters join back without separators
-    hf = PreTrainedTokenizerFast(
+    tok = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(SPECIAL_TOKENS + words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizer
+    if decoder is not None:
+        tok.decoder = decoder
+    return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         pad_token="<pad>",
         bos_token="<bos>",
@@ -51,8 +59,6 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
         unk_token="<unk>",
         padding_side="left",
     )
-    hf.chat_template = CHAT_TEMPLATE
-    return hf
 
 
 def tiny_llama_config(cfg: KitConfig, tokenizer: PreTrainedTokenizerFast) -> LlamaConfig:

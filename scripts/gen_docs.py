@@ -81,15 +81,15 @@ def render() -> str:
         "value is refused in one line naming it.",
     ]
     by_section: dict[str, list] = {}
-    for prefix, model, name, field, text in rows():
-        by_section.setdefault(prefix, [model]).append((name, field, text))
+    for prefix, _, name, field, text in rows():
+        by_section.setdefault(prefix, []).append((name, field, text))
     for prefix, model in sections(RunConfig):
         doc = inspect.getdoc(model) if model.__doc__ else ""
         lines += ["", f"## `{prefix.rstrip('.') or 'top level'}`", ""]
         if doc and not doc.startswith(("Usage docs", "A base class")):
             lines += [doc.splitlines()[0], ""]
         lines += ["| field | type | default | help |", "| --- | --- | --- | --- |"]
-        for name, field, text in by_section.get(prefix, [model])[1:]:
+        for name, field, text in by_section.get(prefix, []):
             default = "required" if field.is_required() else repr(field.get_default(call_default_factory=True))
             kind = type_name(field.annotation).replace("|", "\\|")
             lines.append(f"| `{prefix}{name}` | `{kind}` | `{default}` | {text.replace('|', chr(92) + '|')} |")
