@@ -49,7 +49,10 @@ def prefect_api():
     mlflow_url = home.running_service(home.MLFLOW_SERVICE)
     if mlflow_url and not os.environ.get("MLFLOW_TRACKING_URI"):
         os.environ["MLFLOW_TRACKING_URI"] = mlflow_url
+    from rlstage.infra.prefect_server import quick_retries_on_a_local_server
+
     if os.environ.get("PREFECT_API_URL"):
+        quick_retries_on_a_local_server()
         with _lost_if_down(os.environ["PREFECT_API_URL"]) as url:
             yield url
         return
@@ -57,6 +60,7 @@ def prefect_api():
     url = home.running_service(home.PREFECT_SERVICE)
     if url:
         os.environ["PREFECT_API_URL"] = url
+        quick_retries_on_a_local_server()
         with _lost_if_down(url):
             yield url
         return
@@ -69,6 +73,7 @@ def prefect_api():
     keeper = ServerKeeper(server, lambda line: print(f"rlstage: {line}", file=sys.stderr, flush=True))
     keeper.start()
     retry_refused_connections()
+    quick_retries_on_a_local_server()
     try:
         with _lost_if_down(server.url):
             yield server.url

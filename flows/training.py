@@ -33,6 +33,7 @@ from rlstage.infra.bookkeeping import Bookkeeper, Meanwhile
 from rlstage.infra.drill import fault_point
 from rlstage.infra.env import apply_defaults
 from rlstage.infra.lease import run_lease
+from rlstage.infra.prefect_server import quick_retries_on_a_local_server
 from rlstage.infra.progress import open_board
 from rlstage.infra.ray_runtime import STOPPING, ensure_ray, wait_result
 from rlstage.infra.store import ArtifactStore
@@ -393,6 +394,7 @@ def _mark_crashed(lease: dict) -> None:
 def run_training(cfg: RunConfig, first: int = 1, last: int | None = None) -> dict:
     """Run iterations ``first..last`` (default: all) of ``cfg``'s run, skipping committed stages."""
     apply_defaults()
+    quick_retries_on_a_local_server()  # a deployment's or a test's flow run as well as the command's
     last = cfg.trainer.iterations if last is None else last
     cfg = with_model_folder(cfg)
     check_inputs(cfg)
