@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def call_quality(cfg, iteration: int) -> dict[str, float]:
     """Where the policy's tool use goes right: operands copied into the call, the result copied out."""
-    from rlstage.engines.tools import parse_tool_calls
+    from rlstage.engines.agents.tools import parse_tool_calls
     from rlstage.tasks.runtime import store_for
 
     store = store_for(cfg)

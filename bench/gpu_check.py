@@ -40,14 +40,14 @@ import_rlstage()
 
 from update_throughput import ragged_batch, raw_update  # noqa: E402
 
-from rlstage.engines.actor import TorchActor  # noqa: E402
-from rlstage.engines.rollout import HFRolloutEngine, SamplingParams  # noqa: E402
-from rlstage.engines.tinykit import (  # noqa: E402
+from rlstage.engines.models.tinykit import (  # noqa: E402
     SPECIAL_TOKENS,
     build_char_tokenizer,
     build_tiny_llama,
     word_level_tokenizer,
 )
+from rlstage.engines.rollout.hf import HFRolloutEngine, SamplingParams  # noqa: E402
+from rlstage.engines.training.actor import TorchActor  # noqa: E402
 from rlstage.schemas.config import ActorConfig, KitConfig  # noqa: E402
 
 # Stated tolerances of the fp32 device run against the CPU (the same weights and batch).
@@ -399,7 +399,7 @@ def speed(check: Check, device: torch.device, dtype: torch.dtype, tiny: bool) ->
 def deepspeed(check: Check, device: torch.device, dtype: torch.dtype, tiny: bool) -> dict:
     """ZeRO-2 against the torch engine on the same device: one tiny-kit fp32 update (the same weights to
     rounding), then the speed and peak memory of both on the speed section's shape and batch (bf16 on a GPU)."""
-    from rlstage.engines.actor_deepspeed import DeepSpeedActor
+    from rlstage.engines.training.actor_deepspeed import DeepSpeedActor
 
     # one process, one rank: a launcher's (or a test's) RANK / WORLD_SIZE / MASTER_PORT would make DeepSpeed wait
     # for ranks that never come

@@ -27,8 +27,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.update_throughput import ragged_batch  # noqa: E402
-from rlstage.engines.actor import TorchActor  # noqa: E402
-from rlstage.engines.lora import with_adapters  # noqa: E402
+from rlstage.engines.models.lora import with_adapters  # noqa: E402
+from rlstage.engines.training.actor import TorchActor  # noqa: E402
 from rlstage.schemas.config import ActorConfig, ModelConfig, OptimConfig  # noqa: E402
 
 VARIANTS = {"full": None, "lora_r8": ModelConfig(lora_rank=8, lora_alpha=16), "lora_r32": ModelConfig(lora_rank=32, lora_alpha=64)}

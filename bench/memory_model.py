@@ -10,7 +10,7 @@ What the engines hold, per trainer rank (P parameters, N ranks, AdamW):
   2 + 2 + 12 at ZeRO-0, 4 + 12/N at ZeRO-1, 2 + 14/N at ZeRO-2, 16/N at ZeRO-3.
 - Activations of one micro-batch, per layer and token: 34 x hidden bytes in a 16-bit dtype with a fused attention
   kernel (Korthikanti et al. 2022, without the 5·a·s/h term that SDPA's kernels do not store); the response's
-  logits go through five fp32 ``[tokens, V]`` tensors in ``engines/forward.response_log_probs`` (the upcast, the
+  logits go through five fp32 ``[tokens, V]`` tensors in ``engines/training/forward.response_log_probs`` (the upcast, the
   division by the temperature, the log-softmax, and for the logged entropy its probabilities and their product):
   per response token V x (dtype + 5 x 4) bytes. (Counting three of them under-predicted the H200's peak by 27 %.)
 - Generation (HF engine): the weights, the KV cache (2 x layers x kv_heads x head_dim x dtype bytes per token,

@@ -36,11 +36,11 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-from rlstage.engines.chat import stop_token_ids
-from rlstage.engines.datasets import load_gsm8k, render_messages
-from rlstage.engines.rollout import HFRolloutEngine, SamplingParams
-from rlstage.engines.rollout_vllm import vllm_available
-from rlstage.engines.tinykit import build_char_tokenizer, build_tiny_llama, save_model_dir
+from rlstage.engines.data.datasets import load_gsm8k, render_messages
+from rlstage.engines.models.chat import stop_token_ids
+from rlstage.engines.models.tinykit import build_char_tokenizer, build_tiny_llama, save_model_dir
+from rlstage.engines.rollout.hf import HFRolloutEngine, SamplingParams
+from rlstage.engines.rollout.vllm_engine import vllm_available
 from rlstage.schemas.config import KitConfig
 
 # name -> (prompts, samples per prompt, max new tokens, threads, timed repetitions)
@@ -192,7 +192,7 @@ def run_model(name: str, impls: list[str], tok) -> None:
         if not vllm_available():
             emit(kind="skipped", model=name, impl="vllm", reason="vllm is not installed")
             return
-        from rlstage.engines.rollout_vllm import VLLMRolloutEngine
+        from rlstage.engines.rollout.vllm_engine import VLLMRolloutEngine
 
         bind = "0" if threads == 1 else f"0-{threads - 1}"
         with tempfile.TemporaryDirectory(prefix="rlstage-bench-") as tmp:

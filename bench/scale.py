@@ -34,7 +34,7 @@ def build_model(folder: Path, dtype: str, layers: int) -> int:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from rlstage.engines.tinykit import build_char_tokenizer
+    from rlstage.engines.models.tinykit import build_char_tokenizer
 
     tok = build_char_tokenizer()
     tok.add_tokens([f"<x{i}>" for i in range(QWEN2_05B["vocab_size"] - len(tok))])

@@ -1,7 +1,7 @@
 """Make ``rlstage`` importable from this checkout where it is not installed (the TRL benches' own venv).
 
 The repository root is the ``rlstage`` package (pyproject.toml's package-dir); registering it under that
-name lets ``import rlstage.engines.rewards`` find ``engines/rewards.py`` as the installed package would.
+name lets ``import rlstage.engines.rewards.rules`` find ``engines/rewards/rules.py`` as the installed package would.
 """
 
 from __future__ import annotations

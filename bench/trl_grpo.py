@@ -29,8 +29,8 @@ from datasets import Dataset  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
-from rlstage.engines.rewards import exact_match  # noqa: E402  (the criterion rlstage's reward and eval stages use)
-from rlstage.engines.rollout import HFRolloutEngine, SamplingParams  # noqa: E402  (the engine rlstage's eval stage uses)
+from rlstage.engines.rewards.rules import exact_match  # noqa: E402  (the criterion rlstage's reward and eval stages use)
+from rlstage.engines.rollout.hf import HFRolloutEngine, SamplingParams  # noqa: E402  (the engine rlstage's eval stage uses)
 
 MAX_NEW_TOKENS = 8
 # Every bench run of TRL: on the CPU, nothing saved or reported, no progress bars.

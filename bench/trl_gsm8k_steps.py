@@ -29,8 +29,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback  #
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 from trl_grpo import CPU_RUN  # noqa: E402
 
-from rlstage.engines.datasets import load_gsm8k  # noqa: E402  (rlstage's GSM8K prompts: verl's instruction)
-from rlstage.engines.rewards import gsm8k  # noqa: E402  (the scorer rlstage's reward stage runs)
+from rlstage.engines.data.datasets import load_gsm8k  # noqa: E402  (rlstage's GSM8K prompts: verl's instruction)
+from rlstage.engines.rewards.rules import gsm8k  # noqa: E402  (the scorer rlstage's reward stage runs)
 
 PROMPTS, SAMPLES, MINI_BATCH, MAX_NEW_TOKENS = 4, 8, 16, 256
 

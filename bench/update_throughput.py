@@ -37,10 +37,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from rlstage.engines import algorithms as algos
-from rlstage.engines.actor import TorchActor
-from rlstage.engines.batching import micro_batch_cost
-from rlstage.engines.forward import build_inputs, model_device, pad_right, response_log_probs, to_device
-from rlstage.engines.tinykit import build_char_tokenizer, build_tiny_llama
+from rlstage.engines.models.device import model_device
+from rlstage.engines.models.tinykit import build_char_tokenizer, build_tiny_llama
+from rlstage.engines.training.actor import TorchActor
+from rlstage.engines.training.batching import micro_batch_cost
+from rlstage.engines.training.forward import build_inputs, pad_right, response_log_probs, to_device
 from rlstage.schemas.config import ActorConfig, KitConfig, OptimConfig
 
 # name -> (model kwargs, samples in the batch, torch threads, timed updates per variant)
@@ -236,7 +237,7 @@ def run_variant(
         actor = TorchActor(model, cfg.model_copy(update={"share_prompts": variant.endswith("shared")}), tok.pad_token_id, 1000)
         update = actor.update
     else:
-        from rlstage.engines.actor_deepspeed import DeepSpeedActor
+        from rlstage.engines.training.actor_deepspeed import DeepSpeedActor
 
         stage = int(variant[-1])
         actor = DeepSpeedActor(

@@ -15,7 +15,7 @@ import pyarrow as pa
 import torch
 
 from rlstage.engines import algorithms as algos
-from rlstage.engines.forward import pad_right
+from rlstage.engines.training.forward import pad_right
 from rlstage.schemas import artifacts as A
 
 BYPASS_CHECK_ROWS = 8  # rows whose old log-probs are still recomputed under bypass, for the gap guard

@@ -27,8 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from rlstage.engines.datasets import GSM8K_SOURCE
-from rlstage.engines.rewards import (
+from rlstage.engines.data.datasets import GSM8K_SOURCE
+from rlstage.engines.rewards.rules import (
     exact_match_answer,
     extract_gsm8k_answer,
     gsm8k_flexible,

@@ -12,11 +12,11 @@ import json
 import os
 from pathlib import Path
 
-from rlstage.engines.agent_loop import check_agent_template
+from rlstage.engines.agents.loop import check_agent_template
+from rlstage.engines.agents.tools import ToolConfigError, check_parameters_schema, resolve_callable
 from rlstage.engines.plugins import load_plugins
 from rlstage.engines.registry import CHECKED_SETTINGS, REGISTRIES, named_values
-from rlstage.engines.rewards import check_reward_fn
-from rlstage.engines.tools import ToolConfigError, check_parameters_schema, resolve_callable
+from rlstage.engines.rewards.rules import check_reward_fn
 from rlstage.schemas.config import ConfigError, RunConfig
 
 
@@ -28,7 +28,7 @@ def check_model(cfg: RunConfig) -> None:
     if cfg.model.path is not None and cfg.model.path.lower().endswith(".gguf"):
         return  # converted into a folder at run start (flows/training.py: with_model_folder), checked then
     if cfg.model.path is not None and cfg.data.source != "synthetic":  # gsm8k and verl rows are chat messages
-        from rlstage.engines.chat import check_chat_template, policy_tokenizer
+        from rlstage.engines.models.chat import check_chat_template, policy_tokenizer
 
         check_chat_template(policy_tokenizer(cfg.model.path), f"data.source={cfg.data.source}")
     if cfg.model.path is not None:
@@ -52,8 +52,8 @@ def check_lora(cfg: RunConfig) -> None:
         return  # a .gguf file is converted at run start (flows/training.py: with_model_folder), checked then
     from transformers import AutoConfig
 
-    from rlstage.engines.lora import missing_targets, model_skeleton
-    from rlstage.engines.tinykit import build_char_tokenizer, tiny_llama_config
+    from rlstage.engines.models.lora import missing_targets, model_skeleton
+    from rlstage.engines.models.tinykit import build_char_tokenizer, tiny_llama_config
 
     config = tiny_llama_config(cfg.kit, build_char_tokenizer()) if m.path is None else AutoConfig.from_pretrained(m.path)
     missing = missing_targets(model_skeleton(config), m.target_modules)
@@ -97,7 +97,7 @@ def check_reward_model(cfg: RunConfig) -> None:
     if not rm.enable:
         return
     # Imported here: it imports torch, which a command without a reward model need not pay for.
-    from rlstage.engines.reward_model import check_reward_model_path, check_server
+    from rlstage.engines.rewards.reward_model import check_reward_model_path, check_server
 
     if rm.model.path is not None:
         problem = check_reward_model_path(rm.model.path)
@@ -116,7 +116,8 @@ def check_algorithm_names(cfg: RunConfig) -> None:
     """The estimator, loss, aggregation modes and KL penalties are registered, what the estimator needs is
     configured, and the loss's nested settings pass its settings model (engines/registry.py)."""
     from rlstage.engines import algorithms as algos
-    from rlstage.engines import datasets, rollout_engines  # noqa: F401  (register the built-in entries)
+    from rlstage.engines.data import datasets  # noqa: F401  (register the built-in entries)
+    from rlstage.engines.rollout import engines  # noqa: F401
 
     for setting, kind in CHECKED_SETTINGS.items():
         try:
@@ -149,10 +150,10 @@ def check_algorithm_names(cfg: RunConfig) -> None:
 def check_registered_names(cfg: RunConfig) -> None:
     """Settings that name an entry of an engine's registry (the config models, a leaf, do not import them), after
     the plugins that may register them are imported."""
-    from rlstage.engines.datasets import ADDITION_SOURCE, GSM8K_SOURCE, MULTIPLY_SOURCE
-    from rlstage.engines.dynamic_sampling import FILTER_METRICS
+    from rlstage.engines.data.datasets import ADDITION_SOURCE, GSM8K_SOURCE, MULTIPLY_SOURCE
+    from rlstage.engines.data.dynamic_sampling import FILTER_METRICS
     from rlstage.engines.metrics import ANSWER_EXTRACTORS
-    from rlstage.engines.rewards import DATA_SOURCE_FNS
+    from rlstage.engines.rewards.rules import DATA_SOURCE_FNS
 
     load_plugins(cfg.plugins)
     check_algorithm_names(cfg)

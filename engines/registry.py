@@ -127,9 +127,9 @@ ALGORITHM_SETTINGS: dict[str, str] = {
     "actor.kl_loss_type": "KL penalty",
     "algorithm.kl_penalty": "KL penalty",
 }
-# Checked by engines/preflight.py (reward.function too takes an import path, or None: engines/rewards.py checks it).
+# Checked by engines/preflight.py (reward.function too takes an import path, or None: engines/rewards/rules.py checks it).
 CHECKED_SETTINGS: dict[str, str] = {**ALGORITHM_SETTINGS, "data.source": "data source", "rollout.engine": "rollout engine"}
-# agent.tools: a list, each tool's callable a registered name or an import path (engines/tools.py checks them)
+# agent.tools: a list, each tool's callable a registered name or an import path (engines/agents/tools.py checks them)
 NAMED_SETTINGS: dict[str, str] = {
     **CHECKED_SETTINGS,
     "reward.function": "reward function",

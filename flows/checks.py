@@ -33,7 +33,11 @@ class InputError(ValueError):
 def _registries() -> None:
     """The built-in registry entries and the environment's plugins: the stage views ask what an estimator needs.
     (Imported when first needed: a mistake found before any view is computed is answered without torch.)"""
-    from rlstage.engines import algorithms, datasets, rewards, rollout_engines, tools  # noqa: F401  (built-in entries)
+    from rlstage.engines import algorithms  # noqa: F401  (built-in entries)
+    from rlstage.engines.agents import tools  # noqa: F401
+    from rlstage.engines.data import datasets  # noqa: F401
+    from rlstage.engines.rewards import rules  # noqa: F401
+    from rlstage.engines.rollout import engines  # noqa: F401
 
     load_plugins()
 
@@ -241,7 +245,7 @@ def _check_safetensors(file: Path, label: str) -> None:
 
 def check_inputs(cfg: RunConfig) -> None:
     """Fail before anything is written when a named input does not exist or cannot be read."""
-    from rlstage.engines.datasets import DatasetError, load_prompts
+    from rlstage.engines.data.datasets import DatasetError, load_prompts
 
     if cfg.model.path is not None and not cfg.model.path.lower().endswith(".gguf"):  # a .gguf is converted at run start
         check_model_dir(cfg.model.path)

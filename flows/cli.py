@@ -419,8 +419,8 @@ def _one_line(err: BaseException) -> str:
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions that mean the user's input is wrong (exit 2): each carries one line naming it."""
-    from rlstage.engines.datasets import DatasetError
-    from rlstage.engines.rewards import RewardFailure
+    from rlstage.engines.data.datasets import DatasetError
+    from rlstage.engines.rewards.rules import RewardFailure
     from rlstage.flows.checks import InputError
     from rlstage.infra.lease import RunLocked
     from rlstage.infra.store import StoreError

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from rlstage.engines.lora import save_hf
+from rlstage.engines.models.lora import save_hf
 from rlstage.flows.checks import check_eval, stored_config_with
 from rlstage.flows.replay import stage_inputs
 from rlstage.flows.retention import stored_checkpoints

@@ -16,8 +16,9 @@ from pathlib import Path
 import torch
 from prefect import flow
 
-from rlstage.engines import datasets
-from rlstage.engines.reward_model import (
+from rlstage.engines.data import datasets
+from rlstage.engines.models.tinykit import save_model_dir
+from rlstage.engines.rewards.reward_model import (
     Labelled,
     answer_swaps,
     classification_accuracy,
@@ -28,7 +29,6 @@ from rlstage.engines.reward_model import (
     score_texts,
     train_reward_model,
 )
-from rlstage.engines.tinykit import save_model_dir
 from rlstage.flows.training import resolve_config
 from rlstage.infra.env import apply_defaults
 from rlstage.schemas.config import ConfigError, RunConfig

@@ -87,7 +87,7 @@ EXPERIENCE = pa.schema(
     ]
 )
 
-# Dynamic sampling (engines/dynamic_sampling.py): every generated group and what the filter decided.
+# Dynamic sampling (engines/data/dynamic_sampling.py): every generated group and what the filter decided.
 GROUPS = pa.schema(
     [
         ("round", pa.int32()),

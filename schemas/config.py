@@ -34,7 +34,7 @@ def entry_needs(kind: str, name: str) -> frozenset[str]:
 
 # The policy-loss settings that sat flat in the actor section until they nested under actor.policy_loss (0.2):
 # still read for one release (with a deprecation line), and hashed in this flat form so that stored runs keep their
-# cache keys. Their defaults are the built-in losses' (engines/algorithms/losses.py reads them from here).
+# cache keys. Their defaults are the built-in losses' (engines/algorithms/loss_registry.py reads them from here).
 FLAT_LOSS_SETTINGS: dict[str, Any] = {
     "clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "clip_ratio_c": 3.0, "tau_pos": 1.0, "tau_neg": 1.05,
     "clip_cov_ratio": 0.0002, "clip_cov_lb": 1.0, "clip_cov_ub": 5.0, "kl_cov_ratio": 0.0002, "ppo_kl_coef": 0.1,
@@ -156,7 +156,7 @@ class ModelConfig(_Section):
     path: str | None = None
     dtype: Literal["float32", "bfloat16"] = "float32"  # weights' dtype in training and rollout (bfloat16 on GPUs; float32 on CPU)
     torch_threads: int = Field(1, ge=1)  # torch threads per engine process (set per worker when several share a machine)
-    # LoRA (verl's actor_rollout_ref.model keys, engines/lora.py): the actor trains only low-rank adapters on
+    # LoRA (verl's actor_rollout_ref.model keys, engines/models/lora.py): the actor trains only low-rank adapters on
     # the frozen base; 0 trains every weight. Whether the model has the target modules is checked by preflight.
     lora_rank: int = Field(0, ge=0)
     lora_alpha: float = Field(16, gt=0)  # LoRA's scaling numerator: adapters scale by lora_alpha / lora_rank
@@ -231,7 +231,7 @@ class RolloutConfig(_Section):
     vllm_enforce_eager: bool = True  # engine=vllm: no CUDA graphs / compiled mode (on CPU it starts faster and runs no slower)
     vllm_max_num_seqs: int = Field(256, ge=1)  # engine=vllm: sequences in flight at once
     vllm_cpu_threads_bind: str | None = None  # engine=vllm on CPU: VLLM_CPU_OMP_THREADS_BIND (auto: every core; "0-1": those; None: vLLM's default)
-    # vLLM's processes sleep on each other's messages instead of spinning for 1 s after each (engines/vllm_plugin.py):
+    # vLLM's processes sleep on each other's messages instead of spinning for 1 s after each (engines/rollout/vllm_plugin.py):
     # on CPU a spinning engine core takes a core from the worker (SmolLM2 rollout 59 s -> 35 s with both cores
     # bound); a tiny model's millisecond steps pay a wake-up each instead. Off: vLLM's own waits.
     vllm_quiet_waits: bool = False
@@ -317,7 +317,7 @@ class RewardModelConfig(_Section):
 
 
 class ToolConfig(_Section):
-    """One tool the model may call in agent mode (see engines/tools.py for the call format)."""
+    """One tool the model may call in agent mode (see engines/agents/tools.py for the call format)."""
 
     name: str = Field(pattern=r"^[A-Za-z_][A-Za-z0-9_.-]{0,63}$")
     description: str = ""
@@ -509,12 +509,12 @@ class KLControlConfig(_Section):
 
 
 class FilterGroupsConfig(_Section):
-    """DAPO's dynamic sampling (verl's ``algorithm.filter_groups``, engines/dynamic_sampling.py): groups whose
+    """DAPO's dynamic sampling (verl's ``algorithm.filter_groups``, engines/data/dynamic_sampling.py): groups whose
     ``metric`` is equal for all samples are dropped and more prompts generated, up to ``max_num_gen_batches``
     generation rounds in all (verl's default 0 means no cap there; here a cap is required)."""
 
     enable: bool = False  # DAPO's dynamic sampling: drop groups whose samples all score alike, generate more
-    # a key of rlstage.engines.dynamic_sampling.FILTER_METRICS (checked there, by engines/preflight.py)
+    # a key of rlstage.engines.data.dynamic_sampling.FILTER_METRICS (checked there, by engines/preflight.py)
     metric: str = "acc"
     max_num_gen_batches: int = Field(0, ge=0)  # generation rounds per iteration at most (a cap is required when enabled)
 
@@ -808,7 +808,7 @@ class RunConfig(_Section):
             if not any(t.callable in CALCULATOR_PATHS for t in self.agent.tools):
                 raise ValueError(
                     "agent.tools: kit.task=multiply warm-starts on calculator demonstrations; "
-                    "declare a tool with callable rlstage.engines.tools:calculator"
+                    "declare a tool with callable rlstage.engines.agents.tools:calculator"
                 )
         return self
 
@@ -917,10 +917,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     return build_config(merge_dicts(data, parse_overrides(overrides)))
 
 
-# The built-in calculator tool (rlstage.engines.tools), by its registered name, its import path and its import path
-# before 0.2.0 (engines.modpath).
+# The built-in calculator tool (rlstage.engines.agents.tools), by its registered name, its import path and its import
+# paths before engines/ had sub-packages and before 0.2.0 (engines/modpath.py resolves both).
 CALCULATOR_PATHS = (
     "calculator",
+    "rlstage.engines.agents.tools:calculator",
+    "rlstage.engines.agents.tools.calculator",
     "rlstage.engines.tools:calculator",
     "rlstage.engines.tools.calculator",
     "engines.tools:calculator",

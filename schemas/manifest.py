@@ -35,7 +35,7 @@ class Manifest(BaseModel):
     signature: str | None = None
 
 
-# A checkpoint artifact: a Hugging Face folder plus the trainer's state (engines/checkpoint.py's files).
+# A checkpoint artifact: a Hugging Face folder plus the trainer's state (engines/training/checkpoint.py's files).
 MODEL_DIR = "model"
 STATE_DIR = "trainer_state"
 # ZeRO 1-3 over N > 1 ranks: each rank's optimizer partition under trainer_state/rank-<r>/, written by that rank.

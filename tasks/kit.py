@@ -12,18 +12,19 @@ from pathlib import Path
 
 import torch
 
-from rlstage.engines import datasets, rewards
-from rlstage.engines.agent_loop import (
+from rlstage.engines.agents.loop import (
     AgentLimits,
     ChatFormat,
     agent_metrics,
     demonstrations,
     run_agent_config,
 )
-from rlstage.engines.rollout import HFRolloutEngine, SamplingParams
-from rlstage.engines.sft import sft_train, sft_train_ids
-from rlstage.engines.tinykit import build_char_tokenizer, build_tiny_llama, save_model_dir
-from rlstage.engines.tools import CALCULATOR_PATHS, load_tools, resolve_template
+from rlstage.engines.agents.tools import CALCULATOR_PATHS, load_tools, resolve_template
+from rlstage.engines.data import datasets
+from rlstage.engines.models.tinykit import build_char_tokenizer, build_tiny_llama, save_model_dir
+from rlstage.engines.rewards import rules as rewards
+from rlstage.engines.rollout.hf import HFRolloutEngine, SamplingParams
+from rlstage.engines.training.sft import sft_train, sft_train_ids
 from rlstage.infra.progress import Poster
 from rlstage.schemas.config import RunConfig
 from rlstage.schemas.manifest import PolicyRef
@@ -55,7 +56,7 @@ def multiply_demo_turns(cfg: ConfigView, row: dict) -> list[str]:
     """The demonstration of one multiply row: call the calculator with the operands, then answer."""
     tool = next((t.name for t in cfg.agent.tools if t.callable in CALCULATOR_PATHS), None)
     if tool is None:
-        raise ValueError("kit.task=multiply with agent.enable needs a tool whose callable is rlstage.engines.tools:calculator")
+        raise ValueError("kit.task=multiply with agent.enable needs a tool whose callable is rlstage.engines.agents.tools:calculator")
     info = json.loads(row["extra_info"])
     call = {"name": tool, "arguments": {"expression": f"{info['a']}*{info['b']}"}}
     return [f"<tool_call>{json.dumps(call, separators=(',', ':'))}</tool_call>", row["ground_truth"]]

@@ -28,13 +28,17 @@ from prefect.client.schemas.objects import StateDetails
 from prefect.states import Completed, State
 
 from rlstage.engines import algorithms as algos
-from rlstage.engines import chat, datasets, dynamic_sampling, experience, reward_model, rewards
+from rlstage.engines import experience
 from rlstage.engines import metrics as eval_metrics
-from rlstage.engines.agent_loop import agent_metrics
-from rlstage.engines.cursor import extra_prompt_batch, prompt_batch
+from rlstage.engines.agents.loop import agent_metrics
+from rlstage.engines.agents.tools import agent_tokenizer
+from rlstage.engines.data import datasets, dynamic_sampling
+from rlstage.engines.data.cursor import extra_prompt_batch, prompt_batch
 from rlstage.engines.experience import BYPASS_CHECK_ROWS  # noqa: F401  (tests read it here)
+from rlstage.engines.models import chat
 from rlstage.engines.plugins import load_plugins
-from rlstage.engines.tools import agent_tokenizer
+from rlstage.engines.rewards import reward_model
+from rlstage.engines.rewards import rules as rewards
 from rlstage.infra.drill import fault_point, hold_point
 from rlstage.infra.ray_runtime import get_unless_stopping
 from rlstage.schemas import artifacts as A

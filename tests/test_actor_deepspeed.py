@@ -11,14 +11,14 @@ import random
 import pytest
 import torch
 
-from rlstage.engines.actor import DataParallelTorchActor, TorchActor
-from rlstage.engines.tinykit import build_char_tokenizer, build_tiny_llama
+from rlstage.engines.models.tinykit import build_char_tokenizer, build_tiny_llama
+from rlstage.engines.training.actor import DataParallelTorchActor, TorchActor
 from rlstage.schemas.config import ActorConfig, KitConfig, OptimConfig
 
 pytestmark = pytest.mark.slow
 
 deepspeed = pytest.importorskip("deepspeed")
-from rlstage.engines.actor_deepspeed import DeepSpeedActor  # noqa: E402
+from rlstage.engines.training.actor_deepspeed import DeepSpeedActor  # noqa: E402
 from rlstage.infra.env import free_port  # noqa: E402
 
 KIT = KitConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64)
@@ -158,7 +158,7 @@ def test_shared_prompts_equal_the_padded_torch_update(tok, weights):
 @pytest.mark.parametrize("stage", [0, 2])
 def test_lora_update_matches_torch_actor(tok, weights, stage):
     """A peft LoRA policy under DeepSpeed: the adapters step as in the torch loop, the base stays put."""
-    from rlstage.engines.lora import with_adapters
+    from rlstage.engines.models.lora import with_adapters
     from rlstage.schemas.config import ModelConfig
 
     lora = ModelConfig(lora_rank=4, lora_alpha=8)
@@ -427,7 +427,7 @@ def commit_experience(store, batch: dict, iteration: int):
 def test_policy_worker_checkpoint_round_trip(tok, weights, tmp_path, stage):
     """PolicyWorker with actor.engine=deepspeed: update, commit its checkpoint to the store (safetensors + a
     pickle-free trainer state), a second worker acquires it from the store and updates again == torch."""
-    from rlstage.engines.tinykit import save_model_dir
+    from rlstage.engines.models.tinykit import save_model_dir
     from rlstage.schemas.manifest import PolicyRef
     from rlstage.tasks.runtime import policy_ref_from
     from rlstage.workers.policy import PolicyWorker

@@ -12,20 +12,16 @@ import pytest
 import torch
 
 from rlstage.engines import algorithms as algos
-from rlstage.engines.agent_loop import (
+from rlstage.engines.agents.loop import (
     AgentLimits,
     AgentRequest,
-    BatchingPolicy,
     ChatFormat,
-    Generation,
     agent_metrics,
     run_agent_batch,
     run_requests,
 )
-from rlstage.engines.preflight import preflight
-from rlstage.engines.rollout import HFRolloutEngine, SamplingParams
-from rlstage.engines.tinykit import build_char_tokenizer, build_tiny_llama
-from rlstage.engines.tools import (
+from rlstage.engines.agents.policies import BatchingPolicy, Generation
+from rlstage.engines.agents.tools import (
     CALCULATOR_PARAMETERS,
     CalculatorError,
     ToolSpec,
@@ -34,6 +30,9 @@ from rlstage.engines.tools import (
     parse_tool_calls,
     sample_tools,
 )
+from rlstage.engines.models.tinykit import build_char_tokenizer, build_tiny_llama
+from rlstage.engines.preflight import preflight
+from rlstage.engines.rollout.hf import HFRolloutEngine, SamplingParams
 from rlstage.schemas.config import ConfigError, KitConfig, build_config, load_config
 
 TOK = build_char_tokenizer()
@@ -420,10 +419,10 @@ def _agent(*extra: str):
     ("overrides", "needle"),
     [
         (["agent.tools=[{name: c, callable: 'no_such_module:fn'}]"], "config error: agent.tools.0.callable: cannot import 'no_such_module:fn'"),
-        (["agent.tools=[{name: c, callable: 'rlstage.engines.tools:nope'}]"], "has no attribute 'nope'"),
-        (["agent.tools=[{name: c, callable: 'rlstage.engines.tools:CALL_OPEN'}]"], "is not callable"),
-        (["agent.tools=[{name: c, callable: 'rlstage.engines.tools:calculator', parameters: {type: objekt}}]"], "config error: agent.tools.0.parameters: not a valid JSON schema"),
-        (["agent.tools=[{name: c, callable: 'rlstage.engines.tools:calculator', parameters: {type: string}}]"], "must have type 'object'"),
+        (["agent.tools=[{name: c, callable: 'rlstage.engines.agents.tools:nope'}]"], "has no attribute 'nope'"),
+        (["agent.tools=[{name: c, callable: 'rlstage.engines.agents.tools:CALL_OPEN'}]"], "is not callable"),
+        (["agent.tools=[{name: c, callable: 'rlstage.engines.agents.tools:calculator', parameters: {type: objekt}}]"], "config error: agent.tools.0.parameters: not a valid JSON schema"),
+        (["agent.tools=[{name: c, callable: 'rlstage.engines.agents.tools:calculator', parameters: {type: string}}]"], "must have type 'object'"),
         (["agent.chat_template=/no/such/template.jinja"], "neither a Jinja template nor an existing file"),
     ],
 )
@@ -449,7 +448,7 @@ def test_chat_template_without_a_tool_role_fails_at_load(template, needle):
 
 def test_good_agent_config_loads_with_the_demo_file():
     cfg = load_config("configs/agent_calc.yaml")
-    assert cfg.agent.enable and cfg.agent.tools[0].callable == "rlstage.engines.tools:calculator"
+    assert cfg.agent.enable and cfg.agent.tools[0].callable == "rlstage.engines.agents.tools:calculator"
     assert cfg.kit.task == "multiply"
 
 
@@ -457,8 +456,8 @@ def test_good_agent_config_loads_with_the_demo_file():
 
 
 def test_multiply_splits_are_disjoint_three_digit_products():
-    from rlstage.engines.datasets import MULTIPLY_SOURCE, make_task_splits
-    from rlstage.engines.rewards import default_reward_fn
+    from rlstage.engines.data.datasets import MULTIPLY_SOURCE, make_task_splits
+    from rlstage.engines.rewards.rules import default_reward_fn
 
     train, test = make_task_splits("multiply", 3, 300, 50, seed=7)
     rows = train.to_pylist() + test.to_pylist()
@@ -469,7 +468,7 @@ def test_multiply_splits_are_disjoint_three_digit_products():
 
 
 def test_tool_demonstrations_are_masked_like_rollouts():
-    from rlstage.engines.datasets import make_task_splits
+    from rlstage.engines.data.datasets import make_task_splits
     from rlstage.tasks.kit import tool_demonstrations
 
     cfg = load_config("configs/agent_calc.yaml")
@@ -502,11 +501,11 @@ class FirstTurnScripted:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not __import__("rlstage.engines.rollout_vllm", fromlist=["x"]).vllm_available(), reason="vllm is not installed")
+@pytest.mark.skipif(not __import__("rlstage.engines.rollout.vllm_engine", fromlist=["x"]).vllm_available(), reason="vllm is not installed")
 def test_async_vllm_policy_continues_multi_turn_trajectories(tmp_path):
-    from rlstage.engines.agent_loop import AsyncVLLMPolicy, start_async_vllm
-    from rlstage.engines.forward import build_inputs, response_log_probs
-    from rlstage.engines.tinykit import save_model_dir
+    from rlstage.engines.agents.policies import AsyncVLLMPolicy, start_async_vllm
+    from rlstage.engines.models.tinykit import save_model_dir
+    from rlstage.engines.training.forward import build_inputs, response_log_probs
 
     torch.manual_seed(0)
     model = build_tiny_llama(KitConfig(), TOK).eval()  # vLLM's CPU kernels want head_dim >= 32

@@ -18,7 +18,7 @@ AGENT = [
     "sft.lr=3e-3",
     "rollout.max_new_tokens=80",
     "agent.enable=true",
-    "agent.tools=[{name: calculator, callable: 'rlstage.engines.tools:calculator', "
+    "agent.tools=[{name: calculator, callable: 'rlstage.engines.agents.tools:calculator', "
     "parameters: {type: object, properties: {expression: {type: string}}, required: [expression]}}]",
     "agent.max_turns=3",
     "agent.max_response_tokens=160",

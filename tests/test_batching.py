@@ -9,16 +9,16 @@ import pytest
 import torch
 from transformers import LlamaForTokenClassification
 
-from rlstage.engines.actor import TorchActor
-from rlstage.engines.batching import (
+from rlstage.engines.models.tinykit import build_char_tokenizer, build_tiny_llama
+from rlstage.engines.training.actor import TorchActor
+from rlstage.engines.training.batching import (
     MICRO_BATCH_OVERHEAD_TOKENS,
     micro_batch_cost,
     plan_micro_batches,
     split_to_count,
 )
-from rlstage.engines.critic import TorchCritic, response_values
-from rlstage.engines.forward import build_inputs, build_packed_inputs, response_log_probs
-from rlstage.engines.tinykit import build_char_tokenizer, build_tiny_llama
+from rlstage.engines.training.critic import TorchCritic, response_values
+from rlstage.engines.training.forward import build_inputs, build_packed_inputs, response_log_probs
 from rlstage.schemas.config import (
     ActorConfig,
     ConfigError,
@@ -86,8 +86,8 @@ def test_the_output_layer_runs_on_response_positions_only(tok, weights, packed):
     """``response_logits`` asks the model for the logits of the positions that predict response tokens alone;
     they equal the same columns of a full forward, also through peft, and a critic's token classifier (which has
     no ``logits_to_keep``) keeps its full forward."""
-    from rlstage.engines.forward import response_logits, takes_logits_to_keep
-    from rlstage.engines.lora import with_adapters
+    from rlstage.engines.models.lora import with_adapters
+    from rlstage.engines.training.forward import response_logits, takes_logits_to_keep
 
     model = new_model(tok, weights).eval()
     batch = make_batch(tok, 9)
@@ -174,7 +174,7 @@ def test_sum_pi_squared_is_the_softmax_squared_at_the_temperature_in_every_batch
     """verl's calculate_sum_pi_squared (optimal_token_baseline's input): sum over the vocabulary of pi^2 at the
     sampling temperature, computed in log space; the engine pass gives it with the same log-probs, padded,
     packed or by token budget."""
-    from rlstage.engines.forward import response_logits
+    from rlstage.engines.training.forward import response_logits
 
     model = new_model(tok, weights).eval()
     batch = make_batch(tok, 9, seed=3)
@@ -473,7 +473,7 @@ def grouped_batch(tok, n: int, per_prompt: int, seed: int) -> dict[str, list]:
 
 @pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
 def test_shared_prompt_log_probs_equal_padded(tok, weights, training):
-    from rlstage.engines.forward import build_shared_inputs
+    from rlstage.engines.training.forward import build_shared_inputs
 
     model = new_model(tok, weights).train(training)
     batch = grouped_batch(tok, 9, 3, seed=1)

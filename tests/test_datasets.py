@@ -1,4 +1,4 @@
-"""Tests of engines/datasets.py: the synthetic task, GSM8K (real data when present), verl parquet, bad input."""
+"""Tests of engines/data/datasets.py: the synthetic task, GSM8K (real data when present), verl parquet, bad input."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from rlstage.engines import datasets as D
-from rlstage.engines import rewards as R
+from rlstage.engines.data import datasets as D
+from rlstage.engines.rewards import rules as R
 from rlstage.schemas.artifacts import PROMPTS
 
 GSM8K_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "gsm8k"

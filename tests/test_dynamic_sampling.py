@@ -6,8 +6,8 @@ from __future__ import annotations
 import pyarrow as pa
 import pytest
 
-from rlstage.engines.cursor import extra_prompt_batch, prompt_batch
-from rlstage.engines.dynamic_sampling import DynamicSamplingExhausted, GenRound, select_groups
+from rlstage.engines.data.cursor import extra_prompt_batch, prompt_batch
+from rlstage.engines.data.dynamic_sampling import DynamicSamplingExhausted, GenRound, select_groups
 from rlstage.schemas import artifacts as A
 from rlstage.schemas.config import ConfigError, load_config
 from tests_support import tiny_overrides

@@ -3,12 +3,12 @@
 import pytest
 import torch
 
-from rlstage.engines import datasets
-from rlstage.engines.actor import TorchActor
-from rlstage.engines.cursor import prompt_batch
-from rlstage.engines.rollout import HFRolloutEngine, SamplingParams
-from rlstage.engines.sft import sft_train
-from rlstage.engines.tinykit import build_char_tokenizer, build_tiny_llama, save_model_dir
+from rlstage.engines.data import datasets
+from rlstage.engines.data.cursor import prompt_batch
+from rlstage.engines.models.tinykit import build_char_tokenizer, build_tiny_llama, save_model_dir
+from rlstage.engines.rollout.hf import HFRolloutEngine, SamplingParams
+from rlstage.engines.training.actor import TorchActor
+from rlstage.engines.training.sft import sft_train
 from rlstage.schemas.config import ActorConfig, KitConfig, OptimConfig
 
 
@@ -156,7 +156,7 @@ import resource, sys, torch
 from transformers import LlamaConfig, LlamaForCausalLM
 sys.path.insert(0, "bench")
 from gpu_check import id_tokenizer
-from rlstage.engines.rollout import HFRolloutEngine, SamplingParams
+from rlstage.engines.rollout.hf import HFRolloutEngine, SamplingParams
 
 V = 16384
 tok = id_tokenizer(V)

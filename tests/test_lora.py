@@ -1,4 +1,4 @@
-"""LoRA policies (engines/lora.py): only the adapters train, the reference is the base with its adapters
+"""LoRA policies (engines/models/lora.py): only the adapters train, the reference is the base with its adapters
 disabled, merged weights equal the adapted forward, checkpoints hold the adapter and a reference to the base."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlstage.engines.actor import TorchActor
-from rlstage.engines.checkpoint import load_trainer_state, save_trainer_state
-from rlstage.engines.lora import BASE_REF, save_adapters, save_hf, with_adapters
+from rlstage.engines.models.lora import BASE_REF, save_adapters, save_hf, with_adapters
+from rlstage.engines.models.tinykit import build_char_tokenizer, build_tiny_llama, save_model_dir
 from rlstage.engines.preflight import preflight
-from rlstage.engines.tinykit import build_char_tokenizer, build_tiny_llama, save_model_dir
+from rlstage.engines.training.actor import TorchActor
+from rlstage.engines.training.checkpoint import load_trainer_state, save_trainer_state
 from rlstage.infra.store import ArtifactStore
 from rlstage.schemas.config import ConfigError, load_config
 from rlstage.schemas.manifest import PolicyRef

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from rlstage.engines.actor import TorchActor, lr_lambda
-from rlstage.engines.tinykit import build_char_tokenizer, build_tiny_llama
+from rlstage.engines.models.tinykit import build_char_tokenizer, build_tiny_llama
+from rlstage.engines.training.actor import TorchActor, lr_lambda
 from rlstage.schemas.config import ActorConfig, KitConfig, OptimConfig, RunConfig
 from rlstage.workers.group import total_update_steps
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from test_trust import _processes_with_env
 
-from rlstage.engines.rollout_vllm import vllm_available
+from rlstage.engines.rollout.vllm_engine import vllm_available
 from tests_support import cli_env, start_cli_until, tiny_overrides, update_weights, weights_moved
 
 pytestmark = [

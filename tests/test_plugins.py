@@ -16,11 +16,13 @@ import pytest
 from rlstage.engines import algorithms as algos
 
 # every registry exists before a test adds to it
-from rlstage.engines import datasets, rewards, rollout_engines  # noqa: F401
-from rlstage.engines import tools as _tools  # noqa: F401
+from rlstage.engines.agents import tools as _tools  # noqa: F401
+from rlstage.engines.data import datasets  # noqa: F401
 from rlstage.engines.plugins import PluginError, load_plugins, plugins_used
 from rlstage.engines.preflight import check_registered_names
 from rlstage.engines.registry import REGISTRIES
+from rlstage.engines.rewards import rules as rewards  # noqa: F401
+from rlstage.engines.rollout import engines as rollout_engines  # noqa: F401
 from rlstage.flows.checks import check_run_config, record_run_config, stored_config
 from rlstage.infra.store import ArtifactStore
 from rlstage.schemas.config import ALLOWED_CALLABLES_ENV, ConfigError, load_config
@@ -174,7 +176,7 @@ def test_a_stored_config_never_imports_its_plugins(plugin_dir):
 def test_rewards_registered_by_a_plugin_are_named_by_reward_function(plugin_dir):
     mod = _module(
         plugin_dir,
-        "from rlstage.engines.rewards import register_reward_fn\n\n\n"
+        "from rlstage.engines.rewards.rules import register_reward_fn\n\n\n"
         "@register_reward_fn('always_half')\ndef always_half(response_text, ground_truth, extra_info):\n    return 0.5\n",
     )
     load_plugins([mod])
@@ -257,7 +259,7 @@ def test_an_installed_plugin_trains_with_its_loss_and_reward_and_replays_identic
 def test_data_sources_registered_by_a_plugin_are_named_by_data_source(plugin_dir):
     mod = _module(
         plugin_dir,
-        "from rlstage.engines.datasets import load_gsm8k, register_data_source\n\n\n"
+        "from rlstage.engines.data.datasets import load_gsm8k, register_data_source\n\n\n"
         "@register_data_source('gsm8k_copy')\ndef gsm8k_copy(path, split=None):\n    return load_gsm8k(path, split)\n",
     )
     with pytest.raises(
@@ -276,8 +278,8 @@ def test_data_sources_registered_by_a_plugin_are_named_by_data_source(plugin_dir
 def test_a_loss_that_needs_the_reference_gets_its_log_probs(plugin_dir):
     import torch
 
-    from rlstage.engines.actor import TorchActor
-    from rlstage.engines.tinykit import build_char_tokenizer, build_tiny_llama
+    from rlstage.engines.models.tinykit import build_char_tokenizer, build_tiny_llama
+    from rlstage.engines.training.actor import TorchActor
     from rlstage.schemas.config import KitConfig
 
     seen = []
@@ -312,7 +314,7 @@ def test_tools_registered_by_a_plugin_are_named_by_their_name(plugin_dir):
 
     mod = _module(
         plugin_dir,
-        "from rlstage.engines.tools import register_tool\n\n\n"
+        "from rlstage.engines.agents.tools import register_tool\n\n\n"
         "@register_tool('shout')\ndef shout(text: str) -> str:\n    return text.upper()\n",
     )
     tools = "agent.tools=[{name: calc, callable: calculator}, {name: loud, callable: shout}]"
@@ -336,7 +338,7 @@ def test_rollout_engines_registered_by_a_plugin_are_named_by_rollout_engine(plug
 
     mod = _module(
         plugin_dir,
-        "from rlstage.engines.rollout_engines import register_rollout_engine\n\n\n"
+        "from rlstage.engines.rollout.engines import register_rollout_engine\n\n\n"
         "@register_rollout_engine('hf_twin')\ndef hf_twin(cfg, model, tokenizer, path, current=None):\n"
         "    return ('twin', path)\n",
     )

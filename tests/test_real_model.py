@@ -101,7 +101,7 @@ def test_one_iteration_of_smollm2_through_the_pipeline(prefect_api, smollm2_path
             "data.prompts_per_iteration=2",
             "data.eval_size=2",
             "data.max_prompt_length=128",
-            "rollout.engine=hf",  # lighter for CI; vLLM gets the same stop tokens (engines/chat.stop_token_ids)
+            "rollout.engine=hf",  # lighter for CI; vLLM gets the same stop tokens (engines/models/chat.stop_token_ids)
             "rollout.n=2",
             f"rollout.max_new_tokens={max_new}",
             "reward.overlong_buffer.len=8",  # within the shortened responses

@@ -12,10 +12,10 @@ import torch
 from pydantic import BaseModel
 from transformers import LlamaForTokenClassification
 
-from rlstage.engines.actor import TorchActor
-from rlstage.engines.critic import TorchCritic
+from rlstage.engines.models.tinykit import build_char_tokenizer, build_tiny_llama
 from rlstage.engines.registry import NAMED_SETTINGS, REGISTRIES
-from rlstage.engines.tinykit import build_char_tokenizer, build_tiny_llama
+from rlstage.engines.training.actor import TorchActor
+from rlstage.engines.training.critic import TorchCritic
 from rlstage.schemas.config import ConfigError, KitConfig, RunConfig, build_config, load_config, merge_dicts
 from rlstage.schemas.stages import (
     EXECUTION,
@@ -34,7 +34,7 @@ from rlstage.tasks.stages import TASKS, StageOutput, run_stage
 from rlstage.workers.group import total_update_steps
 
 REPO = Path(__file__).resolve().parent.parent
-CALC = {"name": "calculator", "callable": "rlstage.engines.tools:calculator", "description": "changed"}
+CALC = {"name": "calculator", "callable": "rlstage.engines.agents.tools:calculator", "description": "changed"}
 # Bases whose views differ: conditional reads (kit, agent, critic, decaying schedules, eval_n) on and off.
 BASES = {
     "default": ["data.train_path=train.jsonl", "data.test_path=test.jsonl"],

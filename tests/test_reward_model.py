@@ -14,9 +14,11 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
 
-from rlstage.engines import datasets, rewards
+from rlstage.engines.data import datasets
+from rlstage.engines.models.tinykit import build_char_tokenizer, save_model_dir
 from rlstage.engines.preflight import check_reward_model
-from rlstage.engines.reward_model import (
+from rlstage.engines.rewards import rules as rewards
+from rlstage.engines.rewards.reward_model import (
     answer_swaps,
     check_reward_model_path,
     classification_accuracy,
@@ -26,7 +28,6 @@ from rlstage.engines.reward_model import (
     score_texts,
     train_reward_model,
 )
-from rlstage.engines.tinykit import build_char_tokenizer, save_model_dir
 from rlstage.schemas.config import ConfigError, KitConfig, build_config
 from rlstage.schemas.stages import view_hash
 
@@ -135,7 +136,7 @@ class _Judge(_Scorer):
 
 
 def test_an_openai_style_judge_scores_each_sample_on_its_own(monkeypatch):
-    from rlstage.engines.reward_model import Judge
+    from rlstage.engines.rewards.reward_model import Judge
     from rlstage.schemas.config import DEFAULT_JUDGE_PROMPT
 
     srv = ThreadingHTTPServer(("127.0.0.1", 0), _Judge)

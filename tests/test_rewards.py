@@ -1,4 +1,4 @@
-"""Tests of engines/rewards.py: extraction cases, the registry, and the sandboxed scorer's failure isolation.
+"""Tests of engines/rewards/rules.py: extraction cases, the registry, and the sandboxed scorer's failure isolation.
 
 The test-only reward functions below are module-level so the scorer's spawned child can import them
 (by module name, or from this file when ``tests/`` is not on its path).
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from rlstage.engines import rewards as R
+from rlstage.engines.rewards import rules as R
 
 
 @R.register_reward_fn("test_chaos")
@@ -186,8 +186,8 @@ def test_score_batch_forced_function() -> None:
     assert R.score_batch(rows, timeout_s=2.0)[0].score == 0.0
     replay = R.score_batch(rows, timeout_s=2.0, function="gsm8k_strict")[0]
     assert (replay.score, replay.reward_fn) == (1.0, "gsm8k_strict")
-    by_path = R.score_batch(_rows(["ok"]), timeout_s=2.0, function="rlstage.engines.rewards:exact_match")[0]
-    assert (by_path.score, by_path.reward_fn) == (1.0, "rlstage.engines.rewards:exact_match")
+    by_path = R.score_batch(_rows(["ok"]), timeout_s=2.0, function="rlstage.engines.rewards.rules:exact_match")[0]
+    assert (by_path.score, by_path.reward_fn) == (1.0, "rlstage.engines.rewards.rules:exact_match")
     with pytest.raises(
         ValueError, match=r"unknown reward function 'nope'; valid: .*exact_match.*gsm8k_strict"
     ):

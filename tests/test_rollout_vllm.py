@@ -14,10 +14,10 @@ import sys
 import pytest
 import torch
 
-from rlstage.engines.forward import build_inputs, response_log_probs, response_logits
-from rlstage.engines.rollout import SamplingParams
-from rlstage.engines.rollout_vllm import vllm_available
-from rlstage.engines.tinykit import build_char_tokenizer, build_tiny_llama, save_model_dir
+from rlstage.engines.models.tinykit import build_char_tokenizer, build_tiny_llama, save_model_dir
+from rlstage.engines.rollout.hf import SamplingParams
+from rlstage.engines.rollout.vllm_engine import vllm_available
+from rlstage.engines.training.forward import build_inputs, response_log_probs, response_logits
 from rlstage.schemas.config import KitConfig, load_config
 
 needs_vllm = pytest.mark.skipif(
@@ -39,7 +39,7 @@ def kit(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(kit):
-    from rlstage.engines.rollout_vllm import VLLMRolloutEngine
+    from rlstage.engines.rollout.vllm_engine import VLLMRolloutEngine
 
     tok, _, path = kit
     eng = VLLMRolloutEngine(path, tok, seed=0, kv_cache_bytes=256 << 20, max_num_seqs=128)
@@ -215,7 +215,7 @@ def test_vllm_processes_load_the_quiet_waits_plugin():
         "import os, zmq\n"
         "from vllm.distributed.device_communicators.shm_broadcast import SpinCondition\n"
         "from vllm.plugins import load_general_plugins\n"
-        "from rlstage.engines import vllm_plugin\n"
+        "from rlstage.engines.rollout import vllm_plugin\n"
         "def busy():\n"
         "    ctx, addr = zmq.Context(), 'inproc://rlstage-test-spin'\n"
         "    writer = SpinCondition(False, ctx, addr)\n"

@@ -13,7 +13,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from rlstage.engines import rewards as R
+from rlstage.engines.rewards import rules as R
 from rlstage.flows.checks import check_run_config, record_run_config, stored_config, stored_config_with
 from rlstage.infra.store import HMAC_KEY_ENV, ArtifactCorrupt, ArtifactStore, StoreError, parquet_bytes
 from rlstage.schemas.config import ALLOWED_CALLABLES_ENV, ConfigError, RunConfig, load_config
@@ -111,9 +111,9 @@ def test_stored_tool_callable_is_refused_before_import(clean_env: Path, monkeypa
         stored_config(store, "victim")
     assert not marker.exists()
     # The built-in calculator needs no allow-list.
-    calc = {"name": "calculator", "callable": "rlstage.engines.tools:calculator"}
+    calc = {"name": "calculator", "callable": "rlstage.engines.agents.tools:calculator"}
     store, _ = _victim(clean_env, lambda c: c["agent"].update(tools=[calc]))
-    assert stored_config(store, "victim").agent.tools[0].callable == "rlstage.engines.tools:calculator"
+    assert stored_config(store, "victim").agent.tools[0].callable == "rlstage.engines.agents.tools:calculator"
 
 
 def test_nightly_trusts_the_code_its_deployment_config_names(evil_reward) -> None:

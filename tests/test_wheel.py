@@ -37,7 +37,7 @@ def test_wheel_installs_one_import_name_and_runs_the_demo(tmp_path, prefect_api)
     assert packages <= set(names), sorted(packages - set(names))
     entry_points = zipfile.ZipFile(wheel).read(f"{dist_info}/entry_points.txt").decode()
     assert "rlstage = rlstage.flows.cli:main" in entry_points
-    assert "rlstage.engines.vllm_plugin:register" in entry_points
+    assert "rlstage.engines.rollout.vllm_plugin:register" in entry_points
 
     env_dir = tmp_path / "env"
     py = env_with_wheel(wheel, env_dir)

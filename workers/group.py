@@ -218,7 +218,7 @@ class PolicyGroup:
         """Stop the workers: close engines and scratch folders first (vLLM leaves /dev/shm files when killed).
         ``busy`` (a stop mid-stage): a worker inside a call would only take ``close`` after it, so the workers
         are killed at once and the files their engines registered are removed here."""
-        from rlstage.engines.rollout_vllm import reap_owned_files
+        from rlstage.engines.rollout.vllm_engine import reap_owned_files
 
         pids = [pid for r in self.actors if (pid := _actor_pid(r)) is not None]
         for r in self.actors:

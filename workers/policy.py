@@ -5,7 +5,7 @@ Weights never leave it as bytes. It reads checkpoints from the store itself (``a
 stages the new checkpoint in a local folder and writes it to the store itself (``commit``); stage
 tasks pass references (``PolicyRef``, manifests) and get back metrics, log-probs and manifests.
 Checkpoints are Hugging Face safetensors folders plus a pickle-free trainer state
-(``engines.checkpoint``), so a store others can write cannot run code here.
+(``engines.training.checkpoint``), so a store others can write cannot run code here.
 """
 
 from __future__ import annotations
@@ -24,10 +24,7 @@ import pyarrow as pa
 import torch
 
 from rlstage.engines import algorithms as algos
-from rlstage.engines.actor import DataParallelTorchActor, TorchActor
-from rlstage.engines.checkpoint import load_trainer_state, save_trainer_state
-from rlstage.engines.critic import TorchCritic
-from rlstage.engines.lora import (
+from rlstage.engines.models.lora import (
     base_ref,
     is_adapter_dir,
     load_adapters,
@@ -36,8 +33,11 @@ from rlstage.engines.lora import (
     with_adapters,
 )
 from rlstage.engines.plugins import load_plugins
-from rlstage.engines.rollout import SamplingParams
-from rlstage.engines.rollout_engines import IN_MEMORY, ROLLOUT_ENGINES
+from rlstage.engines.rollout.engines import IN_MEMORY, ROLLOUT_ENGINES
+from rlstage.engines.rollout.hf import SamplingParams
+from rlstage.engines.training.actor import DataParallelTorchActor, TorchActor
+from rlstage.engines.training.checkpoint import load_trainer_state, save_trainer_state
+from rlstage.engines.training.critic import TorchCritic
 from rlstage.infra.drill import WorkerDrill, fault_point, hold_point
 from rlstage.infra.env import pid_alive
 from rlstage.infra.store import ArtifactStore
@@ -131,7 +131,7 @@ def load_policy_model(cfg: RunConfig, store: ArtifactStore, ref: PolicyRef, path
 
 def rollout_engine(cfg: RunConfig, model, tokenizer, path: str, current=None):
     """The ``rollout.engine`` for weights just loaded from ``path`` (``model`` holds them in memory): its registered
-    factory (engines/rollout_engines.py), given the engine held so far, which a running engine reuses."""
+    factory (engines/rollout/engines.py), given the engine held so far, which a running engine reuses."""
     return ROLLOUT_ENGINES.entry(cfg.rollout.engine).obj(cfg, model, tokenizer, path, current)
 
 
@@ -274,7 +274,7 @@ class PolicyWorker:
         if any(f.startswith(STATE_DIR + "/") for f in manifest.files) and not ref.version.startswith(CRITIC_INIT):
             name = self._state_to_load(manifest, role)
             if role == "policy" and self.cfg.actor.engine == "deepspeed":
-                import rlstage.engines.actor_deepspeed  # noqa: F401  registers the types a ZeRO optimizer state holds
+                import rlstage.engines.training.actor_deepspeed  # noqa: F401  registers the types a ZeRO optimizer state holds
             state = load_trainer_state(self.store.fetch_dir(manifest, name, str(folder / name)))
         self._load(ref, model_dir, state, role)
         return ref.version
@@ -425,7 +425,7 @@ class PolicyWorker:
             return TorchActor(self.model, self.cfg.actor, pad_id, self.total_steps)
         import deepspeed  # lazy: only runs with actor.engine=deepspeed pay for the import
 
-        from rlstage.engines.actor_deepspeed import DeepSpeedActor
+        from rlstage.engines.training.actor_deepspeed import DeepSpeedActor
 
         deepspeed.utils.logger.setLevel("WARNING")  # its INFO lines would flood the Ray worker's log
         if isinstance(self.actor, DeepSpeedActor):
@@ -479,7 +479,7 @@ class PolicyWorker:
         """Multi-turn tool-calling rollouts of prompts-table rows (``agent`` config); completions and timings."""
         self._require(version)
         self.drill.point("rollout")
-        from rlstage.engines.agent_loop import run_agent_config
+        from rlstage.engines.agents.loop import run_agent_config
 
         return run_agent_config(self.rollout, self.cfg.agent, rows, SamplingParams(**params))
 

@@ -12,7 +12,7 @@ import hashlib
 import ray
 import torch
 
-from rlstage.engines.reward_model import load_reward_model, score_texts
+from rlstage.engines.rewards.reward_model import load_reward_model, score_texts
 from rlstage.infra.ray_runtime import RAY_NAMESPACE
 from rlstage.schemas.config import RunConfig
 from rlstage.schemas.stages import ConfigView, whole_config

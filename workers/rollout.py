@@ -16,10 +16,10 @@ from pathlib import Path
 
 import torch
 
-from rlstage.engines.lora import save_hf
+from rlstage.engines.models.lora import save_hf
 from rlstage.engines.plugins import load_plugins
-from rlstage.engines.rollout import SamplingParams
-from rlstage.engines.rollout_engines import IN_MEMORY
+from rlstage.engines.rollout.engines import IN_MEMORY
+from rlstage.engines.rollout.hf import SamplingParams
 from rlstage.infra.drill import WorkerDrill
 from rlstage.infra.store import ArtifactStore
 from rlstage.schemas.config import RunConfig
@@ -118,7 +118,7 @@ class RolloutWorker:
     def agent_generate(self, version: str, rows: list[dict], params: dict) -> tuple[list[dict], dict]:
         self._require(version)
         self.drill.point("rollout")
-        from rlstage.engines.agent_loop import run_agent_config
+        from rlstage.engines.agents.loop import run_agent_config
 
         return run_agent_config(self.rollout, self.cfg.agent, rows, SamplingParams(**params))
 

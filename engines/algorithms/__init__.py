@@ -1,7 +1,8 @@
 """The RL math of rlstage: advantage estimators, policy losses, loss aggregation, KL terms, rollout
 correction and DAPO's overlong reward shaping.
 
-One module each: ``advantages`` (estimators), ``losses`` (policy and value losses), ``aggregation``
+One module each: ``advantages`` (estimators), ``loss_registry`` (how a policy loss registers, its
+settings model), ``losses`` (the built-in policy losses and the value loss), ``aggregation``
 (``agg_loss``), ``kl`` (estimators, controllers, the penalty in the reward), ``correction`` (rollout
 importance weights) and ``masked`` (masked reductions, group statistics); this package re-exports them.
 
@@ -65,14 +66,18 @@ from rlstage.engines.algorithms.kl import (
     kl_penalty,
     register_kl_penalty,
 )
-from rlstage.engines.algorithms.losses import (
+from rlstage.engines.algorithms.loss_registry import (
     FIXED_PG_AGG,
     POLICY_LOSSES,
     LossSettings,
     actor_needs_ref,
-    compute_value_loss,
     get_policy_loss,
     needs_reference,
+    policy_loss_settings,
+    register_policy_loss,
+)
+from rlstage.engines.algorithms.losses import (
+    compute_value_loss,
     policy_loss_bypass_mode,
     policy_loss_cispo,
     policy_loss_clip_cov,
@@ -85,9 +90,7 @@ from rlstage.engines.algorithms.losses import (
     policy_loss_kl_cov,
     policy_loss_reinforce,
     policy_loss_sapo,
-    policy_loss_settings,
     policy_loss_vanilla,
-    register_policy_loss,
 )
 from rlstage.engines.algorithms.masked import (
     entropy_from_logits,

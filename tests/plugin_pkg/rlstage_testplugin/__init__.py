@@ -7,7 +7,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from rlstage.engines.algorithms import agg_loss, masked_mean, register_policy_loss
-from rlstage.engines.rewards import register_reward_fn
+from rlstage.engines.rewards.rules import register_reward_fn
 
 
 class ScaledPGSettings(BaseModel):

@@ -12,7 +12,7 @@ micro-batch loss is scaled by ``len(micro) / len(mini)`` exactly as in ``TorchAc
 micro-batches included) and every ``engine.step()`` is one optimizer step with DeepSpeed's gradient clipping
 (``cfg.optim.grad_clip``) applied to the accumulated, data-parallel-averaged gradient. With
 ``micro_batch_tokens`` the token-budget micro-batches and their exact loss weights are
-``TorchActor``'s too (``engines.batching``); so are ``packing`` and the mini-batch loop.
+``TorchActor``'s too (``engines.training.batching``); so are ``packing`` and the mini-batch loop.
 
 Data parallelism (``WORLD_SIZE > 1``): every rank receives the WHOLE batch and draws the same shuffle;
 ``cfg.ppo_mini_batch_size`` stays the GLOBAL number of samples per optimizer step and rank ``r`` trains the
@@ -20,7 +20,7 @@ Data parallelism (``WORLD_SIZE > 1``): every rank receives the WHOLE batch and d
 gradients over ranks, so each rank's loss weights are multiplied by the world size: fixed-count micro-batches
 are scaled by ``len(micro) / len(local mini)`` (times N, divided by N by the average: ``len(micro) / len(global
 mini)``), token-budget micro-batches by their share of the GLOBAL mini-batch's tokens or sequences times N
-(``engines.batching.AggNorm.dp_size``, verl's global-batch normalisation). N ranks then take the step one
+(``engines.training.batching.AggNorm.dp_size``, verl's global-batch normalisation). N ranks then take the step one
 process takes on the whole batch. Every rank runs as many micro-batches as its busiest peer (ZeRO 2-3
 backwards are collectives: ``MiniBatchTrainer._micro_batches``). Returned metrics are averaged over ranks;
 ``actor/grad_norm`` is the global norm. Every rank must receive the same batch (its size is checked;
@@ -35,16 +35,16 @@ from contextlib import nullcontext
 
 import torch
 
-from rlstage.engines.actor import TorchActor, check_equal_shards, rank_mean
-from rlstage.engines.batching import adamw, lr_lambda, trainable_parameters
-from rlstage.engines.checkpoint import register_type
-from rlstage.engines.forward import check_packing_supported
+from rlstage.engines.training.actor import TorchActor, check_equal_shards, rank_mean
+from rlstage.engines.training.batching import adamw, lr_lambda, trainable_parameters
+from rlstage.engines.training.checkpoint import register_type
+from rlstage.engines.training.forward import check_packing_supported
 from rlstage.infra.env import free_port
 from rlstage.schemas.config import ActorConfig
 
 
 def _register_state_types() -> None:
-    """The non-tensor objects in a ZeRO optimizer state, stored by value (engines.checkpoint)."""
+    """The non-tensor objects in a ZeRO optimizer state, stored by value (engines.training.checkpoint)."""
     from deepspeed.runtime.fp16.loss_scaler import LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address

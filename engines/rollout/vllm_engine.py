@@ -24,10 +24,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from rlstage.engines.chat import stop_token_ids as template_stop_ids
-from rlstage.engines.lora import is_peft, save_hf
-from rlstage.engines.rollout import Completion, SamplingParams
-from rlstage.engines.vllm_plugin import QUIET_WAITS
+from rlstage.engines.models.chat import stop_token_ids as template_stop_ids
+from rlstage.engines.models.lora import is_peft, save_hf
+from rlstage.engines.rollout.hf import Completion, SamplingParams
+from rlstage.engines.rollout.vllm_plugin import QUIET_WAITS
 
 if TYPE_CHECKING:
     from peft import PeftModel

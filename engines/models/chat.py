@@ -28,7 +28,7 @@ def policy_tokenizer(model_path: str | None) -> Any:
     Callers only read it (padding side is passed explicitly where it matters).
     """
     if model_path is None:
-        from rlstage.engines.tinykit import build_char_tokenizer
+        from rlstage.engines.models.tinykit import build_char_tokenizer
 
         return build_char_tokenizer()
     from transformers import AutoTokenizer

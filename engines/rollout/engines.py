@@ -3,7 +3,7 @@
 A factory ``fn(cfg, model, tokenizer, path, current=None) -> engine`` builds the engine for policy weights just
 loaded, ``model`` holding them in memory and ``path`` a folder of them; ``current`` is the engine the worker holds
 (a running one may take the new weights in place). The engine has ``HFRolloutEngine``'s ``generate`` contract
-(engines/rollout.py). ``hf`` shares ``model``; every other engine, a plugin's too, starts from the folder of plain
+(engines/rollout/hf.py). ``hf`` shares ``model``; every other engine, a plugin's too, starts from the folder of plain
 weights (workers/rollout.py merges a LoRA checkpoint into one for it).
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from rlstage.engines.lora import is_peft
+from rlstage.engines.models.lora import is_peft
 from rlstage.engines.registry import Registry
 
 EngineFactory = Callable[..., Any]
@@ -28,7 +28,7 @@ def register_rollout_engine(name: str) -> Callable[[EngineFactory], EngineFactor
 @register_rollout_engine("hf")
 def hf_engine(cfg: Any, model: Any, tokenizer: Any, path: str, current: Any = None) -> Any:
     """HF ``generate`` on ``model`` itself."""
-    from rlstage.engines.rollout import HFRolloutEngine
+    from rlstage.engines.rollout.hf import HFRolloutEngine
 
     r = cfg.rollout
     return HFRolloutEngine(model, tokenizer, r.batch_size, r.share_prompts)
@@ -39,7 +39,7 @@ def vllm_engine(cfg: Any, model: Any, tokenizer: Any, path: str, current: Any = 
     """A running vLLM engine (``current``) takes the new weights in place: starting one costs 15-60 s on CPU. A
     LoRA policy held in memory (a ``PeftModel``, colocated) reaches vLLM as its adapter over the base's weights in
     ``path`` (vLLM's LoRA support, as verl's LoRA rollout); a folder of merged weights is loaded as it is."""
-    from rlstage.engines.rollout_vllm import VLLMRolloutEngine  # lazy: vllm is an optional extra
+    from rlstage.engines.rollout.vllm_engine import VLLMRolloutEngine  # lazy: vllm is an optional extra
 
     r = cfg.rollout
     adapter = is_peft(model)

@@ -3,7 +3,7 @@
 A DeepSpeed engine implements the same methods (``compute_log_probs``, ``update``,
 ``state_dict`` / ``load_state_dict``) so stages never know which one they drive. The mini-batch loop,
 micro-batch planning (fixed count or token budget, padded or packed) and the optimizer live in
-``engines.batching.MiniBatchTrainer``, shared with the critic.
+``engines.training.batching.MiniBatchTrainer``, shared with the critic.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from collections.abc import Sequence
 import torch
 
 from rlstage.engines import algorithms as algos
-from rlstage.engines.batching import MicroBatch, MiniBatchTrainer, lr_lambda, metric_weight
-from rlstage.engines.forward import pad_right, response_log_probs
+from rlstage.engines.training.batching import MicroBatch, MiniBatchTrainer, lr_lambda, metric_weight
+from rlstage.engines.training.forward import pad_right, response_log_probs
 
 __all__ = ["DataParallelTorchActor", "TorchActor", "lr_lambda"]
 

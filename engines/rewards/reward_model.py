@@ -1,7 +1,7 @@
 """Learned rewards: a Hugging Face sequence-classification model, or a scorer behind a loopback HTTP endpoint.
 
 The model scores prompt + response on the last non-pad token (verl's ``reward_model`` convention: one
-logit, ``num_labels=1``), batched by count or by a token budget with ``engines/batching.py``. The plain HTTP
+logit, ``num_labels=1``), batched by count or by a token budget with ``engines/training/batching.py``. The plain HTTP
 backend sends ``{"prompts": [...], "responses": [...]}`` and reads ``{"scores": [...]}``; a request that
 fails or times out errors only its own samples, a null score errors only its sample. The judge backend asks
 an OpenAI-style chat-completions endpoint, one greedy request per sample, and reads the first number of the
@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 
 import torch
 
-from rlstage.engines.batching import plan_micro_batches
+from rlstage.engines.training.batching import plan_micro_batches
 
 RM_SETTING = "reward_model.forward_max_token_len_per_gpu"
 
@@ -282,8 +282,8 @@ def policy_samples(
     The policy's own samples are what RL will show the reward model; one-digit near misses alone leave it
     blind to the rest of that distribution, which a policy trained on it then exploits.
     """
-    from rlstage.engines import rewards
-    from rlstage.engines.rollout import HFRolloutEngine, SamplingParams
+    from rlstage.engines.rewards import rules as rewards
+    from rlstage.engines.rollout.hf import HFRolloutEngine, SamplingParams
 
     torch.manual_seed(seed)
     comps = HFRolloutEngine(model, tokenizer, batch_size=1024).generate(

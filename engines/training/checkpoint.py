@@ -85,7 +85,7 @@ def _encode(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
     if found is None:
         raise UnsafeStateError(
             f"trainer state holds a {type(obj).__module__}.{type(obj).__qualname__}, which has no registered "
-            "safe encoding (engines.checkpoint.register_type)"
+            "safe encoding (engines.training.checkpoint.register_type)"
         )
     name, codec = found
     return {"o": name, "v": _encode(codec.encode(obj), tensors)}

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from rlstage.engines.chat import stop_token_ids
-from rlstage.engines.forward import model_device
+from rlstage.engines.models.chat import stop_token_ids
+from rlstage.engines.models.device import model_device
 
 
 @dataclass(frozen=True)

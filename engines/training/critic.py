@@ -7,8 +7,8 @@ from collections.abc import Sequence
 import torch
 
 from rlstage.engines import algorithms as algos
-from rlstage.engines.batching import MicroBatch, MiniBatchTrainer, metric_weight
-from rlstage.engines.forward import response_logits
+from rlstage.engines.training.batching import MicroBatch, MiniBatchTrainer, metric_weight
+from rlstage.engines.training.forward import response_logits
 
 
 def response_values(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:

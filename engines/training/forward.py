@@ -32,12 +32,6 @@ PACKING_ATTENTION = ("sdpa", "eager", "flex_attention", "flash_attention_2", "fl
 NO_GRAD_SCALE = 4
 
 
-def model_device(model: torch.nn.Module) -> torch.device:
-    """Where a model's weights are (its inputs are built on the CPU and moved there)."""
-    first = next(model.parameters(), None)
-    return torch.device("cpu") if first is None else first.device
-
-
 def to_device(inputs: dict, device: torch.device) -> dict:
     """The tensors of ``inputs`` on ``device`` (on the CPU, the same tensors: no copy)."""
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}

@@ -119,7 +119,7 @@ def multiply_question(a: int, b: int) -> str:
 
 
 def _multiply_table(pairs: Sequence[tuple[int, int]], split: str) -> pa.Table:
-    from rlstage.engines.tinykit import build_char_tokenizer
+    from rlstage.engines.models.tinykit import build_char_tokenizer
 
     kit_tokenizer = build_char_tokenizer()
     rows = []
@@ -329,9 +329,9 @@ def load_verl_parquet(path: str, split: str | None = None) -> pa.Table:
 
 
 def drop_overlong(table: pa.Table, tokenizer: Any, max_prompt_length: int) -> tuple[pa.Table, int]:
-    """Rows whose rendered prompt (``engines.chat.render_prompt_ids``) fits ``max_prompt_length`` tokens, and
+    """Rows whose rendered prompt (``engines.models.chat.render_prompt_ids``) fits ``max_prompt_length`` tokens, and
     how many were dropped (verl's ``filter_overlong_prompts``)."""
-    from rlstage.engines.chat import render_batch
+    from rlstage.engines.models.chat import render_batch
 
     lengths = [len(ids) for ids in render_batch(tokenizer, table.to_pylist())]
     keep = pa.array([n <= max_prompt_length for n in lengths], pa.bool_())

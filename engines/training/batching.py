@@ -1,4 +1,4 @@
-"""Planning micro-batches and the shared mini-batch loop (model inputs and forwards: ``engines/forward.py``).
+"""Planning micro-batches and the shared mini-batch loop (model inputs and forwards: ``engines/training/forward.py``).
 
 Micro-batches hold either a fixed number of samples (``micro_batch_size``, the default) or as many as fit
 a token budget (``micro_batch_tokens``): the tokens the forward actually processes, i.e. the packed row
@@ -18,10 +18,10 @@ from dataclasses import dataclass
 import torch
 
 from rlstage.engines.algorithms import AggNorm, agg_norm
-from rlstage.engines.forward import (
+from rlstage.engines.models.device import model_device
+from rlstage.engines.training.forward import (
     NO_GRAD_SCALE,
     check_packing_supported,
-    model_device,
     model_inputs,
     pad_right,
     to_device,

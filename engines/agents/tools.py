@@ -453,7 +453,7 @@ def resolve_template(value: str | None) -> str | None:
 
 def agent_tokenizer(cfg: Any) -> Any | None:
     """The tokenizer the run's policy will have: ``model.path``'s, else the tiny kit's (None if unreadable yet)."""
-    from rlstage.engines.chat import policy_tokenizer
+    from rlstage.engines.models.chat import policy_tokenizer
 
     if cfg.model.path is not None and not Path(cfg.model.path).expanduser().is_dir():
         return None  # check_inputs reports the missing model directory (a .gguf is converted at run start)
