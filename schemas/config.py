@@ -189,8 +189,10 @@ class ModelConfig(_Section):
 
 
 class DataConfig(_Section):
-    source: str = "synthetic"  # a registered data source (the kit's task, gsm8k, verl_parquet, a plugin's)
-    train_path: str | None = None  # the training prompts file (gsm8k: JSONL; verl_parquet: a verl RL Parquet file)
+    # a registered data source: synthetic (the kit's task), reasoning_gym (generated), your own jsonl/parquet columns,
+    # gsm8k, verl_parquet, a plugin's (docs/data.md)
+    source: str = "synthetic"
+    train_path: str | None = None  # the training prompts file (jsonl/gsm8k: JSONL; parquet/verl_parquet: Parquet)
     test_path: str | None = None  # the held-out prompts file, never trained on
     prompts_per_iteration: int = Field(64, ge=1)  # prompts trained per iteration (verl's train_batch_size), each sampled rollout.n times
     # verl's data.gen_batch_size: prompts per generation round of dynamic sampling (None: prompts_per_iteration);

@@ -3,6 +3,7 @@ it in schemas/config.py. The configuration reference (scripts/gen_docs.py) and `
 
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 import typing
@@ -46,6 +47,7 @@ def sections(model: type[BaseModel], prefix: str = "") -> list[tuple[str, type[B
     return found
 
 
+@functools.cache
 def rows() -> list[tuple[str, type[BaseModel], str, object, str]]:
     """(section prefix, section model, field name, field info, help) for every leaf setting of ``RunConfig``."""
     out = []
