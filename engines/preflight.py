@@ -15,7 +15,7 @@ from pathlib import Path
 from rlstage.engines.agents.loop import check_agent_template
 from rlstage.engines.agents.tools import ToolConfigError, check_parameters_schema, resolve_callable
 from rlstage.engines.plugins import load_plugins
-from rlstage.engines.registry import CHECKED_SETTINGS, REGISTRIES, named_values
+from rlstage.engines.registry import CHECKED_SETTINGS, REGISTRIES, named_values, settings_for
 from rlstage.engines.rewards.rules import check_reward_fn
 from rlstage.schemas.config import ConfigError, RunConfig
 
@@ -145,6 +145,7 @@ def check_algorithm_names(cfg: RunConfig) -> None:
         algos.policy_loss_settings(cfg.actor.policy_loss)
     except ValueError as err:
         raise ConfigError(f"config error: {err}") from None
+    check_data_source(cfg)
 
 
 def check_registered_names(cfg: RunConfig) -> None:
@@ -173,6 +174,36 @@ def check_registered_names(cfg: RunConfig) -> None:
                 f"config error: trainer.eval_require_maj: {where} {fn} extracts no answer for maj@N to vote on; "
                 f"ones that do: {', '.join(ANSWER_EXTRACTORS)}"
             )
+
+
+def check_data_source(cfg: RunConfig) -> None:
+    """``data.source_settings`` pass the source's settings model, the source's package is installed, and its rows
+    have a reward (a registered rule for their data_source, reward.function, or a reward model)."""
+    from rlstage.engines.data import datasets
+    from rlstage.engines.rewards.rules import has_rule
+
+    load_plugins(cfg.plugins)  # a plugin's source (flows/checks.py asks before the other checks)
+    try:
+        source = datasets.DATA_SOURCES.entry(cfg.data.source)
+        settings = settings_for(source, cfg.data.source_settings, "data.source_settings")
+    except ValueError as err:
+        raise ConfigError(f"config error: {err}") from None
+    if isinstance(settings, datasets.ReasoningGymSettings):
+        if importlib.util.find_spec("reasoning_gym") is None:
+            raise ConfigError(
+                "config error: data.source: data.source=reasoning_gym needs the reasoning-gym package, which is not "
+                "installed: pip install 'rlstage[tasks]'"
+            )
+        if settings.task not in datasets.reasoning_gym_tasks():
+            raise ConfigError(
+                f"config error: data.source_settings.task: reasoning_gym has no task {settings.task!r}; "
+                f"its tasks: {', '.join(datasets.reasoning_gym_tasks())}"
+            )
+    if isinstance(settings, datasets.ColumnSettings) and not cfg.reward_model.enable and not has_rule(settings.data_source, cfg.reward.function):
+        raise ConfigError(
+            f"config error: reward.function: rows of data.source={cfg.data.source} (data_source {settings.data_source!r}) "
+            "have no registered reward: name one (exact_match, gsm8k_flexible, ...) or give module:function"
+        )
 
 
 def preflight(cfg: RunConfig) -> None:

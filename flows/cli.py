@@ -236,6 +236,17 @@ def cmd_data_prep(args) -> int:
     return 0
 
 
+def cmd_init(args) -> int:
+    from rlstage.flows.init import InitChoices, write_config
+
+    run_name = args.run_name or args.out.stem
+    choices = InitChoices(args.model, args.train, args.test, args.reward, args.prompt_column, args.answer_column, run_name)
+    written = write_config(choices, args.out)
+    print(f"wrote {written.path}: run {written.run_name} on {args.model}, data.source={written.source}")
+    print(f"  next: rlstage train -c {written.path}")
+    return 0
+
+
 def cmd_reward_model(args) -> int:
     import json
 
@@ -364,7 +375,7 @@ class _Version(argparse.Action):
 DOCS = {
     "demo": "usage.md", "train": "usage.md", "nightly": "usage.md", "replay": "usage.md", "eval": "usage.md",
     "export": "usage.md", "data-prep": "usage.md", "reward-model": "algorithms.md", "compare": "inspecting.md",
-    "inspect": "inspecting.md", "ui": "usage.md",
+    "inspect": "inspecting.md", "ui": "usage.md", "init": "data.md",
 }  # fmt: skip
 
 
@@ -480,6 +491,16 @@ def build_parser() -> _Parser:
     p.add_argument("-c", "--config", type=Path, default=None, help="YAML config (default: built-in defaults)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.source=gsm8k")
     p.set_defaults(fn=cmd_data_prep)
+    p = sub.add_parser("init", help="write a commented starting config for your model folder and prompt files")
+    p.add_argument("--model", required=True, help="a Hugging Face model folder (or .gguf file) to train")
+    p.add_argument("--train", required=True, help="your training prompts: JSONL, or Parquet by its .parquet suffix")
+    p.add_argument("--test", required=True, help="your held-out prompts (never trained on), same format")
+    p.add_argument("--prompt-column", default="prompt", help="the column holding each prompt (a string or chat messages)")
+    p.add_argument("--answer-column", default="answer", help="the column holding each reference answer")
+    p.add_argument("--reward", default=None, help="how answers are scored: exact_match, gsm8k_flexible, ... or module:function")
+    p.add_argument("-o", "--out", type=Path, default=Path("rlstage.yaml"), help="the config file to write (new)")
+    p.add_argument("--run-name", default=None, help="the run's name (default: the file's stem)")
+    p.set_defaults(fn=cmd_init)
     p = sub.add_parser("reward-model", help="train a tiny reward model for the kit's task on its SFT policy's samples")
     p.add_argument("-c", "--config", type=Path, default=None, help="YAML config of the run it is for (its kit and SFT)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. kit.digits=1")

@@ -79,6 +79,8 @@ class ConfigDeprecation(DeprecationWarning):
 # A setting added after runs were stored: cache keys hash it only when it differs from its default, so the stages
 # those runs committed keep their keys (a nightly after an upgrade continues them instead of redoing them).
 HASHED_WHEN_SET = {"hashed_when_set": True}
+# Built-in data sources that generate their prompts instead of reading train_path/test_path (engines/datasets.py).
+GENERATED_SOURCES = frozenset({"synthetic", "reasoning_gym"})
 
 
 def _default(field: Any) -> Any:
@@ -187,8 +189,10 @@ class ModelConfig(_Section):
 
 
 class DataConfig(_Section):
-    source: str = "synthetic"  # a registered data source (the kit's task, gsm8k, verl_parquet, a plugin's)
-    train_path: str | None = None  # the training prompts file (gsm8k: JSONL; verl_parquet: a verl RL Parquet file)
+    # a registered data source: synthetic (the kit's task), reasoning_gym (generated), your own jsonl/parquet columns,
+    # gsm8k, verl_parquet, a plugin's (docs/data.md)
+    source: str = "synthetic"
+    train_path: str | None = None  # the training prompts file (jsonl/gsm8k: JSONL; parquet/verl_parquet: Parquet)
     test_path: str | None = None  # the held-out prompts file, never trained on
     prompts_per_iteration: int = Field(64, ge=1)  # prompts trained per iteration (verl's train_batch_size), each sampled rollout.n times
     # verl's data.gen_batch_size: prompts per generation round of dynamic sampling (None: prompts_per_iteration);
@@ -197,13 +201,19 @@ class DataConfig(_Section):
     eval_size: int | None = Field(None, ge=1)  # held-out prompts per eval (None: all)
     max_prompt_length: int = Field(256, ge=1)  # prompts longer than this (model tokens, chat template included) are dropped at data prep
     shuffle_seed: int = 0  # seed of the order the training prompts are drawn in
+    # The data source's own settings, checked against the settings its registry entry declares (reasoning_gym:
+    # {task, config, train_size, test_size, ...}; jsonl/parquet: the column names). A source that generates its
+    # prompts (synthetic, reasoning_gym) takes no files.
+    source_settings: dict[str, Any] = Field(default_factory=dict, json_schema_extra=HASHED_WHEN_SET)
 
     @model_validator(mode="after")
     def _paths(self) -> DataConfig:
-        if self.source != "synthetic" and not self.train_path:
+        if self.source in GENERATED_SOURCES:
+            return self
+        if not self.train_path:
             raise ValueError(f"data.train_path is required for data.source={self.source}")
         # Without a held-out set every eval would average nothing (nan): refused, not defaulted.
-        if self.source != "synthetic" and not self.test_path:
+        if not self.test_path:
             raise ValueError(f"data.test_path (the held-out set) is required for data.source={self.source}")
         return self
 

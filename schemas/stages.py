@@ -120,7 +120,7 @@ SPECS: tuple[StageSpec, ...] = (
         reads=("data.source", "data.train_path", "data.test_path", "data.max_prompt_length", "model.path"),
         reads_if=lambda v: (
             ("kit.task", "kit.digits", "kit.train_size", "kit.test_size", "kit.seed") if v.data.source == "synthetic" else ()
-        ),
+        ) + (("data.source_settings",) if v.data.source_settings else ()),
         output="prompts",
         phase="prepare",
     ),

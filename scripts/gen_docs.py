@@ -8,77 +8,21 @@ help (the field's description, else the comment written beside or above it in sc
 from __future__ import annotations
 
 import inspect
-import re
 import sys
-import typing
 from pathlib import Path
 
-from pydantic import BaseModel
-
 from rlstage.schemas.config import RunConfig
+from rlstage.schemas.settings_help import is_execution, missing_help, read_by, rows, sections, type_name  # noqa: F401
 
 PAGE = Path(__file__).resolve().parent.parent / "docs" / "reference" / "config.md"
-FIELD = re.compile(r"^    (\w+): [^=]+?(?:=.*)?$")
-
-
-def comments(cls: type) -> dict[str, str]:
-    """Field name -> the comment lines directly above its declaration plus its inline comment."""
-    out: dict[str, str] = {}
-    above: list[str] = []
-    for line in inspect.getsource(cls).splitlines():
-        stripped = line.strip()
-        if line.startswith("    # "):
-            above.append(stripped[2:])
-            continue
-        m = FIELD.match(line.split("  # ")[0].rstrip())
-        if m and not stripped.startswith(("def ", "@", "return", "class ")):
-            inline = line.split("  # ", 1)[1].strip() if "  # " in line else ""
-            out[m.group(1)] = " ".join([*above, inline]).strip()
-        above = []
-    return out
-
-
-def type_name(annotation) -> str:
-    text = getattr(annotation, "__name__", None) if typing.get_origin(annotation) is None else None
-    return text or str(annotation).replace("typing.", "")
-
-
-def sections(model: type[BaseModel], prefix: str = "") -> list[tuple[str, type[BaseModel]]]:
-    found = [(prefix, model)]
-    for name, field in model.model_fields.items():
-        sub = field.annotation
-        if isinstance(sub, type) and issubclass(sub, BaseModel):
-            found += sections(sub, f"{prefix}{name}.")
-    return found
-
-
-def rows() -> list[tuple[str, type[BaseModel], str, object, str]]:
-    """(section prefix, section model, field name, field info, help) for every leaf setting of ``RunConfig``."""
-    out = []
-    for prefix, model in sections(RunConfig):
-        helps: dict[str, str] = {}
-        for klass in reversed(model.__mro__):
-            if isinstance(klass, type) and issubclass(klass, BaseModel) and klass.__module__ == model.__module__:
-                helps |= comments(klass)
-        for name, field in model.model_fields.items():
-            sub = field.annotation
-            if not (isinstance(sub, type) and issubclass(sub, BaseModel)):
-                out.append((prefix, model, name, field, field.description or helps.get(name, "")))
-    return out
-
-
-def missing_help() -> list[str]:
-    """Settings with neither a description nor a comment in schemas/config.py (tests/test_docs.py fails on any)."""
-    return [f"{prefix}{name}" for prefix, _, name, _, text in rows() if not text]
-
-
 def render() -> str:
     lines = [
         "# Configuration reference",
         "",
         "Generated from the config models (`schemas/config.py`) by `scripts/gen_docs.py`; do not edit by hand.",
         "A run's config is one YAML file plus dotted overrides (`actor.optim.lr=2e-4`); an unknown key or a bad",
-        "value is refused in one line naming it.",
+        "value is refused in one line naming it. *Read by*: the stages whose code reads the setting (from the stage",
+        "registry, `schemas/stages.py`): their cache keys hash it, so changing it reruns them and nothing else.",
     ]
     by_section: dict[str, list] = {}
     for prefix, _, name, field, text in rows():
@@ -88,11 +32,13 @@ def render() -> str:
         lines += ["", f"## `{prefix.rstrip('.') or 'top level'}`", ""]
         if doc and not doc.startswith(("Usage docs", "A base class")):
             lines += [doc.splitlines()[0], ""]
-        lines += ["| field | type | default | help |", "| --- | --- | --- | --- |"]
+        lines += ["| field | type | default | read by | help |", "| --- | --- | --- | --- | --- |"]
         for name, field, text in by_section.get(prefix, []):
             default = "required" if field.is_required() else repr(field.get_default(call_default_factory=True))
             kind = type_name(field.annotation).replace("|", "\\|")
-            lines.append(f"| `{prefix}{name}` | `{kind}` | `{default}` | {text.replace('|', chr(92) + '|')} |")
+            path = f"{prefix}{name}"
+            stages = "every stage (never hashed)" if is_execution(path) else ", ".join(read_by(path)) or "the flow (no stage input)"
+            lines.append(f"| `{path}` | `{kind}` | `{default}` | {stages} | {text.replace('|', chr(92) + '|')} |")
     return "\n".join(lines) + "\n"
 
 

@@ -188,8 +188,7 @@ def data_prep(cfg: ConfigView) -> StageResult:
                 cfg.kit.task, cfg.kit.digits, cfg.kit.train_size, cfg.kit.test_size, cfg.kit.seed
             )
         else:
-            train = datasets.load_prompts(d.source, d.train_path)
-            test = datasets.load_prompts(d.source, d.test_path) if d.test_path else train.slice(0, 0)
+            train, test = datasets.prepare_splits(d.source, d.train_path, d.test_path, d.source_settings)
         # As verl's filter_overlong_prompts: measured in the policy's rendered prompt tokens.
         tok = agent_tokenizer(cfg)
         train, train_dropped = datasets.drop_overlong(train, tok, d.max_prompt_length)

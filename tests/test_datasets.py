@@ -301,3 +301,66 @@ def test_load_prompts_dispatch(tmp_path: Path) -> None:
         D.DatasetError, match="unknown data source 'csv'; registered: synthetic, gsm8k, verl_parquet"
     ):
         D.load_prompts("csv", "x.csv")
+
+
+# ---------------------------------------------------------------- reasoning-gym
+
+PRODUCTS = {"task": "products", "config": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}}
+
+
+def test_reasoning_gym_splits_share_no_question_and_score_with_the_tasks_checker() -> None:
+    settings = {**PRODUCTS, "train_size": 400, "test_size": 50, "seed": 3, "instruction": "Give only the final answer."}
+    train, test = D.prepare_splits("reasoning_gym", None, None, settings)
+    assert train.schema == PROMPTS and test.schema == PROMPTS
+    assert test.num_rows == 50 and 0 < train.num_rows <= 400
+    assert not set(train.column("prompt").to_pylist()) & set(test.column("prompt").to_pylist())
+    assert D.prepare_splits("reasoning_gym", None, None, settings)[1].equals(test)  # the seed fixes the held-out split
+    row = test.to_pylist()[0]
+    assert row["data_source"] == "reasoning_gym/products" and row["prompt"].endswith(" Give only the final answer.")
+    info = json.loads(row["extra_info"])
+    assert R.default_reward_fn(row["data_source"]) == "reasoning_gym"
+    truth = row["ground_truth"]
+    # The checker sees the response's last number: working before the answer costs nothing, a wrong one scores 0.
+    assert R.reasoning_gym_score(f"First multiply the tens. So the product is {truth}.", truth, info) == 1.0
+    assert R.reasoning_gym_score(f"{truth} is not it, the answer is {int(truth) + 1}", truth, info) == 0.0
+    assert R.reasoning_gym_score("I don't know", truth, info) == 0.0
+
+
+def test_reasoning_gym_bad_settings_are_one_line() -> None:
+    from rlstage.engines.preflight import check_algorithm_names
+    from rlstage.schemas.config import ConfigError, load_config
+
+    def check(*overrides: str) -> None:
+        check_algorithm_names(load_config(None, ["data.source=reasoning_gym", *overrides]))
+
+    check(f"data.source_settings={json.dumps(PRODUCTS)}")
+    with pytest.raises(ConfigError, match=r"^config error: data\.source_settings\.task: reasoning_gym has no task 'prodcuts'"):
+        check('data.source_settings={"task": "prodcuts"}')
+    with pytest.raises(ConfigError, match=r"^config error: data\.source_settings\.size: reasoning_gym takes no size"):
+        check('data.source_settings={"task": "products", "size": 3}')
+    with pytest.raises(ConfigError, match=r"^config error: data\.source_settings\.task: Field required"):
+        check("data.source_settings={}")
+    with pytest.raises(ConfigError, match=r"^config error: data\.source_settings\.task: gsm8k takes no settings"):
+        check_algorithm_names(load_config(None, ["data.source=gsm8k", "data.train_path=a", "data.test_path=b", 'data.source_settings={"task": "x"}']))
+    mine = ["data.source=jsonl", "data.train_path=a.jsonl", "data.test_path=b.jsonl"]
+    with pytest.raises(ConfigError, match=r"^config error: reward\.function: rows of data\.source=jsonl \(data_source 'user'\) have no registered reward"):
+        check_algorithm_names(load_config(None, mine))
+    check_algorithm_names(load_config(None, [*mine, "reward.function=exact_match"]))
+    check_algorithm_names(load_config(None, [*mine, 'data.source_settings={"data_source": "openai/gsm8k"}']))
+    with pytest.raises(D.DatasetError, match=r"^reasoning_gym task 'products': .*"):
+        D.load_prompts("reasoning_gym", None, split="test", task="products", config={"min_digits": 0})
+
+
+def test_your_own_jsonl_and_parquet_by_column_names(tmp_path: Path) -> None:
+    rows = [{"q": "What is 2+3?", "a": 5, "level": 1}, {"q": [{"role": "user", "content": "Say hi"}], "a": "hi", "level": 2}]
+    _write(tmp_path / "mine.jsonl", [json.dumps(r) for r in rows])
+    pq.write_table(pa.Table.from_pylist([{**r, "q": json.dumps(r["q"]) if isinstance(r["q"], list) else r["q"]} for r in rows[:1]]), tmp_path / "mine.parquet")
+    cols = {"prompt_column": "q", "answer_column": "a", "instruction": "Answer with a number."}
+    table = D.load_prompts("jsonl", str(tmp_path / "mine.jsonl"), **cols)
+    first, second = table.to_pylist()
+    assert first["messages"] == [{"role": "user", "content": "What is 2+3? Answer with a number."}]
+    assert (first["ground_truth"], first["data_source"], json.loads(first["extra_info"])["level"]) == ("5", "user", 1)
+    assert second["messages"] == [{"role": "user", "content": "Say hi"}] and second["ground_truth"] == "hi"
+    assert D.load_prompts("parquet", str(tmp_path / "mine.parquet"), **cols).column("ground_truth").to_pylist() == ["5"]
+    with pytest.raises(D.DatasetError, match=r"mine\.jsonl: row 1: no 'question' column \(data\.source_settings names it; the row has \['a', 'level', 'q'\]\)"):
+        D.load_prompts("jsonl", str(tmp_path / "mine.jsonl"), prompt_column="question")

@@ -5,6 +5,7 @@ them is the fresh-clone check (the closing notes); this catches a README that dr
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import json
@@ -40,6 +41,12 @@ def _commands() -> list[list[str]]:
 COMMANDS = _commands()
 
 
+def _write(folder: Path, text: str) -> str:
+    path = folder / "written.yaml"
+    path.write_text(text)
+    return str(path)
+
+
 def _of(program: str) -> list[list[str]]:
     return [c for c in COMMANDS if c[0] == program]
 
@@ -49,12 +56,32 @@ def test_the_readme_has_the_commands_a_user_runs():
     assert len(_of(".venv/bin/rlstage")) >= 6 and len(_of("prefect")) >= 2 and len(_of("infra/stack.sh")) >= 3
 
 
+@functools.cache
+def _init_configs() -> dict[str, str]:
+    """The config each page's `rlstage init` writes (its --out: the text), for the commands that train with it."""
+    from rlstage.flows.init import InitChoices, render
+
+    out = {}
+    for words in _of(".venv/bin/rlstage"):
+        args = build_parser().parse_args(words[1:])
+        if args.cmd == "init":
+            choices = InitChoices(args.model, args.train, args.test, args.reward, args.prompt_column, args.answer_column, args.run_name or args.out.stem)
+            out[str(args.out)] = render(choices)
+    return out
+
+
 @pytest.mark.parametrize("words", _of(".venv/bin/rlstage"), ids=lambda w: " ".join(w[1:3]))
-def test_each_rlstage_command_parses_and_its_settings_validate(words):
+def test_each_rlstage_command_parses_and_its_settings_validate(words, tmp_path):
     args = build_parser().parse_args(words[1:])  # a usage error exits (one line, status 2): the test fails
     overrides = getattr(args, "overrides", [])
+    written = _init_configs()
+    if args.cmd == "init":  # the config it writes loads (its files and model are the user's)
+        load_config(_write(tmp_path, written[str(args.out)]))
     if args.cmd in ("train", "data-prep", "demo"):
-        config = args.config if args.config is None else str(REPO / args.config)
+        if args.config is not None and str(args.config) in written:  # written by an init command of the page
+            config = _write(tmp_path, written[str(args.config)])
+        else:
+            config = args.config if args.config is None else str(REPO / args.config)
         load_config(config, overrides)  # an unknown key or a bad value raises, naming the field
     elif args.cmd == "reward-model":  # the config of the run the RM is for, its RM itself not built yet
         load_config(str(REPO / args.config), [*overrides, "reward_model.enable=false"])

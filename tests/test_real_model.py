@@ -10,8 +10,6 @@ from __future__ import annotations
 import json
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 
 from rlstage.infra.models import LINEAGE, ModelFetchError, model_folder_for_gguf, sha256_file
@@ -53,30 +51,12 @@ def test_gguf_of_an_architecture_transformers_cannot_load_fails_in_one_line(tmp_
     assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())  # nothing half-written
 
 
-def _verl_parquet(path, rows: list[tuple[str, str]]) -> str:
-    pq.write_table(
-        pa.Table.from_pylist(
-            [
-                {
-                    "data_source": "openai/gsm8k",
-                    "prompt": [{"role": "user", "content": q}],
-                    "ability": "math",
-                    "reward_model": {"style": "rule", "ground_truth": a},
-                    "extra_info": {"index": i},
-                }
-                for i, (q, a) in enumerate(rows)
-            ]
-        ),
-        path,
-    )
-    return str(path)
-
-
 @pytest.mark.slow
 def test_one_iteration_of_smollm2_through_the_pipeline(prefect_api, smollm2_path, tmp_path) -> None:
     from mlflow.tracking import MlflowClient
     from transformers import AutoTokenizer
 
+    from rlstage.flows.cli import main
     from rlstage.flows.training import train
     from rlstage.infra.tracking import tracking_uri_for
     from rlstage.schemas.config import load_config
@@ -87,24 +67,26 @@ def test_one_iteration_of_smollm2_through_the_pipeline(prefect_api, smollm2_path
         ('What is 3 + 4? Let\'s think step by step and output the final answer after "####".', "7"),
         ("How many? " * 80, "0"),  # over data.max_prompt_length: dropped at data prep
     ]
-    data = _verl_parquet(tmp_path / "train.parquet", rows)
+    # Your own data and a starting config in two commands (docs/data.md): a JSONL file with columns of its own,
+    # then `rlstage init`, whose file this run trains with (short settings on top).
+    data = tmp_path / "mine.jsonl"
+    data.write_text("".join(json.dumps({"q": q, "a": a, "topic": "misc"}) + "\n" for q, a in rows))
+    written = tmp_path / "mine.yaml"
+    argv = ["init", "--model", str(smollm2_path), "--train", str(data), "--test", str(data), "--prompt-column", "q",
+            "--answer-column", "a", "--reward", "exact_match", "-o", str(written), "--run-name", "smollm2"]  # fmt: skip
+    assert main(argv) == 0
+    assert main(argv) == 2  # never overwrites a file
+    assert "answer_column: \"a\"" in written.read_text() and written.read_text().startswith("# rlstage config written by")
     max_new = 24
     cfg = load_config(
-        "configs/gsm8k-smollm2.yaml",
+        written,
         [
             f"store.root={tmp_path / 'store'}",
-            "run_name=smollm2",
-            f"model.path={smollm2_path}",
-            "data.source=verl_parquet",
-            f"data.train_path={data}",
-            f"data.test_path={data}",
             "data.prompts_per_iteration=2",
             "data.eval_size=2",
             "data.max_prompt_length=128",
-            "rollout.engine=hf",  # lighter for CI; vLLM gets the same stop tokens (engines/models/chat.stop_token_ids)
             "rollout.n=2",
             f"rollout.max_new_tokens={max_new}",
-            "reward.overlong_buffer.len=8",  # within the shortened responses
             "actor.ppo_mini_batch_size=4",
             "actor.micro_batch_size=2",
             "trainer.iterations=1",

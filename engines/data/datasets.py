@@ -6,18 +6,20 @@ verl-format parquet files. Bad input raises one ``DatasetError`` naming the file
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import random
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+from pydantic import BaseModel, ConfigDict, Field
 
 from rlstage.engines.registry import Registry
 from rlstage.schemas.artifacts import PROMPTS, conform
-from rlstage.schemas.config import KitConfig
+from rlstage.schemas.config import GENERATED_SOURCES, KitConfig
 
 ADDITION_SOURCE = "synthetic/addition"
 MULTIPLY_SOURCE = "synthetic/multiply"
@@ -30,9 +32,12 @@ VERL_REQUIRED_COLUMNS = ("data_source", "prompt", "reward_model")
 DATA_SOURCES: Registry[Callable[..., pa.Table]] = Registry("data source")
 
 
-def register_data_source(name: str) -> Callable[[Callable[..., pa.Table]], Callable[..., pa.Table]]:
-    """Decorator: register a loader of prompt files under ``name`` (a ``data.source``)."""
-    return DATA_SOURCES.register(name)
+def register_data_source(
+    name: str, *, settings: type[BaseModel] | None = None
+) -> Callable[[Callable[..., pa.Table]], Callable[..., pa.Table]]:
+    """Decorator: register a loader of prompts under ``name`` (a ``data.source``); ``settings``: the model of its
+    ``data.source_settings``, passed to it as keyword arguments."""
+    return DATA_SOURCES.register(name, settings=settings)
 
 
 @register_data_source("synthetic")
@@ -325,6 +330,82 @@ def load_verl_parquet(path: str, split: str | None = None) -> pa.Table:
     return _to_table(rows)
 
 
+# ---------------------------------------------------------------- your own prompts: JSONL or Parquet
+
+
+class ColumnSettings(BaseModel):
+    """``data.source_settings`` of ``data.source: jsonl`` / ``parquet``: which columns of your file hold what."""
+
+    model_config = ConfigDict(extra="forbid")
+    prompt_column: str = Field("prompt", description="the prompt: a string, or a list of chat messages {role, content}")
+    answer_column: str = Field("answer", description="the reference answer the reward compares against (verl's ground_truth)")
+    data_source: str = Field(
+        "user", description="the rows' data_source: metrics are grouped by it and a registered reward may be chosen by it"
+    )
+    instruction: str = Field("", description="appended to each string prompt (e.g. \"Give only the final answer.\")")
+
+
+def _records(p: Path) -> list[dict[str, Any]]:
+    if p.suffix == ".parquet":
+        try:
+            return pq.read_table(p).to_pylist()
+        except (pa.ArrowException, OSError) as err:
+            raise DatasetError(f"{p}: not a readable parquet file ({err})") from None
+    try:
+        lines = p.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as err:
+        raise DatasetError(f"{p}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+    out = []
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise DatasetError(f"{p}:{lineno}: invalid JSON ({err.msg} at column {err.colno})") from None
+        if not isinstance(obj, dict):
+            raise DatasetError(f"{p}:{lineno}: expected a JSON object, got {type(obj).__name__}")
+        out.append(obj)
+    return out
+
+
+def load_columns(path: str, split: str | None = None, **settings: Any) -> pa.Table:
+    """Your own prompts file (JSONL, or Parquet by its ``.parquet`` suffix): a prompt and an answer column,
+    named in ``data.source_settings``; every other column is kept in ``extra_info``."""
+    s = ColumnSettings.model_validate(settings)
+    p = _check_file(path)
+    split = split or p.stem
+    rows = []
+    for index, rec in enumerate(_records(p)):
+        where = f"{p}: row {index + 1}"
+        for column in (s.prompt_column, s.answer_column):
+            if rec.get(column) is None:
+                raise DatasetError(f"{where}: no {column!r} column (data.source_settings names it; the row has {sorted(rec)})")
+        prompt = rec[s.prompt_column]
+        if isinstance(prompt, str):
+            prompt = f"{prompt} {s.instruction}".strip()
+        messages = _messages(prompt, where)
+        answer = rec[s.answer_column]
+        extra = {k: v for k, v in rec.items() if k not in (s.prompt_column, s.answer_column)}
+        rows.append(
+            {
+                "prompt_id": f"{s.data_source}-{split}-{index}",
+                "prompt": render_messages(messages),
+                "messages": messages,
+                "data_source": s.data_source,
+                "ground_truth": answer if isinstance(answer, str) else _json(answer),
+                "extra_info": _json({"split": split, "index": index, **extra}),
+            }
+        )
+    if not rows:
+        raise DatasetError(f"{p}: file is empty (no rows)")
+    return _to_table(rows)
+
+
+DATA_SOURCES.add("jsonl", load_columns, settings=ColumnSettings)
+DATA_SOURCES.add("parquet", load_columns, settings=ColumnSettings)
+
+
 # ---------------------------------------------------------------- prompt length
 
 
@@ -337,6 +418,85 @@ def drop_overlong(table: pa.Table, tokenizer: Any, max_prompt_length: int) -> tu
     keep = pa.array([n <= max_prompt_length for n in lengths], pa.bool_())
     kept = table.filter(keep)
     return kept, table.num_rows - kept.num_rows
+
+
+# ---------------------------------------------------------------- reasoning-gym
+
+REASONING_GYM_SOURCE = "reasoning_gym"  # rows' data_source is "reasoning_gym/<task>" (its reward: engines/rewards.py)
+
+
+class ReasoningGymSettings(BaseModel):
+    """``data.source_settings`` of ``data.source: reasoning_gym``: a task of the reasoning-gym library (PyPI
+    ``reasoning-gym``), generated with a seed into a training and a held-out split that share no question."""
+
+    model_config = ConfigDict(extra="forbid")
+    task: str = Field(description="a reasoning-gym task name (products, chain_sum, basic_arithmetic, ...)")
+    config: dict[str, Any] = Field(
+        default_factory=dict, description="the task's generator settings, its difficulty (products: min_digits, ...)"
+    )
+    train_size: int = Field(5000, ge=1, description="training prompts generated (questions of the held-out split removed)")
+    test_size: int = Field(200, ge=1, description="held-out prompts, never trained on")
+    seed: int = Field(0, description="seed of the generator: the held-out split uses it, the training split seed + 1")
+    instruction: str = Field(
+        "", description="appended to each question (e.g. \"Give only the final answer.\"; empty: the question as the task words it)"
+    )
+    answer: Literal["last_number", "whole"] = Field(
+        "last_number",
+        description="what the task's checker scores: the response's last number, or the whole response stripped",
+    )
+
+
+def _reasoning_gym_rows(s: ReasoningGymSettings, split: str, size: int, seed: int) -> list[dict[str, Any]]:
+    import reasoning_gym  # an optional dependency ('.[tasks]'): only this source needs it
+
+    try:
+        dataset = reasoning_gym.create_dataset(s.task, size=size, seed=seed, **s.config)
+    except Exception as err:  # the library's own refusal of a task name or a setting, in one line
+        raise DatasetError(f"reasoning_gym task {s.task!r}: {type(err).__name__}: {' '.join(str(err).split())}") from None
+    rows = []
+    for index, entry in enumerate(dataset):
+        prompt = f"{entry['question']} {s.instruction}".strip()
+        rows.append(
+            {
+                "prompt_id": f"{s.task}-{split}-{index}",
+                "prompt": prompt,
+                "messages": [{"role": "user", "content": prompt}],
+                "data_source": f"{REASONING_GYM_SOURCE}/{s.task}",
+                "ground_truth": str(entry["answer"]),
+                # The entry as generated: the task's checker reads its metadata (engines/rewards.py: reasoning_gym).
+                "extra_info": _json({"split": split, "index": index, "task": s.task, "answer_from": s.answer, "entry": entry}),
+            }
+        )
+    return rows
+
+
+def reasoning_gym_tasks() -> list[str]:
+    import reasoning_gym
+
+    return sorted(reasoning_gym.factory.DATASETS)
+
+
+@register_data_source(REASONING_GYM_SOURCE, settings=ReasoningGymSettings)
+def load_reasoning_gym(path: str | None = None, split: str = "train", **settings: Any) -> pa.Table:
+    """A reasoning-gym task's ``split``: "test" (``test_size`` questions from ``seed``) or "train" (``train_size``
+    from ``seed + 1``, without the held-out split's questions)."""
+    if path:
+        raise DatasetError(f"data source {REASONING_GYM_SOURCE!r} generates its prompts: it reads no file ({path})")
+    s = ReasoningGymSettings.model_validate(settings)
+    if importlib.util.find_spec("reasoning_gym") is None:
+        raise DatasetError("data source reasoning_gym needs the reasoning-gym package: pip install 'rlstage[tasks]'")
+    if s.task not in reasoning_gym_tasks():
+        raise DatasetError(f"reasoning_gym has no task {s.task!r}; its tasks: {', '.join(reasoning_gym_tasks())}")
+    test = _reasoning_gym_rows(s, "test", s.test_size, s.seed)
+    if split == "test":
+        return _to_table(test)
+    if split != "train":
+        raise DatasetError(f"reasoning_gym split must be 'train' or 'test', got {split!r}")
+    held_out = {row["prompt"] for row in test}
+    train = [row for row in _reasoning_gym_rows(s, "train", s.train_size, s.seed + 1) if row["prompt"] not in held_out]
+    if not train:
+        raise DatasetError(f"reasoning_gym task {s.task!r}: every training question is also held out (too few distinct questions)")
+    return _to_table(train)
 
 
 # ---------------------------------------------------------------- dispatcher
@@ -352,6 +512,15 @@ def load_prompts(source: str, path: str | None, **kw: Any) -> pa.Table:
         loader = DATA_SOURCES.entry(source).obj
     except ValueError as err:
         raise DatasetError(str(err)) from None
-    if source != "synthetic" and not path:
+    if source not in GENERATED_SOURCES and not path:
         raise DatasetError(f"data source {source!r} needs a path")
     return loader(path, **kw)
+
+
+def prepare_splits(source: str, train_path: str | None, test_path: str | None, settings: dict[str, Any]) -> tuple[pa.Table, pa.Table]:
+    """The training and held-out prompts of ``data.source``: read from the two files, or generated (``settings``:
+    ``data.source_settings``)."""
+    if source in GENERATED_SOURCES:
+        return (load_prompts(source, None, split="train", **settings), load_prompts(source, None, split="test", **settings))
+    train = load_prompts(source, train_path, **settings)
+    return train, (load_prompts(source, test_path, **settings) if test_path else train.slice(0, 0))

@@ -48,6 +48,8 @@ def register_reward_fn(name: str) -> Callable[[RewardFn], RewardFn]:
 
 def default_reward_fn(data_source: str) -> str:
     """The registered reward function name for a ``data_source``."""
+    if data_source.startswith("reasoning_gym/"):  # one scorer for every task: it asks the task's own checker
+        return "reasoning_gym"
     try:
         return DATA_SOURCE_FNS[data_source]
     except KeyError:
@@ -148,6 +150,32 @@ def _same_number(answer: str | None, ground_truth: str) -> bool:
         return Decimal(answer) == Decimal(truth)
     except InvalidOperation:
         return False
+
+
+_LAST_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def reasoning_gym_answer(response_text: str, answer_from: str = "last_number") -> str:
+    """What a reasoning-gym checker is given: the response's last number (commas dropped), or the whole response."""
+    text = response_text.strip()
+    if answer_from == "whole":
+        return text
+    found = _LAST_NUMBER.findall(text[-_GSM8K_CLIP_CHARS:])
+    return found[-1].replace(",", "") if found else text
+
+
+@register_reward_fn("reasoning_gym")
+def reasoning_gym_score(response_text: str, ground_truth: str, extra_info: dict) -> float:
+    """The reasoning-gym task's own checker (``score_answer``) on the extracted answer, with the entry as
+    generated (``extra_info["entry"]``, written by the data source)."""
+    import reasoning_gym
+
+    entry = extra_info.get("entry")
+    task = extra_info.get("task")
+    if not isinstance(entry, dict) or task not in reasoning_gym.factory.DATASETS:
+        raise ValueError("a reasoning_gym row needs extra_info.task (a reasoning-gym task) and extra_info.entry")
+    score = reasoning_gym.get_score_answer_fn(task)(reasoning_gym_answer(response_text, extra_info.get("answer_from", "last_number")), entry)
+    return float(score)
 
 
 @register_reward_fn("gsm8k_strict")
@@ -524,7 +552,7 @@ COMBINE_MODES: dict[str, Callable[[float | None, float], float]] = {
 
 def has_rule(data_source: str, function: str | None) -> bool:
     """Whether a sample has a rule reward: a forced reward.function, or one registered for its source."""
-    return function is not None or data_source in DATA_SOURCE_FNS
+    return function is not None or data_source in DATA_SOURCE_FNS or data_source.startswith("reasoning_gym/")
 
 
 def combine_scores(mode: str, rule: list[float | None], rm: list[float]) -> list[float]:

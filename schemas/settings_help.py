@@ -1,0 +1,118 @@
+"""Each config setting's help, declared once: the field's description, else the comment written beside or above
+it in schemas/config.py. The configuration reference (scripts/gen_docs.py) and ``rlstage init`` are derived from it."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import re
+import typing
+
+from pydantic import BaseModel
+
+from rlstage.schemas.config import RunConfig
+from rlstage.schemas.stages import EXECUTION, SPECS
+
+FIELD = re.compile(r"^    (\w+): [^=]+?(?:=.*)?$")
+
+
+def comments(cls: type) -> dict[str, str]:
+    """Field name -> the comment lines directly above its declaration plus its inline comment."""
+    out: dict[str, str] = {}
+    above: list[str] = []
+    for line in inspect.getsource(cls).splitlines():
+        stripped = line.strip()
+        if line.startswith("    # "):
+            above.append(stripped[2:])
+            continue
+        m = FIELD.match(line.split("  # ")[0].rstrip())
+        if m and not stripped.startswith(("def ", "@", "return", "class ")):
+            inline = line.split("  # ", 1)[1].strip() if "  # " in line else ""
+            out[m.group(1)] = " ".join([*above, inline]).strip()
+        above = []
+    return out
+
+
+def type_name(annotation) -> str:
+    text = getattr(annotation, "__name__", None) if typing.get_origin(annotation) is None else None
+    return text or str(annotation).replace("typing.", "")
+
+
+def sections(model: type[BaseModel], prefix: str = "") -> list[tuple[str, type[BaseModel]]]:
+    found = [(prefix, model)]
+    for name, field in model.model_fields.items():
+        sub = field.annotation
+        if isinstance(sub, type) and issubclass(sub, BaseModel):
+            found += sections(sub, f"{prefix}{name}.")
+    return found
+
+
+@functools.cache
+def rows() -> list[tuple[str, type[BaseModel], str, object, str]]:
+    """(section prefix, section model, field name, field info, help) for every leaf setting of ``RunConfig``."""
+    out = []
+    for prefix, model in sections(RunConfig):
+        helps: dict[str, str] = {}
+        for klass in reversed(model.__mro__):
+            if isinstance(klass, type) and issubclass(klass, BaseModel) and klass.__module__ == model.__module__:
+                helps |= comments(klass)
+        for name, field in model.model_fields.items():
+            sub = field.annotation
+            if not (isinstance(sub, type) and issubclass(sub, BaseModel)):
+                out.append((prefix, model, name, field, field.description or helps.get(name, "")))
+    return out
+
+
+def missing_help() -> list[str]:
+    """Settings with neither a description nor a comment in schemas/config.py (tests/test_docs.py fails on any)."""
+    return [f"{prefix}{name}" for prefix, _, name, _, text in rows() if not text]
+
+
+class _AnySettings:
+    """A config view under which every condition holds: a stage's ``reads_if`` then names all it may read."""
+
+    def __getattr__(self, name: str) -> _AnySettings:
+        return self
+
+    def __bool__(self) -> bool:
+        return True
+
+    def __eq__(self, other: object) -> bool:
+        return True
+
+    __gt__ = __ge__ = __lt__ = __le__ = __ne__ = __eq__
+    __hash__ = object.__hash__
+
+
+def _covers(reads: tuple[str, ...], path: str) -> bool:
+    return any(path == r or path.startswith(r + ".") for r in reads)
+
+
+def read_by(path: str) -> list[str]:
+    """The stages whose declared reads cover the dotted setting ``path`` (a section read covers its fields); one
+    that reads it only under some settings (its ``reads_if``) is marked so."""
+    out = []
+    for s in SPECS:
+        if _covers(s.reads, path):
+            out.append(s.name)
+            continue
+        try:
+            some = s.reads_if(_AnySettings()) if s.reads_if is not None else ()
+        except Exception:  # a condition that asks a registry about the stub: not derivable here
+            some = ()
+        if _covers(tuple(some), path):
+            out.append(f"{s.name} (some settings)")
+    return out
+
+
+def is_execution(path: str) -> bool:
+    """Where and how a run executes (never hashed into a stage's key): every stage may read it."""
+    return path.split(".", 1)[0] in EXECUTION
+
+
+def help_of(path: str) -> str:
+    """The help text of the dotted setting ``path``."""
+    for prefix, _, name, _, text in rows():
+        if f"{prefix}{name}" == path:
+            return text
+    raise KeyError(path)
