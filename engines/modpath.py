@@ -11,34 +11,11 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
+from rlstage.schemas.config import MOVED_MODULES
+
 LEGACY_TOP = frozenset({"schemas", "engines", "workers", "tasks", "flows", "infra"})
-# rlstage.engines.<module> before 0.2.0 -> where it is now (a name a config or a stored run may hold).
-MOVED: dict[str, str] = {
-    f"rlstage.engines.{old}": f"rlstage.engines.{new}"
-    for old, new in {
-        "actor": "training.actor",
-        "actor_deepspeed": "training.actor_deepspeed",
-        "agent_loop": "agents.loop",
-        "batching": "training.batching",
-        "chat": "models.chat",
-        "checkpoint": "training.checkpoint",
-        "critic": "training.critic",
-        "cursor": "data.cursor",
-        "datasets": "data.datasets",
-        "dynamic_sampling": "data.dynamic_sampling",
-        "forward": "training.forward",
-        "lora": "models.lora",
-        "reward_model": "rewards.reward_model",
-        "rewards": "rewards.rules",
-        "rollout": "rollout.hf",
-        "rollout_engines": "rollout.engines",
-        "rollout_vllm": "rollout.vllm_engine",
-        "sft": "training.sft",
-        "tinykit": "models.tinykit",
-        "tools": "agents.tools",
-        "vllm_plugin": "rollout.vllm_plugin",
-    }.items()
-}
+# rlstage.engines.<module> before 0.2.0 -> where it is now: declared with the config models, which hash the old name
+MOVED = MOVED_MODULES
 
 
 def import_module(name: str) -> ModuleType:

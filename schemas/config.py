@@ -102,6 +102,59 @@ def drop_unset_late_settings(model: type[BaseModel], dump: dict) -> dict:
     return dump
 
 
+# rlstage.engines.<module> before 0.2.0 -> where it is now (engines/modpath.py imports by either; a config naming
+# the new place hashes as one naming the old, so runs stored before 0.2.0 keep their keys: legacy_callables).
+MOVED_MODULES: dict[str, str] = {
+    f"rlstage.engines.{old}": f"rlstage.engines.{new}"
+    for old, new in {
+        "actor": "training.actor",
+        "actor_deepspeed": "training.actor_deepspeed",
+        "agent_loop": "agents.loop",
+        "batching": "training.batching",
+        "chat": "models.chat",
+        "checkpoint": "training.checkpoint",
+        "critic": "training.critic",
+        "cursor": "data.cursor",
+        "datasets": "data.datasets",
+        "dynamic_sampling": "data.dynamic_sampling",
+        "forward": "training.forward",
+        "lora": "models.lora",
+        "reward_model": "rewards.reward_model",
+        "rewards": "rewards.rules",
+        "rollout": "rollout.hf",
+        "rollout_engines": "rollout.engines",
+        "rollout_vllm": "rollout.vllm_engine",
+        "sft": "training.sft",
+        "tinykit": "models.tinykit",
+        "tools": "agents.tools",
+        "vllm_plugin": "rollout.vllm_plugin",
+    }.items()
+}
+_MOVED_BACK = {new: old for old, new in MOVED_MODULES.items()}
+
+
+def legacy_callables(dump: dict) -> dict:
+    """``dump`` with each ``module:function`` of a moved module (reward.function, agent.tools' callables) named by
+    its module's name before 0.2.0, in place: a shipped config that names the new place keeps the keys of a run it
+    started before the move."""
+
+    def back(path: Any) -> Any:
+        if not isinstance(path, str) or ":" not in path:
+            return path
+        module, _, fn = path.partition(":")
+        return f"{_MOVED_BACK[module]}:{fn}" if module in _MOVED_BACK else path
+
+    reward = dump.get("reward")
+    if isinstance(reward, dict):
+        reward["function"] = back(reward.get("function"))
+    agent = dump.get("agent")
+    if isinstance(agent, dict):
+        for tool in agent.get("tools") or []:
+            if isinstance(tool, dict):
+                tool["callable"] = back(tool.get("callable"))
+    return dump
+
+
 def flat_loss_form(dump: dict) -> dict:
     """``dump`` (a run config's json dump) with ``actor.policy_loss`` as 0.1 stored it, in place: the loss's name as a
     string and every flat loss setting beside it, given or at its default. Cache keys and run identities hash this
@@ -834,8 +887,8 @@ class RunConfig(_Section):
 
     def hashed_dump(self) -> dict:
         """The config as cache keys and run identities see it: late settings at their default left out, the policy
-        loss in its flat 0.1 form (flat_loss_form)."""
-        return flat_loss_form(drop_unset_late_settings(type(self), self.model_dump(mode="json")))
+        loss in its flat 0.1 form (flat_loss_form), moved modules by their old names (legacy_callables)."""
+        return legacy_callables(flat_loss_form(drop_unset_late_settings(type(self), self.model_dump(mode="json"))))
 
     def stage_hash(self, *sections: str) -> str:
         """Hash of the named config sections (dotted paths): what a stage's output depends on."""

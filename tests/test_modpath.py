@@ -46,3 +46,18 @@ def test_legacy_paths_of_ours_resolve_to_the_package(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | ({"PYTHONPATH": os.pathsep.join(paths)} if paths else {})
     out = subprocess.run([sys.executable, "-c", CHECK], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
+def test_a_config_naming_a_moved_module_hashes_as_one_naming_its_old_place() -> None:
+    """configs/agent_calc.yaml names rlstage.engines.agents.tools:calculator since 0.2.0; a run it started before
+    (rlstage.engines.tools:calculator) keeps its keys and identity."""
+    from rlstage.schemas.config import build_config, load_config
+
+    base = load_config("configs/agent_calc.yaml")
+    assert base.agent.tools[0].callable == "rlstage.engines.agents.tools:calculator"
+    dumped = base.model_dump(mode="json")
+    dumped["agent"]["tools"][0]["callable"] = "rlstage.engines.tools:calculator"
+    before = build_config(dumped)
+    assert base.hashed_dump() == before.hashed_dump()
+    assert base.stage_hash("agent") == before.stage_hash("agent")
+    assert base.hashed_dump()["agent"]["tools"][0]["callable"] == "rlstage.engines.tools:calculator"
