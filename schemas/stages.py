@@ -117,10 +117,10 @@ SPECS: tuple[StageSpec, ...] = (
         "data_prep",
         files=("train.parquet", "test.parquet"),
         # prompts over data.max_prompt_length in the policy's tokens are dropped: the tokenizer is model.path's
-        reads=("data.source", "data.train_path", "data.test_path", "data.max_prompt_length", "model.path"),
+        reads=("data.source", "data.source_settings", "data.train_path", "data.test_path", "data.max_prompt_length", "model.path"),
         reads_if=lambda v: (
             ("kit.task", "kit.digits", "kit.train_size", "kit.test_size", "kit.seed") if v.data.source == "synthetic" else ()
-        ) + (("data.source_settings",) if v.data.source_settings else ()),
+        ),
         output="prompts",
         phase="prepare",
     ),

@@ -82,6 +82,7 @@ EXPLICIT = {
     "ray.ref_critic_resources": [{"node_b": 1.0}],
     "optim.betas": [[0.8, 0.99]],
     "filter_groups.metric": ["seq_reward"],
+    "data.source_settings": [{"prompt_column": "question"}],
 }
 
 
