@@ -12,7 +12,6 @@ import json
 import os
 from pathlib import Path
 
-from rlstage.engines.agents.loop import check_agent_template
 from rlstage.engines.agents.tools import ToolConfigError, check_parameters_schema, resolve_callable
 from rlstage.engines.plugins import load_plugins
 from rlstage.engines.registry import CHECKED_SETTINGS, REGISTRIES, named_values, settings_for
@@ -85,6 +84,8 @@ def check_engines(cfg: RunConfig) -> None:
             except ToolConfigError as err:
                 raise ConfigError(f"config error: agent.tools.{i}.{key}: {err}") from None
     if cfg.agent.enable:
+        from rlstage.engines.agents.loop import check_agent_template  # imports torch: only for agent runs
+
         try:
             check_agent_template(cfg)
         except ToolConfigError as err:

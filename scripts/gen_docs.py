@@ -15,6 +15,12 @@ from rlstage.schemas.config import RunConfig
 from rlstage.schemas.settings_help import is_execution, missing_help, read_by, rows, sections, type_name  # noqa: F401
 
 PAGE = Path(__file__).resolve().parent.parent / "docs" / "reference" / "config.md"
+REGISTRIES_PAGE = PAGE.parent / "registries.md"
+# The modules whose import registers the built-in entries of every registry.
+BUILTINS = (
+    "rlstage.engines.algorithms", "rlstage.engines.data.datasets", "rlstage.engines.rollout.engines",
+    "rlstage.engines.rewards.rules", "rlstage.engines.agents.tools",
+)  # fmt: skip
 def render() -> str:
     lines = [
         "# Configuration reference",
@@ -42,15 +48,59 @@ def render() -> str:
     return "\n".join(lines) + "\n"
 
 
+def _cell(text: str) -> str:
+    return " ".join(text.split()).replace("|", "\\|")
+
+
+def render_registries() -> str:
+    """Every registry's built-in entries: name, what each needs, its settings (with defaults and help), its doc."""
+    import importlib
+
+    from rlstage.engines.registry import NAMED_SETTINGS, REGISTRIES
+
+    for module in BUILTINS:
+        importlib.import_module(module)
+    named_by: dict[str, list[str]] = {}
+    for setting, kind in NAMED_SETTINGS.items():
+        named_by.setdefault(kind, []).append(f"`{setting}`")
+    lines = [
+        "# Registries",
+        "",
+        "Generated from the registries (`rlstage.engines.registry`) by `scripts/gen_docs.py`; do not edit by hand.",
+        "A config names an entry by a plain string, checked when it loads; *needs* is what the run must then have",
+        "(a critic, groups of `rollout.n >= 2`, a reference policy, the sum of pi squared); *settings* sit beside the",
+        "name in the config. Plugins add entries ([Registries and plugins](../algorithms.md#registries-and-plugins)).",
+    ]
+    for kind, registry in REGISTRIES.items():
+        lines += ["", f"## {kind}", ""]
+        if kind in named_by:
+            lines += [f"Named by {', '.join(named_by[kind])}.", ""]
+        lines += ["| name | needs | settings | what it is |", "| --- | --- | --- | --- |"]
+        for name in registry:
+            entry = registry.entry(name)
+            if not entry.module.startswith("rlstage."):
+                continue  # a plugin's, present in this environment: not rlstage's documentation
+            settings = ""
+            if entry.settings is not None:
+                settings = "<br>".join(
+                    f"`{field}` = `{info.get_default(call_default_factory=True)!r}`" if not info.is_required() else f"`{field}` (required)"
+                    for field, info in entry.settings.model_fields.items()
+                )
+            doc = (inspect.getdoc(entry.obj) or "").split("\n\n")[0]
+            lines.append(f"| `{name}` | {', '.join(sorted(entry.needs)) or ''} | {settings} | {_cell(doc)} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str]) -> int:
-    text = render()
+    pages = {PAGE: render(), REGISTRIES_PAGE: render_registries()}
     if "--check" in argv:
-        if not PAGE.is_file() or PAGE.read_text() != text:
-            print(f"{PAGE} is stale: run .venv/bin/python scripts/gen_docs.py", file=sys.stderr)
-            return 1
-        return 0
-    PAGE.parent.mkdir(parents=True, exist_ok=True)
-    PAGE.write_text(text)
+        stale = [page for page, text in pages.items() if not page.is_file() or page.read_text() != text]
+        for page in stale:
+            print(f"{page} is stale: run .venv/bin/python scripts/gen_docs.py", file=sys.stderr)
+        return 1 if stale else 0
+    for page, text in pages.items():
+        page.parent.mkdir(parents=True, exist_ok=True)
+        page.write_text(text)
     return 0
 
 
