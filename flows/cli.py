@@ -441,6 +441,12 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     return (ConfigError, InputError, DatasetError, RewardFailure, FileNotFoundError, StoreError, RunLocked, TrackingUnavailable)
 
 
+def _reference_link(line: str) -> str | None:
+    from rlstage.schemas.settings_help import reference_link
+
+    return reference_link(line)
+
+
 def build_parser() -> _Parser:
     """The command line: every subcommand, its arguments, choices and defaults."""
     parser = _Parser(
@@ -547,6 +553,7 @@ def main(argv: list[str] | None = None) -> int:
     else:  # Prefect's INFO lines ("Beginning subflow run ...") go to the run's logs in the UI, not the terminal
         os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")
     user_errors = _user_errors()
+    from rlstage.schemas.config import ConfigError as ConfigErrorType
     _stop_on_signals()
     if not verbose:
         _hide_prefect_tracebacks()
@@ -559,7 +566,10 @@ def main(argv: list[str] | None = None) -> int:
         if (stop := _stopped(err)) is not None:
             return _report_stop(stop.signum)
         if isinstance(err, user_errors):
-            print(f"rlstage: {_one_line(err)}", file=sys.stderr)
+            line = _one_line(err)
+            if isinstance(err, ConfigErrorType) and (link := _reference_link(line)):
+                line += f" (see {link})"
+            print(f"rlstage: {line}", file=sys.stderr)
             return 2
         if isinstance(err, PrefectLost):  # the run stops; the next invocation reuses its committed stages
             print(f"rlstage: {err}; committed stages are kept, rerun the command to continue", file=sys.stderr)

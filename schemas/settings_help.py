@@ -116,3 +116,23 @@ def help_of(path: str) -> str:
         if f"{prefix}{name}" == path:
             return text
     raise KeyError(path)
+
+
+REFERENCE = "docs/reference/config.md"
+_NAMED = re.compile(r"^config error: ([A-Za-z_][\w.\[\]]*):")
+
+
+def reference_link(message: str) -> str | None:
+    """Where the configuration reference explains the setting a ``config error: <setting>: ...`` line names (the
+    longest setting path the named key starts with), or None when it names none."""
+    m = _NAMED.match(message)
+    if m is None:
+        return None
+    key = m.group(1).replace("[", ".").replace("]", "")
+    known = {f"{prefix}{name}" for prefix, _, name, _, _ in rows()}
+    known |= {prefix.rstrip(".") for prefix, _ in sections(RunConfig) if prefix}  # a section: its table
+    parts = key.split(".")
+    for end in range(len(parts), 0, -1):
+        if ".".join(parts[:end]) in known:
+            return f"{REFERENCE}#{'.'.join(parts[:end])}"
+    return None

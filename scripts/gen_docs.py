@@ -36,6 +36,8 @@ def render() -> str:
     for prefix, model in sections(RunConfig):
         doc = inspect.getdoc(model) if model.__doc__ else ""
         lines += ["", f"## `{prefix.rstrip('.') or 'top level'}`", ""]
+        if prefix:
+            lines += [f'<a id="{prefix.rstrip(".")}"></a>', ""]
         if doc and not doc.startswith(("Usage docs", "A base class")):
             lines += [doc.splitlines()[0], ""]
         lines += ["| field | type | default | read by | help |", "| --- | --- | --- | --- | --- |"]
@@ -44,7 +46,8 @@ def render() -> str:
             kind = type_name(field.annotation).replace("|", "\\|")
             path = f"{prefix}{name}"
             stages = "every stage (never hashed)" if is_execution(path) else ", ".join(read_by(path)) or "the flow (no stage input)"
-            lines.append(f"| `{path}` | `{kind}` | `{default}` | {stages} | {text.replace('|', chr(92) + '|')} |")
+            anchor = f'<a id="{path}"></a>'  # the link a config error naming the setting prints
+            lines.append(f"| {anchor}`{path}` | `{kind}` | `{default}` | {stages} | {text.replace('|', chr(92) + '|')} |")
     return "\n".join(lines) + "\n"
 
 

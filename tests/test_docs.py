@@ -39,3 +39,19 @@ def test_every_setting_says_what_it_does():
 
     missing = gen_docs.missing_help()
     assert not missing, f"settings without help in schemas/config.py (a description, or a comment beside it): {missing}"
+
+
+def test_a_config_error_links_the_reference_entry_of_its_setting() -> None:
+    from rlstage.schemas.settings_help import reference_link
+
+    page = (REPO / "docs" / "reference" / "config.md").read_text()
+    for message, anchor in [
+        ("config error: rollout.n: rollout.n=1: algorithm.adv_estimator=grpo needs groups", "rollout.n"),
+        ("config error: data.source_settings.task: reasoning_gym has no task 'x'", "data.source_settings"),
+        ("config error: agent.tools.0.callable: not importable", "agent.tools"),
+        ("config error: rollout.nn: Extra inputs are not permitted", "rollout"),  # unknown key: its section
+        ("config error: plugins.0: plugin 'p' failed to import", "plugins"),
+    ]:
+        assert reference_link(message) == f"docs/reference/config.md#{anchor}", message
+        assert f'<a id="{anchor}"></a>' in page, anchor
+    assert reference_link("config error: run 'x' does not exist under /s; runs there: y") is None
