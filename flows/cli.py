@@ -11,6 +11,7 @@ import sys
 import time
 import traceback
 import warnings
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -22,6 +23,53 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml
 
 class PrefectLost(RuntimeError):
     """The command's Prefect server stopped answering while it ran."""
+
+
+class RayLost(RuntimeError):
+    """The Ray cluster a run used stopped answering while it ran."""
+
+
+RAY_RESTARTS = 3  # times a command starts again the local Ray it started, within one invocation
+
+
+def _ray_answers(timeout_s: float = 10.0) -> bool:
+    """Whether this process's Ray (if it joined one) still runs a task."""
+    import ray
+
+    if not ray.is_initialized():
+        return True  # no Ray to lose: the failure is another one
+    try:
+        ray.get(ray.remote(num_cpus=0)(lambda: None).remote(), timeout=timeout_s)
+        return True
+    except Exception:  # whatever a dead raylet or GCS raises, or the timeout
+        return False
+
+
+def healing_ray(run: Callable[[], dict], address: str | None) -> dict:
+    """``run()`` (a training or nightly flow); when the local Ray this command started dies under it, Ray is
+    started again and ``run()`` goes on from the committed stages, at most RAY_RESTARTS times, each said in one
+    line. A cluster at ``address`` the command did not start is not its to restart: RayLost, one line."""
+    import ray
+
+    restarts = 0
+    while True:
+        try:
+            return run()
+        except Exception as err:
+            if _stopped(err) is not None or _ray_answers():
+                raise
+            ray.shutdown()
+            if address:
+                raise RayLost(f"the Ray cluster at {address} stopped answering during the run") from err
+            if restarts == RAY_RESTARTS:
+                raise RayLost(f"the local Ray this command started died {restarts + 1} times during the run") from err
+            restarts += 1
+            print(
+                f"rlstage: the local Ray this command started died; started again (restart {restarts} of {RAY_RESTARTS}), "
+                "the run goes on from its committed stages",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 @contextmanager
@@ -137,7 +185,7 @@ def cmd_train(args) -> int:
     with prefect_api():
         from rlstage.flows.training import train
 
-        result = train(config=cfg)
+        result = healing_ray(lambda: train(config=cfg), cfg.ray.address)
     _summary(result)
     return 0
 
@@ -173,7 +221,7 @@ def cmd_nightly(args) -> int:
     with prefect_api():
         from rlstage.flows.nightly import nightly
 
-        result = nightly(run_name=args.run, iterations=args.iterations, store_root=args.store)
+        result = healing_ray(lambda: nightly(run_name=args.run, iterations=args.iterations, store_root=args.store), cfg.ray.address)
     _summary(result)
     return 0
 
@@ -571,7 +619,7 @@ def main(argv: list[str] | None = None) -> int:
                 line += f" (see {link})"
             print(f"rlstage: {line}", file=sys.stderr)
             return 2
-        if isinstance(err, PrefectLost):  # the run stops; the next invocation reuses its committed stages
+        if isinstance(err, PrefectLost | RayLost):  # the run stops; the next invocation reuses its committed stages
             print(f"rlstage: {err}; committed stages are kept, rerun the command to continue", file=sys.stderr)
             return 3
         hint = "" if verbose else " (--verbose or RLSTAGE_DEBUG=1 prints the traceback)"

@@ -136,6 +136,7 @@ def quick_retries_on_a_local_server() -> None:
         return original(average_interval * average_interval / 32, clamping_factor)
 
     sooner._rlstage_local = True
+    sooner.__wrapped__ = original
     base.clamped_poisson_interval = sooner
 
 

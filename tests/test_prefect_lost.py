@@ -134,3 +134,48 @@ def test_a_lost_server_is_one_line_and_the_rerun_heals_its_own(migrated_prefect_
     with sqlite3.connect(ours / "prefect.db") as db:  # the flow run that lived through the restart
         states = db.execute("select state_type from flow_run where name = 'lost iteration 1'").fetchall()
     assert states == [("COMPLETED",)]
+
+
+def _rays_of(prefect_home: Path) -> dict[int, bytes]:
+    """The Ray processes a command with this Prefect home started (they inherit its environment)."""
+    home = f"PREFECT_HOME={prefect_home.resolve()}"
+    cmdlines = {p: Path(f"/proc/{p}/cmdline").read_bytes() for p in _processes_with_env(home)}
+    return {p: c for p, c in cmdlines.items() if b"raylet" in c or b"gcs_server" in c or c.startswith(b"ray::")}
+
+
+@pytest.mark.slow
+def test_a_dead_local_ray_is_started_again_and_the_run_goes_on(migrated_prefect_home, tmp_path):
+    """The raylet of the Ray the command started, SIGKILLed once the SFT is committed and evaluated: the command
+    says so in one line, starts Ray again and trains on from the committed stages to the end (exit 0), with the
+    weights moving; no Ray process outlives it."""
+    from safetensors.torch import load
+
+    from rlstage.infra.store import ArtifactStore
+    from rlstage.schemas.config import load_config
+    from rlstage.schemas.stages import kit_run_name
+
+    ours = migrated_prefect_home(tmp_path / ".rlstage" / "prefect")
+    overrides = [*tiny_overrides(), *moving_overrides(), "run_name=raylost", f"store.root={tmp_path / 'store'}"]
+    cmd = [sys.executable, "-m", "rlstage.flows.cli", "train", *overrides]
+    proc = start_cli_until(cmd, tmp_path, cli_env(), "iteration   0:")
+    try:
+        raylets = [p for p, c in _rays_of(ours).items() if b"raylet" in c.split(b"\0")[0]]
+        assert len(raylets) == 1, _rays_of(ours)
+        os.kill(raylets[0], signal.SIGKILL)
+        rest = proc.stdout.read()
+        assert proc.wait(300) == 0, rest
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    line = "rlstage: the local Ray this command started died; started again (restart 1 of 3), the run goes on from its committed stages"
+    assert line in rest.splitlines(), rest
+    assert "Traceback" not in rest and "learning:" in rest
+    store = ArtifactStore(str(tmp_path / "store"))
+    sft = store.manifest(kit_run_name(load_config(None, overrides)), None, "sft")
+    start = load(store.read_bytes(sft, "model/model.safetensors"))
+    assert weights_moved(start, update_weights(store, "raylost", 2))  # it trained on, to the last iteration
+    for _ in range(100):  # processes that got their signal may take a moment to exit
+        if not _rays_of(ours):
+            break
+        threading.Event().wait(0.2)
+    assert not _rays_of(ours), "a Ray process outlived the command"
