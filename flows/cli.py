@@ -489,12 +489,6 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     return (ConfigError, InputError, DatasetError, RewardFailure, FileNotFoundError, StoreError, RunLocked, TrackingUnavailable)
 
 
-def _reference_link(line: str) -> str | None:
-    from rlstage.schemas.settings_help import reference_link
-
-    return reference_link(line)
-
-
 def build_parser() -> _Parser:
     """The command line: every subcommand, its arguments, choices and defaults."""
     parser = _Parser(
@@ -601,7 +595,6 @@ def main(argv: list[str] | None = None) -> int:
     else:  # Prefect's INFO lines ("Beginning subflow run ...") go to the run's logs in the UI, not the terminal
         os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")
     user_errors = _user_errors()
-    from rlstage.schemas.config import ConfigError as ConfigErrorType
     _stop_on_signals()
     if not verbose:
         _hide_prefect_tracebacks()
@@ -614,8 +607,10 @@ def main(argv: list[str] | None = None) -> int:
         if (stop := _stopped(err)) is not None:
             return _report_stop(stop.signum)
         if isinstance(err, user_errors):
+            from rlstage.schemas.settings_help import reference_link
+
             line = _one_line(err)
-            if isinstance(err, ConfigErrorType) and (link := _reference_link(line)):
+            if link := reference_link(line):  # a "config error: <setting>: ..." line: where the setting is explained
                 line += f" (see {link})"
             print(f"rlstage: {line}", file=sys.stderr)
             return 2

@@ -56,7 +56,7 @@ def _post(url: str, body: dict) -> list:
         return json.loads(r.read())
 
 
-def ui_screenshots(docs: Path, only: tuple[str, ...] = ("prefect", "mlflow")) -> None:
+def ui_screenshots(docs: Path) -> None:
     work = Path(tempfile.mkdtemp(prefix="rlstage-screens-"))
     env = {**os.environ, "RLSTAGE_HOME": str(work / ".rlstage")}
     cli = [sys.executable, "-m", "rlstage.flows.cli"]
@@ -76,15 +76,12 @@ def ui_screenshots(docs: Path, only: tuple[str, ...] = ("prefect", "mlflow")) ->
         prefect = urls["Prefect"]
         runs = _post(f"{prefect}/api/flow_runs/filter", {"flow_runs": {"parent_task_run_id": {"is_null_": True}}, "sort": "START_TIME_ASC"})
         train = next(r for r in runs if r.get("name", "").startswith("demo"))
-        if "prefect" in only:
-            shoot(f"{prefect}/runs/flow-run/{train['id']}", docs / "ui-prefect.png")
+        shoot(f"{prefect}/runs/flow-run/{train['id']}", docs / "ui-prefect.png")
         mlflow = urls["MLflow"].split("/#/")[0]
         experiments = _post(f"{mlflow}/api/2.0/mlflow/experiments/search", {"max_results": 10})["experiments"]
         exp = next(e for e in experiments if e["name"] != "Default")
         found = _post(f"{mlflow}/api/2.0/mlflow/runs/search", {"experiment_ids": [exp["experiment_id"]], "max_results": 1})
         run_id = found["runs"][0]["info"]["run_id"]
-        if "mlflow" not in only:
-            return
         # MLflow 3 opens an experiment in its GenAI view unless the link names the mode (as `rlstage ui` prints)
         shoot(f"{mlflow}/#/experiments/{exp['experiment_id']}/runs/{run_id}/model-metrics?workflowType=machine_learning", docs / "ui-mlflow.png")
     finally:

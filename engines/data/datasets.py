@@ -194,16 +194,13 @@ def gsm8k_ground_truth(answer: str) -> str | None:
     return answer.split("####")[-1].replace(",", "").strip()
 
 
-@register_data_source("gsm8k")
-def load_gsm8k(path: str, split: str | None = None) -> pa.Table:
-    """GSM8K jsonl rows ``{"question", "answer"}`` -> prompts; ``split`` defaults to the file's stem."""
-    p = _check_file(path)
-    split = split or p.stem
-    rows = []
+def _jsonl_objects(p: Path) -> list[tuple[int, dict[str, Any]]]:
+    """A JSONL file's objects with their line numbers; one DatasetError naming the line for anything else."""
     try:
         lines = p.read_text(encoding="utf-8").splitlines()
     except UnicodeDecodeError as err:
         raise DatasetError(f"{p}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+    out = []
     for lineno, line in enumerate(lines, start=1):
         if not line.strip():
             continue  # blank lines (a trailing newline, say) are not rows
@@ -213,6 +210,17 @@ def load_gsm8k(path: str, split: str | None = None) -> pa.Table:
             raise DatasetError(f"{p}:{lineno}: invalid JSON ({err.msg} at column {err.colno})") from None
         if not isinstance(obj, dict):
             raise DatasetError(f"{p}:{lineno}: expected a JSON object, got {type(obj).__name__}")
+        out.append((lineno, obj))
+    return out
+
+
+@register_data_source("gsm8k")
+def load_gsm8k(path: str, split: str | None = None) -> pa.Table:
+    """GSM8K jsonl rows ``{"question", "answer"}`` -> prompts; ``split`` defaults to the file's stem."""
+    p = _check_file(path)
+    split = split or p.stem
+    rows = []
+    for lineno, obj in _jsonl_objects(p):
         for key in ("question", "answer"):
             if not isinstance(obj.get(key), str) or not obj[key].strip():
                 raise DatasetError(f"{p}:{lineno}: row has no {key!r} (a non-empty string is required)")
@@ -351,22 +359,7 @@ def _records(p: Path) -> list[dict[str, Any]]:
             return pq.read_table(p).to_pylist()
         except (pa.ArrowException, OSError) as err:
             raise DatasetError(f"{p}: not a readable parquet file ({err})") from None
-    try:
-        lines = p.read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError as err:
-        raise DatasetError(f"{p}: not UTF-8 text ({err.reason} at byte {err.start})") from None
-    out = []
-    for lineno, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise DatasetError(f"{p}:{lineno}: invalid JSON ({err.msg} at column {err.colno})") from None
-        if not isinstance(obj, dict):
-            raise DatasetError(f"{p}:{lineno}: expected a JSON object, got {type(obj).__name__}")
-        out.append(obj)
-    return out
+    return [obj for _, obj in _jsonl_objects(p)]
 
 
 def load_columns(path: str, split: str | None = None, **settings: Any) -> pa.Table:
