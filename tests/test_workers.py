@@ -519,14 +519,18 @@ def test_replay_and_eval_while_the_run_trains_corrupt_nothing(prefect_api, tmp_p
     from rlstage.flows.training import train
     from rlstage.tasks.runtime import store_for
 
-    reference = _cfg(tmp_path / "ref", "live", "trainer.iterations=4")
+    # A quarter CPU per worker: the held run, the replay and the eval fit beside whatever an earlier test of
+    # this process left on its cluster (in CI the replay once waited out the 300 s hold, most likely for a CPU).
+    small = "ray.worker_num_cpus=0.25"
+    reference = _cfg(tmp_path / "ref", "live", "trainer.iterations=4", small)
     train(config=reference)
-    live = _cfg(tmp_path / "live", "live", "trainer.iterations=1")
+    live = _cfg(tmp_path / "live", "live", "trainer.iterations=1", small)
     train(config=live)
     store, root = store_for(live), live.store.root
-    args = [f"store.root={root}", "run_name=live", *tiny_overrides(), *moving_overrides(), "trainer.iterations=4"]
+    args = [f"store.root={root}", "run_name=live", *tiny_overrides(), *moving_overrides(), "trainer.iterations=4", small]
     args.append(f"ray.address={ray.get_runtime_context().gcs_address}")  # this process's cluster
-    # its last update waits until the replay and eval have finished: they overlap the run however slow the machine
+    # its last update waits until the replay and eval have finished, and they start once it waits: they
+    # overlap the run however slow the machine
     markers = tmp_path / "markers"
     markers.mkdir()
     args += ["drill.hold_worker_at=['update:4']", f"drill.markers={markers}"]
@@ -539,10 +543,14 @@ def test_replay_and_eval_while_the_run_trains_corrupt_nothing(prefect_api, tmp_p
         while store.get_json("live", "lease") is None and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.2)
         assert store.get_json("live", "lease") is not None, log_path.read_text()[-3000:]
+        while not (markers / "held-update-4").exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert (markers / "held-update-4").exists(), log_path.read_text()[-3000:]
+        free = ray.available_resources().get("CPU", 0)  # said if the replay or eval waits for a CPU
         summary = replay(run_name="live", iteration=1, stage="update", store_root=root)
         evaluated = evaluate_run(run_name="live", iteration=1, store_root=root)
         replay_done = time.time()
-        assert proc.poll() is None, log_path.read_text()[-3000:]
+        assert proc.poll() is None, f"CPUs free before the replay: {free}\n" + log_path.read_text()[-3000:]
         (markers / "release-update-4").touch()
         assert proc.wait(timeout=900) == 0, log_path.read_text()[-3000:]
     finally:
