@@ -245,12 +245,13 @@ def _check_safetensors(file: Path, label: str) -> None:
 
 def check_inputs(cfg: RunConfig) -> None:
     """Fail before anything is written when a named input does not exist or cannot be read."""
-    from rlstage.engines.data.datasets import DatasetError, load_prompts
+    from rlstage.engines.data.datasets import DatasetError, check_held_out, load_prompts
     from rlstage.engines.preflight import check_data_source
 
     if cfg.model.path is not None and not cfg.model.path.lower().endswith(".gguf"):  # a .gguf is converted at run start
         check_model_dir(cfg.model.path)
     check_data_source(cfg)  # the files are read with the source's settings
+    tables = {}
     for key in ("train_path", "test_path"):
         value = getattr(cfg.data, key)
         if value is None or "://" in value:
@@ -258,9 +259,14 @@ def check_inputs(cfg: RunConfig) -> None:
         if not Path(value).expanduser().is_file():
             raise InputError(f"data.{key} {value} does not exist")
         try:
-            load_prompts(cfg.data.source, value, **cfg.data.source_settings)  # data prep reads it again; errors surface here first
+            tables[key] = load_prompts(cfg.data.source, value, **cfg.data.source_settings)  # data prep reads it again; errors surface here first
         except DatasetError as err:
             raise InputError(f"data.{key}: {err}") from None
+    if len(tables) == 2:
+        try:
+            check_held_out(tables["train_path"], tables["test_path"], cfg.data.train_path, cfg.data.test_path)
+        except DatasetError as err:
+            raise InputError(f"data.test_path: {err}") from None
 
 
 def check_prefect_api(url: str, timeout_s: float = 3.0) -> None:

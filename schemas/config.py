@@ -252,7 +252,9 @@ class DataConfig(_Section):
     # the kept groups are trimmed to prompts_per_iteration (verl's train_batch_size).
     gen_batch_size: int | None = Field(None, ge=1)
     eval_size: int | None = Field(None, ge=1)  # held-out prompts per eval (None: all)
-    max_prompt_length: int = Field(256, ge=1)  # prompts longer than this (model tokens, chat template included) are dropped at data prep
+    max_prompt_length: int = Field(256, ge=1)  # the longest prompt in model tokens, chat template included (see filter_overlong_prompts)
+    # verl's data.filter_overlong_prompts: drop prompts over max_prompt_length at data prep (false: such a prompt stops it with one line)
+    filter_overlong_prompts: bool = Field(False, json_schema_extra=HASHED_WHEN_SET)
     shuffle_seed: int = 0  # seed of the order the training prompts are drawn in
     # The data source's own settings, checked against the settings its registry entry declares (reasoning_gym:
     # {task, config, train_size, test_size, ...}; jsonl/parquet: the column names). A source that generates its

@@ -116,8 +116,11 @@ SPECS: tuple[StageSpec, ...] = (
     StageSpec(
         "data_prep",
         files=("train.parquet", "test.parquet"),
-        # prompts over data.max_prompt_length in the policy's tokens are dropped: the tokenizer is model.path's
-        reads=("data.source", "data.source_settings", "data.train_path", "data.test_path", "data.max_prompt_length", "model.path"),
+        # prompts over data.max_prompt_length in the policy's tokens stop it or are dropped: the tokenizer is model.path's
+        reads=(
+            "data.source", "data.source_settings", "data.train_path", "data.test_path", "data.max_prompt_length",
+            "data.filter_overlong_prompts", "model.path",
+        ),  # fmt: skip
         reads_if=lambda v: (
             ("kit.task", "kit.digits", "kit.train_size", "kit.test_size", "kit.seed") if v.data.source == "synthetic" else ()
         ),

@@ -189,10 +189,12 @@ def data_prep(cfg: ConfigView) -> StageResult:
             )
         else:
             train, test = datasets.prepare_splits(d.source, d.train_path, d.test_path, d.source_settings)
-        # As verl's filter_overlong_prompts: measured in the policy's rendered prompt tokens.
+        # As verl's filter_overlong_prompts (or its default, an error): in the policy's rendered prompt tokens.
         tok = agent_tokenizer(cfg)
-        train, train_dropped = datasets.drop_overlong(train, tok, d.max_prompt_length)
-        test, test_dropped = datasets.drop_overlong(test, tok, d.max_prompt_length)
+        refuse = not d.filter_overlong_prompts
+        where = {s: datasets.split_label(d.source, p, s) if refuse else None for s, p in (("train", d.train_path), ("test", d.test_path))}
+        train, train_dropped = datasets.drop_overlong(train, tok, d.max_prompt_length, where["train"])
+        test, test_dropped = datasets.drop_overlong(test, tok, d.max_prompt_length, where["test"])
         return StageOutput(
             tables={"train.parquet": train, "test.parquet": test},
             metrics={
@@ -702,9 +704,9 @@ def evaluate(
 
 
 def _retryable(task, task_run, state) -> bool:
-    """A reward function that failed a batch fails it again, and dynamic sampling short of groups at its cap
-    (its rounds are seeded) would be again: retries are for lost workers and stores."""
-    return not isinstance(state.data, rewards.RewardFailure | dynamic_sampling.DynamicSamplingExhausted)
+    """A reward function that failed a batch fails it again, dynamic sampling short of groups at its cap (its
+    rounds are seeded) would be again, and so would bad data: retries are for lost workers and stores."""
+    return not isinstance(state.data, rewards.RewardFailure | dynamic_sampling.DynamicSamplingExhausted | datasets.DatasetError)
 
 
 @functools.cache

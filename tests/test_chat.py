@@ -75,7 +75,7 @@ def test_chat_messages_without_a_chat_template_fail_in_one_line(smollm2_path) ->
     assert "\n" not in msg and "has no chat template" in msg and str(smollm2_path) in msg and "openai/gsm8k" in msg
 
 
-def test_overlong_prompts_are_dropped_and_counted(smol_tok, tmp_path) -> None:
+def test_overlong_prompts_are_dropped_and_counted_or_refused(smol_tok, tmp_path) -> None:
     short = _gsm8k_row(tmp_path)
     long = {**short, "prompt_id": "long", "messages": [{"role": "user", "content": "How many? " * 200}]}
     table = pa.Table.from_pylist([short, long, short], schema=datasets.PROMPTS)
@@ -83,6 +83,12 @@ def test_overlong_prompts_are_dropped_and_counted(smol_tok, tmp_path) -> None:
     kept, dropped = datasets.drop_overlong(table, smol_tok, limit)
     assert (kept.num_rows, dropped) == (2, 1) and "long" not in kept.column("prompt_id").to_pylist()
     assert datasets.drop_overlong(table, smol_tok, limit - 1)[1] == 3  # the limit is in rendered tokens
+    # verl's default (filter_overlong_prompts off): one line naming what the rows came from and the count
+    with pytest.raises(datasets.DatasetError) as err:
+        datasets.drop_overlong(table, smol_tok, limit, refuse_in="train.jsonl")
+    assert str(err.value).startswith(f"train.jsonl: 1 of 3 prompts are longer than data.max_prompt_length={limit} tokens")
+    assert "data.filter_overlong_prompts=true" in str(err.value) and "\n" not in str(err.value)
+    assert datasets.drop_overlong(table, smol_tok, 10_000, refuse_in="train.jsonl")[1] == 0
 
 
 def test_hf_engine_stops_at_end_of_turn_and_marks_truncation(smol_tok, smol_model, tmp_path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -364,3 +365,33 @@ def test_your_own_jsonl_and_parquet_by_column_names(tmp_path: Path) -> None:
     assert D.load_prompts("parquet", str(tmp_path / "mine.parquet"), **cols).column("ground_truth").to_pylist() == ["5"]
     with pytest.raises(D.DatasetError, match=r"mine\.jsonl: row 1: no 'question' column \(data\.source_settings names it; the row has \['a', 'level', 'q'\]\)"):
         D.load_prompts("jsonl", str(tmp_path / "mine.jsonl"), prompt_column="question")
+
+
+def test_a_row_without_its_answer_and_a_held_out_prompt_also_trained_on_are_one_line(tmp_path: Path) -> None:
+    cols = {"prompt_column": "q", "answer_column": "a"}
+    train = _write(tmp_path / "train.jsonl", [json.dumps({"q": f"What is {i}+1?", "a": str(i + 1)}) for i in range(5)])
+    with pytest.raises(D.DatasetError, match=r"gap\.jsonl: row 2: no 'a' column"):
+        D.load_prompts("jsonl", _write(tmp_path / "gap.jsonl", ['{"q": "x", "a": "1"}', '{"q": "y", "a": ""}']), **cols)
+    test = _write(tmp_path / "test.jsonl", [json.dumps({"q": f"What is {i}+1?", "a": str(i + 1)}) for i in (3, 4, 9)])
+    with pytest.raises(D.DatasetError) as err:
+        D.prepare_splits("jsonl", train, test, cols)
+    assert str(err.value) == f"{test}: 2 of 3 held-out prompts are also in {train}; the held-out split is never trained on: remove them from one file"
+    apart = _write(tmp_path / "apart.jsonl", [json.dumps({"q": "What is 9+1?", "a": "10"})])
+    assert [t.num_rows for t in D.prepare_splits("jsonl", train, apart, cols)] == [5, 1]
+
+
+def test_prompts_over_the_length_limit_stop_data_prep_in_one_line_and_are_not_retried(prefect_api, tmp_path: Path) -> None:
+    """verl's default: an overlong prompt is an error, not a silent drop (data.filter_overlong_prompts drops them)."""
+    from rlstage.flows.training import train
+    from rlstage.schemas.config import load_config
+    from rlstage.tasks.runtime import store_for
+    from rlstage.tasks.stages import _retryable
+    from tests_support import tiny_overrides
+
+    cfg = load_config(None, [f"store.root={tmp_path}", "run_name=long", *tiny_overrides(), "data.max_prompt_length=4"])
+    with pytest.raises(D.DatasetError) as err:
+        train(config=cfg)
+    line = str(err.value).splitlines()[-1]
+    assert re.search(r"data\.source=synthetic \(train split\): 400 of 400 prompts are longer than data\.max_prompt_length=4 tokens", line), line
+    assert store_for(cfg).manifest("long", None, "data_prep") is None
+    assert not _retryable(None, None, SimpleNamespace(data=D.DatasetError("bad data")))  # a retry reads the same rows

@@ -65,14 +65,15 @@ def test_one_iteration_of_smollm2_through_the_pipeline(prefect_api, smollm2_path
     rows = [
         ("Reply with one word: is water wet?", "yes"),
         ('What is 3 + 4? Let\'s think step by step and output the final answer after "####".', "7"),
-        ("How many? " * 80, "0"),  # over data.max_prompt_length: dropped at data prep
+        ("How many? " * 80, "0"),  # over data.max_prompt_length: dropped at data prep (filter_overlong_prompts)
     ]
     # Your own data and a starting config in two commands (docs/data.md): a JSONL file with columns of its own,
     # then `rlstage init`, whose file this run trains with (short settings on top).
-    data = tmp_path / "mine.jsonl"
+    data, held_out = tmp_path / "mine.jsonl", tmp_path / "mine-test.jsonl"
     data.write_text("".join(json.dumps({"q": q, "a": a, "topic": "misc"}) + "\n" for q, a in rows))
+    held_out.write_text("".join(json.dumps({"q": q, "a": a}) + "\n" for q, a in [("Is ice cold? One word.", "yes"), ("2 + 2?", "4")]))
     written = tmp_path / "mine.yaml"
-    argv = ["init", "--model", str(smollm2_path), "--train", str(data), "--test", str(data), "--prompt-column", "q",
+    argv = ["init", "--model", str(smollm2_path), "--train", str(data), "--test", str(held_out), "--prompt-column", "q",
             "--answer-column", "a", "--reward", "exact_match", "-o", str(written), "--run-name", "smollm2"]  # fmt: skip
     assert main(argv) == 0
     assert main(argv) == 2  # never overwrites a file
@@ -85,6 +86,7 @@ def test_one_iteration_of_smollm2_through_the_pipeline(prefect_api, smollm2_path
             "data.prompts_per_iteration=2",
             "data.eval_size=2",
             "data.max_prompt_length=128",
+            "data.filter_overlong_prompts=true",  # verl's filter (without it the long row stops data prep: test_datasets)
             "rollout.n=2",
             f"rollout.max_new_tokens={max_new}",
             "actor.ppo_mini_batch_size=4",

@@ -372,7 +372,7 @@ def load_columns(path: str, split: str | None = None, **settings: Any) -> pa.Tab
     for index, rec in enumerate(_records(p)):
         where = f"{p}: row {index + 1}"
         for column in (s.prompt_column, s.answer_column):
-            if rec.get(column) is None:
+            if rec.get(column) is None or rec.get(column) == "":
                 raise DatasetError(f"{where}: no {column!r} column (data.source_settings names it; the row has {sorted(rec)})")
         prompt = rec[s.prompt_column]
         if isinstance(prompt, str):
@@ -402,15 +402,25 @@ DATA_SOURCES.add("parquet", load_columns, settings=ColumnSettings)
 # ---------------------------------------------------------------- prompt length
 
 
-def drop_overlong(table: pa.Table, tokenizer: Any, max_prompt_length: int) -> tuple[pa.Table, int]:
+def drop_overlong(
+    table: pa.Table, tokenizer: Any, max_prompt_length: int, refuse_in: str | None = None
+) -> tuple[pa.Table, int]:
     """Rows whose rendered prompt (``engines.models.chat.render_prompt_ids``) fits ``max_prompt_length`` tokens, and
-    how many were dropped (verl's ``filter_overlong_prompts``)."""
+    how many were dropped (verl's ``filter_overlong_prompts``). With ``refuse_in`` (what the rows were read
+    from) an overlong prompt raises instead, as verl's default ``truncation: error`` does."""
     from rlstage.engines.models.chat import render_batch
 
     lengths = [len(ids) for ids in render_batch(tokenizer, table.to_pylist())]
     keep = pa.array([n <= max_prompt_length for n in lengths], pa.bool_())
     kept = table.filter(keep)
-    return kept, table.num_rows - kept.num_rows
+    over = table.num_rows - kept.num_rows
+    if over and refuse_in is not None:
+        raise DatasetError(
+            f"{refuse_in}: {over} of {table.num_rows} prompts are longer than data.max_prompt_length={max_prompt_length} "
+            f"tokens after the chat template (the longest: {max(lengths)}); raise it, or set "
+            "data.filter_overlong_prompts=true to drop them"
+        )
+    return kept, over
 
 
 # ---------------------------------------------------------------- reasoning-gym
@@ -516,4 +526,24 @@ def prepare_splits(source: str, train_path: str | None, test_path: str | None, s
     if source in GENERATED_SOURCES:
         return (load_prompts(source, None, split="train", **settings), load_prompts(source, None, split="test", **settings))
     train = load_prompts(source, train_path, **settings)
-    return train, (load_prompts(source, test_path, **settings) if test_path else train.slice(0, 0))
+    if not test_path:
+        return train, train.slice(0, 0)
+    test = load_prompts(source, test_path, **settings)
+    check_held_out(train, test, train_path, test_path)
+    return train, test
+
+
+def check_held_out(train: pa.Table, test: pa.Table, train_path: str, test_path: str) -> None:
+    """No held-out prompt is also a training prompt: an eval on prompts the policy trains on measures memory."""
+    seen = set(train.column("prompt").to_pylist())
+    shared = sum(prompt in seen for prompt in test.column("prompt").to_pylist())
+    if shared:
+        raise DatasetError(
+            f"{test_path}: {shared} of {test.num_rows} held-out prompts are also in {train_path}; "
+            "the held-out split is never trained on: remove them from one file"
+        )
+
+
+def split_label(source: str, path: str | None, split: str) -> str:
+    """How a one-line error names a split: its file, or the source that generated it."""
+    return path if path else f"data.source={source} ({split} split)"
