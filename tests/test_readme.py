@@ -1,7 +1,7 @@
 """The commands of the README and the docs pages, as written: each `rlstage` line parses with the CLI's own parser and its config
 and overrides validate; each `prefect deployment run` names a deployment of prefect.yaml and parameters
-its flow takes, with a config that loads; each `infra/stack.sh` and `scripts/` command exists. Running
-them is the fresh-clone check (the closing notes); this catches a README that drifted from the code."""
+its flow takes, with a config that loads; each `infra/stack.sh` and `scripts/` command exists. This catches a
+page that drifted from the code; tests/test_docs_commands.py runs the blocks not marked `<!-- not run: why -->`."""
 
 from __future__ import annotations
 
