@@ -24,21 +24,24 @@ REPO = Path(__file__).resolve().parent.parent
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
 
 
-def _commands() -> list[list[str]]:
-    """Shell command lines of the README's and the docs' bash blocks: continuations joined, comments dropped."""
-    out = []
-    pages = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
-    for lang, body in FENCE.findall("".join(page.read_text() for page in pages)):
-        if lang not in ("bash", "sh", ""):
-            continue
-        for line in body.replace("\\\n", " ").splitlines():
-            words = shlex.split(line, comments=True)
-            if words and not line.lstrip().startswith("#"):
-                out.append(words)
-    return out
+def _commands() -> tuple[list[list[str]], dict[tuple[str, ...], str]]:
+    """Shell command lines of the README's and the docs' bash blocks (continuations joined, comments dropped),
+    and the page and line of each block that holds one."""
+    out, where = [], {}
+    for page in [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]:
+        text = page.read_text()
+        for m in FENCE.finditer(text):
+            if m.group(1) not in ("bash", "sh", ""):
+                continue
+            for line in m.group(2).replace("\\\n", " ").splitlines():
+                words = shlex.split(line, comments=True)
+                if words and not line.lstrip().startswith("#"):
+                    out.append(words)
+                    where.setdefault(tuple(words), f"{page.relative_to(REPO)}:{text.count(chr(10), 0, m.start()) + 1}")
+    return out, where
 
 
-COMMANDS = _commands()
+COMMANDS, WHERE = _commands()
 
 
 def _write(folder: Path, text: str) -> str:
@@ -70,7 +73,7 @@ def _init_configs() -> dict[str, str]:
     return out
 
 
-@pytest.mark.parametrize("words", _of(".venv/bin/rlstage"), ids=lambda w: " ".join(w[1:3]))
+@pytest.mark.parametrize("words", _of(".venv/bin/rlstage"), ids=lambda w: f"{WHERE[tuple(w)]} {' '.join(w[1:3])}")
 def test_each_rlstage_command_parses_and_its_settings_validate(words, tmp_path):
     args = build_parser().parse_args(words[1:])  # a usage error exits (one line, status 2): the test fails
     overrides = getattr(args, "overrides", [])
@@ -91,7 +94,7 @@ def test_each_rlstage_command_parses_and_its_settings_validate(words, tmp_path):
         assert args.stage in REPLAYABLE, args.stage
 
 
-@pytest.mark.parametrize("words", _of("prefect"), ids=lambda w: w[3])
+@pytest.mark.parametrize("words", _of("prefect"), ids=lambda w: f"{WHERE[tuple(w)]} {w[3]}")
 def test_each_deployment_run_names_a_deployment_and_parameters_of_its_flow(words):
     assert words[1:3] == ["deployment", "run"], words
     flow_name, deployment = words[3].split("/")
