@@ -41,6 +41,26 @@ def test_every_setting_says_what_it_does():
     assert not missing, f"settings without help in schemas/config.py (a description, or a comment beside it): {missing}"
 
 
+def test_every_built_in_registry_entry_says_what_it_is():
+    """The registries page's "what it is" column is each entry's docstring: none of ours is left blank."""
+    import importlib
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    import gen_docs
+
+    from rlstage.engines.registry import REGISTRIES
+
+    for module in gen_docs.BUILTINS:
+        importlib.import_module(module)
+    blank = [
+        f"{kind}: {name}"
+        for kind, registry in REGISTRIES.items()
+        for name in registry
+        if registry.entry(name).module.startswith("rlstage.") and not (registry.entry(name).obj.__doc__ or "").strip()
+    ]
+    assert not blank, f"registered without a docstring (the registries page's 'what it is'): {blank}"
+
+
 def test_a_config_error_links_the_reference_entry_of_its_setting() -> None:
     from rlstage.schemas.settings_help import reference_link
 

@@ -81,17 +81,20 @@ def _seqs(seq_mask: Tensor, global_batch_size: float | Tensor | None, like: Tens
 
 @register_loss_agg_mode("token-mean")
 def _token_mean(loss_mat, mask, tokens, seq_mask, *, dp_size, batch_num_tokens, **kw) -> Tensor:
+    """Mean over every policy token of the batch: each token weighs the same, long answers weigh more (verl's default, DAPO)."""
     den = mask.sum() if batch_num_tokens is None else torch.as_tensor(batch_num_tokens, dtype=loss_mat.dtype)
     return masked_sum(loss_mat, mask) / _safe_den(den) * dp_size
 
 
 @register_loss_agg_mode("token-sum")
 def _token_sum(loss_mat, mask, tokens, seq_mask, *, dp_size, **kw) -> Tensor:
+    """Sum over every policy token, no normalisation: the loss grows with batch and answer length."""
     return masked_sum(loss_mat, mask) * dp_size
 
 
 @register_loss_agg_mode("seq-mean-token-sum")
 def _seq_mean_token_sum(loss_mat, mask, tokens, seq_mask, *, dp_size, global_batch_size, **kw) -> Tensor:
+    """Each answer's token sum, averaged over answers: longer answers weigh more, by their length."""
     seq_losses = masked_sum(loss_mat, mask, dim=-1)
     return (
         masked_sum(seq_losses, seq_mask) / _safe_den(_seqs(seq_mask, global_batch_size, loss_mat)) * dp_size
@@ -100,6 +103,7 @@ def _seq_mean_token_sum(loss_mat, mask, tokens, seq_mask, *, dp_size, global_bat
 
 @register_loss_agg_mode("seq-mean-token-mean")
 def _seq_mean_token_mean(loss_mat, mask, tokens, seq_mask, *, dp_size, global_batch_size, **kw) -> Tensor:
+    """Each answer's token mean, averaged over answers: every answer weighs the same (the original GRPO)."""
     seq_losses = masked_sum(loss_mat, mask, dim=-1) / (tokens + 1e-8)
     return (
         masked_sum(seq_losses, seq_mask) / _safe_den(_seqs(seq_mask, global_batch_size, loss_mat)) * dp_size
@@ -108,6 +112,7 @@ def _seq_mean_token_mean(loss_mat, mask, tokens, seq_mask, *, dp_size, global_ba
 
 @register_loss_agg_mode("seq-mean-token-sum-norm")
 def _seq_mean_token_sum_norm(loss_mat, mask, tokens, seq_mask, *, loss_scale_factor, **kw) -> Tensor:
+    """Token sums over a constant (the longest response, or ``loss_scale_factor``): no length bias (Dr. GRPO)."""
     width = mask.shape[-1] if loss_scale_factor is None else loss_scale_factor
     return _seq_mean_token_sum(loss_mat, mask, tokens, seq_mask, **kw) / width
 

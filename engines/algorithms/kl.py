@@ -40,26 +40,31 @@ def _k2_gradient(fn: KLPenaltyFn) -> KLPenaltyFn:
         return k2 - k2.detach() + fn(log_prob, ref_log_prob).detach()
 
     straight_through.__qualname__ = f"{fn.__qualname__}+"
+    straight_through.__doc__ = f"{(fn.__doc__ or '').split(':')[0]}'s value with k2's gradient (straight-through): an unbiased KL gradient."
     return straight_through
 
 
 @register_kl_penalty("kl", "k1")
 def _k1(log_prob: Tensor, ref_log_prob: Tensor) -> Tensor:
+    """k1: log pi - log pi_ref per token; unbiased, can be negative (verl's kl, the in-reward default)."""
     return log_prob - ref_log_prob
 
 
 @register_kl_penalty("abs")
 def _abs(log_prob: Tensor, ref_log_prob: Tensor) -> Tensor:
+    """abs: |log pi - log pi_ref| per token; never negative, biased."""
     return (log_prob - ref_log_prob).abs()
 
 
 @register_kl_penalty("mse", "k2")
 def _k2(log_prob: Tensor, ref_log_prob: Tensor) -> Tensor:
+    """k2: half the squared log-ratio per token; its gradient is the KL's in expectation."""
     return 0.5 * (log_prob - ref_log_prob).square()
 
 
 @register_kl_penalty("low_var_kl", "k3")
 def _k3(log_prob: Tensor, ref_log_prob: Tensor) -> Tensor:
+    """k3: exp(-d) + d - 1 of the log-ratio d, clamped as verl; low variance, never negative (GRPO's KL loss)."""
     # clamp the exponent (±20) and then the estimate (±10), both as verl, for stability
     d = torch.clamp(ref_log_prob - log_prob, min=-20.0, max=20.0)
     return torch.clamp(torch.exp(d) - d - 1, min=-10.0, max=10.0)
