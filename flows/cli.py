@@ -51,12 +51,17 @@ def healing_ray(run: Callable[[], dict], address: str | None) -> dict:
     line. A cluster at ``address`` the command did not start is not its to restart: RayLost, one line."""
     import ray
 
+    from rlstage.flows import terminal
+    from rlstage.infra.ray_runtime import RAY_LOST, mute_node_death_reports
+
+    if not terminal.verbose():
+        mute_node_death_reports()
     restarts = 0
     while True:
         try:
             return run()
         except Exception as err:
-            if _stopped(err) is not None or _ray_answers():
+            if _stopped(err) is not None or (not RAY_LOST.is_set() and _ray_answers()):
                 raise
             ray.shutdown()
             if address:
@@ -92,8 +97,11 @@ def prefect_api():
     """The Prefect API of this command: ``PREFECT_API_URL`` if set, else the server that runs on the local
     home (``infra/home.py``: ``rlstage ui``, ``infra/stack.sh``), else a server on that home started for the
     duration. The home's MLflow server, when one runs, is the default tracking URI meanwhile."""
+    from rlstage.flows import terminal
     from rlstage.infra import home
 
+    if not terminal.verbose():
+        _quiet_prefect_run_errors()
     mlflow_url = home.running_service(home.MLFLOW_SERVICE)
     if mlflow_url and not os.environ.get("MLFLOW_TRACKING_URI"):
         os.environ["MLFLOW_TRACKING_URI"] = mlflow_url
@@ -458,6 +466,23 @@ def _stop_on_signals() -> None:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, first)
+
+
+class _RunStateErrors(logging.Filter):
+    """Prefect's ERROR lines of failed or crashed flow and task runs: the command's last line says what failed,
+    and the runs' logs in the Prefect UI keep them (``--verbose`` prints them too)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno < logging.ERROR or not record.name.startswith(("prefect.flow_runs", "prefect.task_runs"))
+
+
+def _quiet_prefect_run_errors() -> None:
+    from prefect.logging.configuration import ensure_logging_setup
+
+    ensure_logging_setup()  # Prefect's console handler, on the root logger (set up when prefect.main is imported)
+    for handler in logging.getLogger().handlers:
+        if "Console" in type(handler).__name__ and not any(isinstance(f, _RunStateErrors) for f in handler.filters):
+            handler.addFilter(_RunStateErrors())
 
 
 def _hide_prefect_tracebacks() -> None:

@@ -6,6 +6,7 @@ import concurrent.futures
 import logging
 import signal
 import threading
+import time
 from collections.abc import Callable
 
 import ray
@@ -18,6 +19,55 @@ WORKERS_SOFT_LIMIT = 16  # idle workers kept: the role actors plus the stage tas
 # Set when a signal interrupts the flow's wait: stage tasks waiting on Ray in threads of the flow give up too
 # (their Ray task cancelled), instead of holding the flow's exit until a long stage ends.
 STOPPING = threading.Event()
+# Set by watch_local_raylet when the raylet of the local Ray this process started dies under a live driver.
+RAY_LOST = threading.Event()
+
+
+class LocalRayDied(RuntimeError):
+    """The raylet of the local Ray this process started is gone (seen by ``watch_local_raylet``)."""
+
+
+def watch_local_raylet(poll_s: float = 0.5) -> None:
+    """Notice within a second that the raylet of the local Ray this process started died (Ray's driver learns
+    it from the node's health checks, ~40 s here): RAY_LOST and STOPPING are set, and ``wait_result`` raises
+    LocalRayDied in the flow's main thread. Nothing is watched on a cluster this process joined."""
+    node = getattr(ray._private.worker, "_global_node", None)
+    infos = (getattr(node, "all_processes", None) or {}).get("raylet") or []
+    raylet = getattr(infos[0], "process", None) if infos else None
+    if raylet is None:
+        return
+    RAY_LOST.clear()
+
+    def ours() -> bool:  # ray.shutdown disconnects before it stops the raylet; a later ray.init is another node
+        return ray.is_initialized() and getattr(ray._private.worker, "_global_node", None) is node
+
+    def watch() -> None:
+        while ours() and raylet.poll() is None:
+            time.sleep(poll_s)
+        if ours():
+            RAY_LOST.set()
+            STOPPING.set()  # stage threads stop waiting on the dead node too
+
+    threading.Thread(target=watch, name="rlstage-raylet-watch", daemon=True).start()
+
+
+def mute_node_death_reports() -> None:
+    """Ray's driver prints what the GCS reports of a dead node (the raylet's state dump, dozens of lines); the
+    command says it in one line instead. ``--verbose`` does not call this."""
+    import ray._private.worker as worker
+
+    shown = worker.print_to_stdstream
+    if getattr(shown, "mutes_node_deaths", False):
+        return
+
+    def print_unless_node_death(data, *args, **kwargs):
+        text = " ".join(data.get("lines", ()))
+        if data.get("pid") == "raylet" and ("Raylet is terminated" in text or "has been marked dead" in text):
+            return
+        shown(data, *args, **kwargs)
+
+    print_unless_node_death.mutes_node_deaths = True
+    worker.print_to_stdstream = print_unless_node_death
 
 
 def ensure_ray(cfg: RunConfig) -> None:
@@ -47,6 +97,7 @@ def ensure_ray(cfg: RunConfig) -> None:
             # process every iteration (measured 6.9 s of imports in each pipelined iteration's reward stage).
             _system_config={"num_workers_soft_limit": WORKERS_SOFT_LIMIT},
         )
+        watch_local_raylet()
     # Ray's core worker replaces the process's SIGTERM handler with one that aborts; the command's
     # own handlers stop what it started (flows/cli.py), so they are put back.
     if threading.current_thread() is threading.main_thread():
@@ -63,6 +114,8 @@ def wait_result(future, poll_s: float = 0.05, meanwhile: Callable[[], None] | No
     try:
         while not future.wrapped_future.done():
             concurrent.futures.wait([future.wrapped_future], timeout=poll_s)
+            if RAY_LOST.is_set():
+                raise LocalRayDied("the raylet of the local Ray died")
             if meanwhile is not None and not future.wrapped_future.done():
                 meanwhile()
                 meanwhile = None

@@ -103,7 +103,7 @@ def test_a_lost_server_is_one_line_and_the_rerun_heals_its_own(migrated_prefect_
                 proc.kill()
     finally:
         server.stop()
-    assert "Traceback" not in rest
+    assert "Traceback" not in rest and "| ERROR" not in rest, rest  # Prefect's lines stay in the UI (--verbose prints them)
     last = rest.strip().splitlines()[-1]
     assert last.endswith("stopped answering during the run; committed stages are kept, rerun the command to continue")
     store = ArtifactStore(str(tmp_path / "store"))
@@ -127,7 +127,7 @@ def test_a_lost_server_is_one_line_and_the_rerun_heals_its_own(migrated_prefect_
             proc.kill()
     line = f"rlstage: the Prefect server this command started stopped; started again on port {port} (restart 1 of 3)"
     assert line in rest.splitlines(), rest
-    assert "Traceback" not in rest and "learning:" in rest
+    assert "Traceback" not in rest and "| ERROR" not in rest and "learning:" in rest, rest
     assert not _servers_of(ours), "the restarted server outlived the command"
     assert store.manifest(kit_run_name(cfg), None, "sft").artifact_id == sft.artifact_id  # reused, not redone
     start = load(store.read_bytes(sft, "model/model.safetensors"))
@@ -165,9 +165,13 @@ def test_a_dead_local_ray_is_started_again_and_the_run_goes_on(migrated_prefect_
         raylets = [p for p, c in _rays_of(ours).items() if b"raylet" in c.split(b"\0")[0]]
         assert len(raylets) == 1, _rays_of(ours)
         os.kill(raylets[0], signal.SIGKILL)
-        t0 = time.monotonic()
-        rest = proc.stdout.read()
-        print(f"ended {time.monotonic() - t0:.1f} s after the kill")
+        t0, lines, noticed = time.monotonic(), [], None
+        for out in proc.stdout:  # when the command says it (printed, not asserted: a slow machine is no failure)
+            lines.append(out)
+            if noticed is None and "started again" in out:
+                noticed = time.monotonic() - t0
+        rest = "".join(lines)
+        print(f"said {noticed:.1f} s after the kill, ended {time.monotonic() - t0:.1f} s after it")
         assert proc.wait(300) == 0, rest
     finally:
         if proc.poll() is None:
@@ -175,6 +179,8 @@ def test_a_dead_local_ray_is_started_again_and_the_run_goes_on(migrated_prefect_
     line = "rlstage: the local Ray this command started died; started again (restart 1 of 3), the run goes on from its committed stages"
     assert line in rest.splitlines(), rest
     assert "Traceback" not in rest and "learning:" in rest
+    # neither Prefect's ERROR lines nor Ray's report of the dead node (its state dump): the line above says it
+    assert "| ERROR" not in rest and "(raylet)" not in rest and "[state-dump]" not in rest, rest
     store = ArtifactStore(str(tmp_path / "store"))
     sft = store.manifest(kit_run_name(load_config(None, overrides)), None, "sft")
     start = load(store.read_bytes(sft, "model/model.safetensors"))
