@@ -113,6 +113,8 @@ def prefect_api():
             yield url
         return
     os.environ["PREFECT_HOME"] = str(home.prefect_home())
+    if left := home.stop_leftovers(home.prefect_home()):
+        print(f"rlstage: stopped {len(left)} process(es) left running on this home by a command that was killed", file=sys.stderr, flush=True)
     url = home.running_service(home.PREFECT_SERVICE)
     if url:
         os.environ["PREFECT_API_URL"] = url
@@ -613,6 +615,9 @@ def build_parser() -> _Parser:
 
 def main(argv: list[str] | None = None) -> int:
     apply_defaults()
+    from rlstage.infra.home import OWNER_ENV
+
+    os.environ[OWNER_ENV] = str(os.getpid())  # what this command starts carries it: stop_leftovers finds it if killed
     args = build_parser().parse_args(argv)
     verbose = args.verbose or os.environ.get("RLSTAGE_DEBUG", "") not in ("", "0")
     if verbose:  # stage detail as lines (flows/terminal.py), in this process and the flow runs it starts

@@ -74,3 +74,36 @@ def forget_service(name: str, proc: subprocess.Popen) -> None:
             pidfile.unlink()
     except (OSError, ValueError):
         pass
+
+
+OWNER_ENV = "RLSTAGE_OWNER_PID"  # set by each command: every process it starts (Prefect, Ray, workers) inherits it
+
+
+def _environ(pid: int) -> dict[bytes, bytes]:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:  # gone, or another user's
+        return {}
+    return dict(entry.split(b"=", 1) for entry in raw.split(b"\0") if b"=" in entry)
+
+
+def stop_leftovers(prefect_home: Path) -> list[int]:
+    """SIGKILL the processes that a command on this home started and that outlived it (it was killed: its Prefect
+    server's uvicorn, Ray's agents). Found by their environment: this home, and an owner command that is gone."""
+    import signal
+
+    ours, home_entry = str(os.getpid()).encode(), str(prefect_home.resolve()).encode()
+    stopped = []
+    for proc in Path("/proc").iterdir() if Path("/proc").is_dir() else ():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        env = _environ(int(proc.name))
+        owner = env.get(OWNER_ENV.encode(), b"")
+        if env.get(b"PREFECT_HOME") != home_entry or not owner.isdigit() or owner == ours or pid_alive(int(owner)):
+            continue
+        try:
+            os.kill(int(proc.name), signal.SIGKILL)
+            stopped.append(int(proc.name))
+        except OSError:
+            pass
+    return stopped

@@ -77,6 +77,10 @@ class ServerKeeper(threading.Thread):
                 self.say(f"the Prefect server this command started stopped again; {self.max_restarts} restarts are spent")
                 return
             self.restarts += 1
+            try:  # what the dead server started (its uvicorn) would hold the port, answering for it
+                os.killpg(self.server.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
             try:
                 proc = spawn_prefect_server(self.server.home, port)
                 wait_http(prefect_health(port), 90.0, proc)

@@ -28,7 +28,7 @@ _PREFECT_DB = Path(os.environ["RLSTAGE_HOME"]) / "prefect-template.db"  # filled
 # Seconds per module as measured on a 2-core machine (a whole run's junit times): modules are handed to
 # the workers longest first (LPT), so that no long module starts last and runs alone at the end.
 MODULE_SECONDS = {  # a fresh-clone CI of a864b89 (stage bodies on Ray); the vLLM drill as after its fix
-    "test_workers": 596, "test_docs_commands": 120, "test_checkpoint": 197, "test_estimator_runs": 186, "test_operations": 164,
+    "test_workers": 596, "test_chaos": 200, "test_docs_commands": 120, "test_checkpoint": 197, "test_estimator_runs": 186, "test_operations": 164,
     "test_actor_deepspeed": 153, "test_pipeline_vllm": 150, "test_deployments": 147, "test_schedule": 143,
     "test_failures": 117, "test_tracking_server": 99, "test_reward_model": 87, "test_disk_full": 87,
     "test_ui": 72, "test_chat": 70, "test_rollout_vllm": 57, "test_lora": 56,

@@ -1,0 +1,193 @@
+"""Chaos: a seeded schedule of SIGKILLs across the processes of a run, the command started again after each
+(as a user or a nightly schedule would) until it completes; then nothing is lost or duplicated.
+
+Kinds: the command itself and its own Prefect server (killed from outside when the command prints the line of
+an iteration), a policy (trainer) worker in its update, the rollout worker while it generates, and a stage
+task's process (the last three at drill points, once each). After the last run: every committed artifact is
+byte-identical to an undisturbed run's (the weights moving), a reader polling the store never saw a manifest
+whose files fail their checksums, each MLflow metric holds each step once, no flow run is left Running in
+Prefect, and no process of the run outlives it."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import sqlite3
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from test_trust import _processes_with_env
+from test_workers import _checksums
+
+from tests_support import cli_env, moving_overrides, tiny_overrides, update_weights, weights_moved
+
+ITERATIONS = 3
+KINDS = ("command", "prefect_server", "trainer", "rollout_worker", "stage_task")
+
+
+@dataclass(frozen=True)
+class Kill:
+    kind: str
+    iteration: int
+    stage: str = ""  # a drill point's stage (stage_task)
+
+    def drill(self) -> list[str]:
+        """The drill setting that fires it (the external kinds have none)."""
+        return {
+            "trainer": [f"kill_worker_at=update:{self.iteration}"],
+            "rollout_worker": [f"kill_worker_at=rollout@rollout:{self.iteration}"],
+            "stage_task": [f"kill_at={self.stage}:{self.iteration}"],
+        }.get(self.kind, [])
+
+
+class ScheduleError(ValueError):
+    pass
+
+
+def schedule(seed: int, kinds: int, choose_from: tuple[str, ...] = KINDS) -> list[Kill]:
+    """``kinds`` kills of distinct kinds, each at an iteration (and a stage) drawn from ``seed``."""
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise ScheduleError(f"chaos seed must be an integer, got {seed!r}")
+    unknown = sorted(set(choose_from) - set(KINDS))
+    if unknown or not 1 <= kinds <= len(choose_from):
+        raise ScheduleError(f"chaos kinds: {unknown or kinds} is not 1..{len(choose_from)} of {', '.join(KINDS)}")
+    rng = random.Random(seed)
+    # the external kinds fire on an iteration's line, so before the last one (the run must go on after it)
+    return [
+        Kill(kind, rng.randint(1, ITERATIONS - 1) if kind in ("command", "prefect_server") else rng.randint(1, ITERATIONS),
+             rng.choice(("rollout", "reward", "advantage", "update")) if kind == "stage_task" else "")
+        for kind in rng.sample(choose_from, kinds)
+    ]  # fmt: skip
+
+
+def _drills(kills: list[Kill], markers: Path) -> list[str]:
+    by_key: dict[str, list[str]] = {}
+    for k in kills:
+        for setting in k.drill():
+            key, point = setting.split("=")
+            by_key.setdefault(key, []).append(point)
+    out = [f"drill.{key}=[{', '.join(repr(p) for p in points)}]" for key, points in by_key.items()]
+    return [*out, f"drill.markers={markers}"] if out else out
+
+
+def _poll_store(root: Path, run: str, stop: threading.Event, bad: list[str]) -> None:
+    """A reader during the run: every manifest it finds has files that match their checksums."""
+    from rlstage.infra.store import ArtifactCorrupt, ArtifactStore, StoreError
+
+    store = ArtifactStore(str(root))
+    while not stop.wait(0.3):
+        try:
+            for it in store.iterations(run):
+                for stage in ("rollout", "reward", "advantage", "update", "eval"):
+                    m = store.manifest(run, it, stage)
+                    for name in (m.files if m is not None else ()):
+                        store.read_bytes(m, name)
+        except ArtifactCorrupt as err:
+            bad.append(str(err))
+        except (StoreError, OSError):  # a checkpoint pruned between the manifest and the read: not a torn commit
+            pass
+
+
+def _run_until_done(cmd, cwd: Path, env: dict, kills: list[Kill], prefect_home: Path, limit: int) -> list[int]:
+    """The command, started again after each death until it exits 0; the external kills fire on their lines."""
+    external = {(k.kind, k.iteration) for k in kills if k.kind in ("command", "prefect_server")}
+    codes = []
+    while len(codes) < limit:
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        out, killed = [], False
+        for line in proc.stdout:
+            out.append(line)
+            for kind, it in sorted(external):
+                if line.startswith(f"iteration {it:3d}:"):
+                    external.discard((kind, it))
+                    if kind == "command":
+                        proc.kill()
+                        killed = True
+                    else:
+                        for pid in _servers_of(prefect_home):
+                            os.kill(pid, signal.SIGKILL)
+            if killed:  # what it started may still hold its output open
+                break
+        codes.append(proc.wait(600))
+        if codes[-1] == 0:
+            return codes
+    pytest.fail(f"the run did not complete in {limit} attempts (exit codes {codes}):\n" + "".join(out[-60:]))
+
+
+def _servers_of(prefect_home: Path) -> dict[int, bytes]:
+    cmdlines = {p: Path(f"/proc/{p}/cmdline").read_bytes() for p in _processes_with_env(f"PREFECT_HOME={prefect_home.resolve()}")}
+    return {p: c for p, c in cmdlines.items() if b"prefect\0server\0start" in c}
+
+
+def test_a_bad_schedule_is_one_line():
+    for seed, kinds, choose, says in [
+        ("7", 3, KINDS, "chaos seed must be an integer, got '7'"),
+        (0, 9, KINDS, "chaos kinds: 9 is not 1..5 of command, prefect_server"),
+        (0, 1, ("mlflow_server_x",), "chaos kinds: ['mlflow_server_x'] is not 1..1 of"),
+    ]:
+        with pytest.raises(ScheduleError, match=r"^" + re_escape(says)):
+            schedule(seed, kinds, choose)
+    assert schedule(3, 3) == schedule(3, 3) and len({k.kind for k in schedule(3, 3)}) == 3
+
+
+def re_escape(text: str) -> str:
+    import re
+
+    return re.escape(text)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [int(os.environ.get("RLSTAGE_CHAOS_SEED", "0"))])
+def test_a_run_killed_at_random_is_the_run_undisturbed(seed, migrated_prefect_home, tmp_path):
+    from rlstage.infra.store import ArtifactStore
+
+    kills = schedule(seed, 4)
+    print("chaos schedule:", kills)
+    settings = [*tiny_overrides(), *moving_overrides(), f"trainer.iterations={ITERATIONS}", "run_name=chaos", "trainer.eval_every=1"]
+    cli = [sys.executable, "-m", "rlstage.flows.cli", "train"]
+    # the undisturbed run, in a home of its own
+    quiet = tmp_path / "quiet"
+    migrated_prefect_home(quiet / ".rlstage" / "prefect")
+    done = subprocess.run([*cli, *settings, f"store.root={quiet / 'store'}"], cwd=quiet, env=cli_env(), capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    wild = tmp_path / "wild"
+    prefect_home = migrated_prefect_home(wild / ".rlstage" / "prefect")
+    markers = wild / "markers"
+    markers.mkdir()
+    shm_before = set(os.listdir("/dev/shm"))
+    cmd = [*cli, *settings, f"store.root={wild / 'store'}", *_drills(kills, markers)]
+    stop, bad = threading.Event(), []
+    reader = threading.Thread(target=_poll_store, args=(wild / "store", "chaos", stop, bad), daemon=True)
+    reader.start()
+    try:
+        codes = _run_until_done(cmd, wild, cli_env(), kills, prefect_home, limit=2 + len(kills))
+    finally:
+        stop.set()
+        reader.join(10)
+    print("exit codes of the attempts:", codes)
+    fired = sorted(p.name for p in markers.iterdir())
+    assert len(fired) == sum(bool(k.drill()) for k in kills), fired  # each drill kill fired, once
+    assert len(codes) >= 1 + sum(k.kind == "command" for k in kills)
+    ours, theirs = ArtifactStore(str(wild / "store")), ArtifactStore(str(quiet / "store"))
+    assert _checksums(ours, "chaos", ITERATIONS) == _checksums(theirs, "chaos", ITERATIONS)
+    assert weights_moved(update_weights(ours, "chaos", 1), update_weights(ours, "chaos", ITERATIONS))
+    assert not bad, bad  # no torn commit was ever visible
+    with sqlite3.connect(wild / ".rlstage" / "mlflow" / "mlflow.db") as db:
+        twice = db.execute("select key, step, count(*) from metrics group by run_uuid, key, step having count(*) > 1").fetchall()
+        runs = db.execute("select count(distinct run_uuid) from metrics").fetchone()[0]
+    assert not twice and runs == 1, twice  # one MLflow run, each metric once per step
+    with sqlite3.connect(prefect_home / "prefect.db") as db:
+        running = db.execute("select name from flow_run where state_type in ('RUNNING', 'PENDING')").fetchall()
+    assert not running, running  # the killed ones are Crashed, not Running forever
+    for _ in range(100):  # processes that got their signal may take a moment to exit
+        left = _processes_with_env(f"PREFECT_HOME={prefect_home.resolve()}")
+        if not left:
+            break
+        threading.Event().wait(0.2)
+    assert not left, [Path(f"/proc/{p}/cmdline").read_bytes()[:200] for p in left]
+    assert set(os.listdir("/dev/shm")) - shm_before <= {p for p in os.listdir("/dev/shm") if p.startswith("rlstage-tests")}
