@@ -54,6 +54,8 @@ ROLLOUTS = pa.schema(
         ("tool_calls", pa.int32()),
         ("tool_errors", pa.int32()),  # malformed, unknown tool, bad arguments, raised, timed out, over the limit
         ("tool_timeouts", pa.int32()),
+        # agent.function runs: the reward the agent returned (null: the rule scores response_text; 0 when it failed)
+        ("agent_reward", pa.float32()),
     ]
 )
 

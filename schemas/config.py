@@ -405,6 +405,8 @@ class AgentConfig(_Section):
     batch_window_ms: float = Field(50.0, ge=0)  # how long a batch waits for requests in tool calls
     tools_in_prompt: bool = True  # pass the tool schemas to the chat template (its system prompt)
     chat_template: str | None = None  # a Jinja template or a path to one; None: the tokenizer's own
+    function: str | None = None  # your own agent, "package.module:function" (async, called with an OpenAI client and the sample); None: the built-in loop
+    function_timeout_s: float = Field(300.0, gt=0)  # an agent function running longer is a failed sample (kind "timeout")
 
     @field_validator("tools")
     @classmethod
@@ -414,6 +416,19 @@ class AgentConfig(_Section):
         if dup:
             raise ValueError(f"duplicate tool names {dup}")
         return v
+
+    @field_validator("function")
+    @classmethod
+    def _path(cls, v: str | None) -> str | None:
+        if v is not None and ":" not in v:
+            raise ValueError(f"{v!r} is not an import path (write package.module:function)")
+        return v
+
+    @model_validator(mode="after")
+    def _function_in_agent_mode(self) -> AgentConfig:
+        if self.function is not None and not self.enable:
+            raise ValueError("agent.function replaces the built-in loop of agent mode: set agent.enable=true")
+        return self
 
 
 class OptimConfig(_Section):

@@ -298,7 +298,7 @@ def _complete(cfg: ConfigView, group: PolicyGroup, version: str, batch: list[dic
     return group.generate(Generator.generate_ids, version, prompt_ids, params), {}
 
 
-_AGENT_COLUMNS = ("turn_bounds", "truncated", "num_turns", "tool_calls", "tool_errors", "tool_timeouts")
+_AGENT_COLUMNS = ("turn_bounds", "truncated", "num_turns", "tool_calls", "tool_errors", "tool_timeouts", "agent_reward")
 
 
 def _rollouts_table(batch: list[dict], comps: list[dict], iteration: int, round_: int, per_round: int) -> pa.Table:
@@ -376,6 +376,11 @@ def score_round(cfg: ConfigView, table: pa.Table) -> StageOutput:
     errors: list[str | None] = [None] * len(rows)
     for i, r in zip(ruled, results, strict=True):
         rule[i], fn_names[i], errors[i] = r.score, r.reward_fn, r.error
+    # An agent function's own reward (agent.function) replaces the rule's; rollouts stored before it have no column.
+    given = table.column("agent_reward").to_pylist() if "agent_reward" in table.column_names else [None] * len(rows)
+    for i, g in enumerate(given):
+        if g is not None:
+            rule[i], fn_names[i], errors[i] = g, "agent.function", None
     rm: list[float | None] = [None] * len(rows)
     if rm_on:
         got = rm_scores(cfg, table.column("prompt").to_pylist(), [r["response_text"] for r in rows])
