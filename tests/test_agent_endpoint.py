@@ -65,6 +65,12 @@ ROWS = [{"prompt": f"What is {a}*{a + 3}?", "messages": None, "extra_info": "{}"
 PARAMS = SamplingParams(n=2, temperature=1.0, max_new_tokens=120, seed=3)
 
 
+def ik(sample) -> tuple[int, int]:
+    """(prompt index, sample index) of a sample id ``<batch>-<i>-<k>``."""
+    _, i, k = sample.sample_id.split("-")
+    return int(i), int(k)
+
+
 def run_fn(fn, engine=None, rows=ROWS, params=PARAMS, limits=AgentLimits(), **kw):
     return run_function_batch(engine or ScriptedEngine(), FMT, fn, rows, params, limits, tool_schemas=lambda r: [CALCULATOR_TOOL], **kw)
 
@@ -140,7 +146,7 @@ def test_an_agent_that_raises_hangs_or_returns_garbage_is_a_failed_sample_counte
     rows = [*ROWS, {**ROWS[0], "prompt": "What is 5*6?"}]
 
     async def agent(client, sample):
-        i = int(sample.sample_id.split("-")[0])
+        i = ik(sample)[0]
         return await (calculator_agent, _raises, _hangs, _garbage)[i](client, sample)
 
     with caplog.at_level(logging.WARNING, logger="rlstage.engines.agents.endpoint"):
@@ -165,12 +171,12 @@ def test_bad_requests_get_a_4xx_and_a_log_line_and_the_batch_goes_on(caplog):
     first_done = asyncio.Event()
 
     async def agent(client, sample):
-        i, k = map(int, sample.sample_id.split("-"))
+        i, k = ik(sample)
         if (i, k) == (0, 0):
             try:
                 return await calculator_agent(client, sample)
             finally:
-                got["client"] = client
+                got["client"], got["headers"] = client, {SAMPLE_HEADER: sample.sample_id}
                 first_done.set()
         if k == 1:
             return await calculator_agent(client, sample)
@@ -203,9 +209,11 @@ def test_bad_requests_get_a_4xx_and_a_log_line_and_the_batch_goes_on(caplog):
     }  # fmt: skip
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("agent endpoint: HTTP")]
     assert len(lines) == 6 and all("\n" not in x for x in lines)
-    late = openai.AsyncOpenAI(base_url=got["client"].base_url, api_key="x", max_retries=0, default_headers={SAMPLE_HEADER: "0-1"})
-    with pytest.raises(openai.APIConnectionError):  # after the batch the endpoint is gone: its port is closed
+    # After the stage: the same sample's client gets a 409 (the endpoint outlives the stage), and a log line.
+    late = openai.AsyncOpenAI(base_url=got["client"].base_url, api_key="x", max_retries=0, default_headers=got["headers"])
+    with pytest.raises(openai.ConflictError) as err, caplog.at_level(logging.WARNING, logger="rlstage.engines.agents.endpoint"):
         asyncio.run(late.chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}]))
+    assert err.value.body["code"] == "stage_ended" and "stage_ended" in caplog.records[-1].getMessage()
 
 
 def test_a_request_that_rewrites_earlier_turns_is_refused():

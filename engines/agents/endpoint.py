@@ -1,19 +1,20 @@
 """Your own agent: an OpenAI-compatible ``/v1/chat/completions`` endpoint in front of the policy.
 
-``run_function_batch`` serves the endpoint on 127.0.0.1 (an ephemeral port) for one batch of samples and
-calls ``agent.function`` once per sample with an ``openai.AsyncOpenAI`` client bound to that sample (its
-requests carry the ``X-Rlstage-Sample-Id`` header). Requests become ``BatchingPolicy`` requests, so
-concurrent agents share generation batches exactly as the built-in loop's requests do.
+Each process serves one endpoint on 127.0.0.1 (an ephemeral port, ``EndpointServer``). ``run_function_batch``
+calls ``agent.function`` once per sample with an ``openai.AsyncOpenAI`` client bound to that sample (its requests
+carry the ``X-Rlstage-Sample-Id`` header); requests become ``BatchingPolicy`` requests on the batch's event loop,
+so concurrent agents share generation batches exactly as the built-in loop's requests do.
 
-Trajectories are recorded in tokens: a sample's first request renders its messages (and ``tools``) with
-the chat template; every later request must repeat the earlier conversation and append tool / user
-messages, whose rendered ids are appended to the recorded ids (``ChatFormat.env_ids``). The policy's
-tokens and log-probs are kept as the engine produced them, never re-tokenized from text.
+Trajectories are recorded in tokens: a sample's first request renders its messages (and ``tools``) with the chat
+template; every later request must repeat the earlier conversation and append tool / user messages, whose
+rendered ids are appended to the recorded ids (``ChatFormat.env_ids``). The policy's tokens and log-probs are
+kept as the engine produced them, never re-tokenized from text.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import hashlib
 import inspect
@@ -21,7 +22,9 @@ import json
 import logging
 import math
 import re
+import secrets
 import socket
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -148,19 +151,12 @@ class ChatEndpoint:
     ) -> None:
         self.policy, self.fmt, self.params, self.limits = policy, fmt, params, limits
         self.records, self.samples = records, samples  # sample id -> (prompt index, sample index)
-        self.rejected: dict[str, int] = {}  # refused requests by error code
         self.ended = False  # the batch is over: every request is refused
-
-    def reject(self, err: RequestError, sample_id: str | None) -> dict:
-        self.rejected[err.code] = self.rejected.get(err.code, 0) + 1
-        log.warning("agent endpoint: HTTP %d %s (sample %s): %s", err.status, err.code, sample_id or "-", err)
-        return {"error": {"message": str(err), "type": "invalid_request_error", "code": err.code}}
+        self.loop: asyncio.AbstractEventLoop | None = None  # the batch's loop, where requests run
 
     async def complete(self, body: Any, sample_id: str | None) -> dict:
         if self.ended:
-            raise RequestError(409, "stage_ended", "the rollout stage that served this endpoint has ended")
-        if not sample_id:
-            raise RequestError(400, "missing_sample_id", f"no {SAMPLE_HEADER} header: use the client rlstage gave the agent")
+            raise RequestError(409, "stage_ended", f"the rollout stage that served sample {sample_id!r} has ended")
         rec = self.records.get(sample_id)
         if rec is None:
             raise RequestError(404, "unknown_sample", f"sample {sample_id!r} is not in this batch")
@@ -308,54 +304,110 @@ def _response(msg: dict, reason: str, prompt_tokens: int, completion_tokens: int
     }
 
 
-def build_app(endpoint: ChatEndpoint) -> Any:
-    """The FastAPI app: ``POST /v1/chat/completions`` and ``GET /v1/models``."""
-    app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
+class EndpointServer:
+    """The process's endpoint: uvicorn on 127.0.0.1 (an ephemeral port) in a daemon thread of its own.
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> JSONResponse:
-        sample_id = request.headers.get(SAMPLE_HEADER)
+    It outlives the stages: a batch registers its ``ChatEndpoint`` under a token that prefixes its sample ids,
+    requests are run on the batch's event loop, and a request for a batch that has ended gets HTTP 409.
+    """
+
+    def __init__(self) -> None:
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            @contextlib.contextmanager
+            def capture_signals(self):  # the worker process keeps its own signal handlers
+                yield
+
+        self.batches: dict[str, ChatEndpoint] = {}
+        self.ended: collections.OrderedDict[str, None] = collections.OrderedDict()  # the last tokens that ended
+        self.rejected: collections.Counter[str] = collections.Counter()  # refused requests by error code
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind(("127.0.0.1", 0))
+        self.base_url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
+        config = uvicorn.Config(self._app(), log_level="error", access_log=False, lifespan="off", timeout_graceful_shutdown=1)
+        self._server = Server(config)
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._server.serve(sockets=[sock])), name="rlstage-agent-endpoint", daemon=True)
+        self._thread.start()
+        while not self._server.started:
+            if not self._thread.is_alive():
+                raise RuntimeError("the agent endpoint's server did not start")
+            time.sleep(0.01)
+
+    def open(self, token: str, endpoint: ChatEndpoint) -> None:
+        self.batches[token] = endpoint
+
+    def close(self, token: str) -> None:
+        endpoint = self.batches.pop(token, None)
+        if endpoint is not None:
+            endpoint.ended = True
+        self.ended[token] = None
+        while len(self.ended) > 10_000:
+            self.ended.popitem(last=False)
+
+    def _route(self, sample_id: str | None) -> ChatEndpoint:
+        if not sample_id:
+            raise RequestError(400, "missing_sample_id", f"no {SAMPLE_HEADER} header: use the client rlstage gave the agent")
+        token = sample_id.split("-", 1)[0]
+        endpoint = self.batches.get(token)
+        if endpoint is None:
+            if token in self.ended:
+                raise RequestError(409, "stage_ended", f"the rollout stage that served sample {sample_id!r} has ended")
+            raise RequestError(404, "unknown_sample", f"sample {sample_id!r} is in no running rollout stage")
+        return endpoint
+
+    def reject(self, err: RequestError, sample_id: str | None) -> JSONResponse:
+        self.rejected[err.code] += 1
+        log.warning("agent endpoint: HTTP %d %s (sample %s): %s", err.status, err.code, sample_id or "-", err)
+        body = {"error": {"message": str(err), "type": "invalid_request_error", "code": err.code}}
+        return JSONResponse(body, status_code=err.status)
+
+    async def _forward(self, endpoint: ChatEndpoint, body: Any, sample_id: str) -> dict:
+        """Run the request on its batch's event loop (where the policy batches); a batch ending meanwhile is a 409."""
         try:
+            fut = asyncio.run_coroutine_threadsafe(endpoint.complete(body, sample_id), endpoint.loop)
+        except RuntimeError:  # the batch's loop has closed
+            raise RequestError(409, "stage_ended", f"the rollout stage that served sample {sample_id!r} has ended") from None
+        try:
+            return await asyncio.wrap_future(fut)
+        except asyncio.CancelledError:
+            if not fut.cancelled():
+                raise  # this server is stopping
+            raise RequestError(409, "stage_ended", f"the rollout stage that served sample {sample_id!r} has ended") from None
+
+    def _app(self) -> Any:
+        app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
+
+        @app.post("/v1/chat/completions")
+        async def chat_completions(request: Request) -> JSONResponse:
+            sample_id = request.headers.get(SAMPLE_HEADER)
             try:
-                body = await request.json()
-            except ValueError:
-                raise RequestError(400, "invalid_body", "the body is not JSON") from None
-            return JSONResponse(await endpoint.complete(body, sample_id))
-        except RequestError as err:
-            return JSONResponse(endpoint.reject(err, sample_id), status_code=err.status)
+                endpoint = self._route(sample_id)
+                try:
+                    body = await request.json()
+                except ValueError:
+                    raise RequestError(400, "invalid_body", "the body is not JSON") from None
+                return JSONResponse(await self._forward(endpoint, body, sample_id or ""))
+            except RequestError as err:
+                return self.reject(err, sample_id)
 
-    @app.get("/v1/models")
-    async def models() -> dict:
-        return {"object": "list", "data": [{"id": MODEL_NAME, "object": "model", "owned_by": "rlstage"}]}
+        @app.get("/v1/models")
+        async def models() -> dict:
+            return {"object": "list", "data": [{"id": MODEL_NAME, "object": "model", "owned_by": "rlstage"}]}
 
-    return app
+        return app
 
 
-@contextlib.asynccontextmanager
-async def serving(app: Any):
-    """Serve ``app`` on 127.0.0.1 at an ephemeral port inside the running event loop; yields the base URL."""
-    import uvicorn
+_SERVER: list[EndpointServer] = []
+_SERVER_LOCK = threading.Lock()
 
-    class Server(uvicorn.Server):
-        @contextlib.contextmanager
-        def capture_signals(self):  # the worker process keeps its own signal handlers
-            yield
 
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    server = Server(uvicorn.Config(app, log_level="error", access_log=False, lifespan="off", timeout_graceful_shutdown=1))
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    while not server.started:
-        if task.done():
-            task.result()  # the server failed to start: raise its error
-        await asyncio.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
-    finally:
-        server.should_exit = True
-        await task
-        sock.close()
+def endpoint_server() -> EndpointServer:
+    """The process's endpoint server, started on first use."""
+    with _SERVER_LOCK:
+        if not _SERVER:
+            _SERVER.append(EndpointServer())
+        return _SERVER[0]
 
 
 # ---------------------------------------------------------------- a batch of samples
@@ -402,8 +454,10 @@ def run_function_batch(
     import httpx
     import openai
 
+    server = endpoint_server()
+    token = secrets.token_hex(6)  # this batch's prefix of its sample ids
     policy = BatchingPolicy(engine, max_batch=getattr(engine, "batch_size", 1024), window_s=window_s)
-    samples = {f"{i}-{k}": (i, k) for i in range(len(rows)) for k in range(params.n)}
+    samples = {f"{token}-{i}-{k}": (i, k) for i in range(len(rows)) for k in range(params.n)}
     records = {sid: SampleRecord(key=i * params.n + k) for sid, (i, k) in samples.items()}
     endpoint = ChatEndpoint(policy, fmt, params, limits, records, samples)
     results: dict[str, tuple[float | None, str]] = {}
@@ -436,16 +490,20 @@ def run_function_batch(
 
     async def main() -> None:
         gate = asyncio.Semaphore(max_concurrency)
+        endpoint.loop = asyncio.get_running_loop()
+        server.open(token, endpoint)
         limits_http = httpx.Limits(max_connections=None, max_keepalive_connections=None)
         try:
-            async with serving(build_app(endpoint)) as url, httpx.AsyncClient(limits=limits_http, timeout=timeout_s) as http:
-                await asyncio.gather(*(one(sid, url, http, gate) for sid in samples))
-                endpoint.ended = True
+            async with httpx.AsyncClient(limits=limits_http, timeout=timeout_s) as http:
+                await asyncio.gather(*(one(sid, server.base_url, http, gate) for sid in samples))
         finally:
+            server.close(token)
             await policy.aclose()
 
     t0 = time.perf_counter()
+    before = collections.Counter(server.rejected)
     asyncio.run(main())
+    rejected = server.rejected - before  # a request without a sample id names no batch: counted by the one running
     out: list[dict] = []
     for sid, (i, k) in samples.items():
         reward, status = results[sid]
@@ -461,7 +519,7 @@ def run_function_batch(
         "model_s": policy.model_s,
         "tool_s": 0.0,
         "batches": float(len(policy.batch_sizes)),
-        **{f"rejected/{code}": float(n) for code, n in endpoint.rejected.items()},
+        **{f"rejected/{code}": float(n) for code, n in rejected.items()},
     }
     return out, stats
 
