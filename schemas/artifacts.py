@@ -124,8 +124,15 @@ SCHEMAS: dict[str, pa.Schema] = {
 }
 
 
+# Columns added after an artifact kind was first stored: a table written before them gets them as nulls.
+LATE_COLUMNS = frozenset({"agent_reward"})
+
+
 def conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
-    """Cast ``table`` to ``schema`` (column order and types), failing on missing columns."""
+    """Cast ``table`` to ``schema`` (column order and types), failing on missing columns (but ``LATE_COLUMNS``)."""
+    for f in schema:
+        if f.name in LATE_COLUMNS and f.name not in table.column_names:
+            table = table.append_column(f.name, pa.nulls(table.num_rows, f.type))
     missing = [f.name for f in schema if f.name not in table.column_names]
     if missing:
         raise ValueError(f"artifact is missing columns {missing}")

@@ -663,7 +663,8 @@ def evaluate(
             params = _sampling(cfg, iteration, n=cfg.trainer.eval_n)
             comps += _complete(cfg, group, policy.version, batch, params)[0]
         rows = rewards.completion_rows(batch, comps)
-        scores = [r.score for r in score_rows(cfg, rows)]
+        # An agent function's own reward (agent.function) is the sample's score, as in the reward stage.
+        scores = [r.score if c.get("agent_reward") is None else c["agent_reward"] for r, c in zip(score_rows(cfg, rows), comps, strict=True)]
         greedy_n = len(batch)
         table = pa.table(
             {
