@@ -997,6 +997,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
 
 # The built-in calculator tool (rlstage.engines.agents.tools), by its registered name, its import path and its import
 # paths before engines/ had sub-packages and before 0.2.0 (engines/modpath.py resolves both).
+# rlstage's own example agents (engines/agents/examples.py): a stored config may name them.
+EXAMPLE_AGENT_PATHS = ("rlstage.engines.agents.examples:calculator_agent",)
 CALCULATOR_PATHS = (
     "calculator",
     "rlstage.engines.agents.tools:calculator",
@@ -1042,6 +1044,9 @@ def code_settings(data: Any) -> list[tuple[str, str]]:
         path = tool.get("callable") if isinstance(tool, dict) else None
         if path is not None and (":" in str(path) or "." in str(path)):  # a plain name is a registered tool
             out.append((f"agent.tools.{i}.callable", str(path)))
+    function = agent.get("function") if isinstance(agent, dict) else None
+    if function is not None:
+        out.append(("agent.function", str(function)))
     plugins = data.get("plugins")
     for i, module in enumerate(plugins if isinstance(plugins, list) else []):
         out.append((f"plugins.{i}", str(module)))
@@ -1061,7 +1066,7 @@ def stored_config_from(stored: Any, where: str, overrides: list[str] | tuple[str
     given = parse_overrides(overrides)
     merged = merge_dicts(base, given)
     named = code_settings(merged)
-    own = {path for _, path in code_settings(given)} | set(trusted) | set(CALCULATOR_PATHS)
+    own = {path for _, path in code_settings(given)} | set(trusted) | set(CALCULATOR_PATHS) | set(EXAMPLE_AGENT_PATHS)
     allowed = own | (allowed_callables() if any(path not in own for _, path in named) else set())
     for setting, path in named:
         if path not in allowed:

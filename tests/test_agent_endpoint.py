@@ -272,6 +272,7 @@ def test_bad_requests_get_a_4xx_and_a_log_line_and_the_batch_goes_on(caplog):
     }  # fmt: skip
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("agent endpoint: HTTP")]
     assert len(lines) == 6 and all("\n" not in x for x in lines)
+    assert sorted(x for x in stats["log"] if x.startswith("agent endpoint: HTTP")) == sorted(lines)  # for the stage's log
     # After the stage: the same sample's client gets a 409 (the endpoint outlives the stage), and a log line.
     late = openai.AsyncOpenAI(base_url=got["client"].base_url, api_key="x", max_retries=0, default_headers=got["headers"])
     with pytest.raises(openai.ConflictError) as err, caplog.at_level(logging.WARNING, logger="rlstage.engines.agents.endpoint"):
@@ -320,3 +321,14 @@ def test_agent_function_needs_agent_mode():
     with pytest.raises(ConfigError) as err:
         load_config(None, ["agent.function=rlstage.engines.agents.examples:calculator_agent"])
     assert "set agent.enable=true" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_stored_config_may_not_name_an_agent_function_to_import():
+    from rlstage.schemas.config import stored_config_from
+
+    stored = {"config": {"agent": {"enable": True, "function": "evil_agents:run"}}}
+    with pytest.raises(ConfigError, match=r"agent\.function: 'evil_agents:run' comes from the stored config"):
+        stored_config_from(stored, "run.json")
+    assert stored_config_from(stored, "run.json", ["agent.function=evil_agents:run"]).agent.function == "evil_agents:run"
+    example = {"config": {"agent": {"enable": True, "function": "rlstage.engines.agents.examples:calculator_agent"}}}
+    assert stored_config_from(example, "run.json").agent.function.endswith(":calculator_agent")

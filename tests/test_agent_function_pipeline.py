@@ -4,6 +4,7 @@ the weights moving, to exactly what the built-in loop trains to with the same se
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 
@@ -81,3 +82,92 @@ def test_the_agent_function_runs_are_counted_by_status(runs):
     assert metrics["agent/status/ok"] == 32 and "agent/status/raised" not in metrics
     msgs = json.loads(_table(cfg, "function", 1, "rollout", "rollouts.parquet")[0]["messages_json"])
     assert msgs[0]["role"] == "user"
+
+
+# ---------------------------------------------------------------- agents that grade themselves, fail or ask wrongly
+
+MIXED = """
+from rlstage.engines.agents.examples import calculator_agent
+
+
+async def mixed(client, sample):
+    k = int(sample.sample_id.rsplit("-", 1)[1])
+    if k == 1:
+        raise RuntimeError("the agent's own bug")
+    if k == 2:
+        return "garbage"
+    if k == 3:  # a wrong model name first: a 404, then the agent goes on
+        try:
+            await client.chat.completions.create(model="gpt-4o", messages=sample.messages)
+        except Exception:
+            pass
+    await calculator_agent(client, sample)
+    return 0.75 if k == 0 else None  # sample 0 grades itself; sample 3 leaves it to the rule
+"""
+
+
+@pytest.fixture(scope="module")
+def mixed_run(prefect_api, tmp_path_factory):
+    """One iteration with agents that grade themselves, raise, return garbage or ask for another model. Their
+    module must import here and in Ray's workers: on sys.path, and on PYTHONPATH for a Ray started again."""
+    import os
+    import sys
+
+    import ray
+
+    from rlstage.flows.training import train
+
+    tmp = tmp_path_factory.mktemp("agent-mixed")
+    (tmp / "mixed_agents.py").write_text(MIXED)
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(tmp), old) if p)
+    sys.path.insert(0, str(tmp))
+    ray.shutdown()
+    try:
+        cfg = load_config(
+            None,
+            [f"store.root={tmp / 'store'}", "run_name=mixed", *tiny_overrides(), *moving_overrides(), *AGENT,
+             "agent.function=mixed_agents:mixed", "trainer.iterations=1"],
+        )  # fmt: skip
+        records: list[logging.LogRecord] = []
+        handler = logging.Handler(logging.WARNING)
+        handler.emit = records.append  # the task run logger's records (tests do not ship logs to the Prefect API)
+        logger = logging.getLogger("prefect.task_runs")
+        logger.addHandler(handler)
+        try:
+            yield cfg, train(config=cfg), records
+        finally:
+            logger.removeHandler(handler)
+    finally:
+        ray.shutdown()
+        sys.path.remove(str(tmp))
+        if old is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = old
+
+
+def test_failed_agents_are_samples_the_stage_trains_past_and_logs(mixed_run):
+    from mlflow.tracking import MlflowClient
+
+    from rlstage.infra.tracking import tracking_uri_for
+
+    cfg, result, records = mixed_run
+    rows = _table(cfg, "mixed", 1, "rollout", "rollouts.parquet")
+    scores = _table(cfg, "mixed", 1, "reward", "rewards.parquet")
+    assert _table(cfg, "mixed", 1, "update", "metrics.parquet")  # the update trained past the failed samples
+    for r, s in zip(rows, scores, strict=True):
+        k = r["sample_index"]
+        if k in (1, 2):  # failed: reward 0, no trained token
+            assert r["agent_reward"] == 0.0 and s["score"] == 0.0 and set(r["response_mask"]) == {0}
+        elif k == 0:  # graded by the agent
+            assert r["agent_reward"] == 0.75 and s["score"] == 0.75 and s["reward_fn"] == "agent.function"
+        else:  # scored by the rule
+            assert r["agent_reward"] is None and s["reward_fn"] != "agent.function" and 1 in r["response_mask"]
+    metrics = MlflowClient(tracking_uri_for(cfg)).get_run(result["mlflow_run_id"]).data.metrics
+    assert (metrics["agent/status/ok"], metrics["agent/status/raised"], metrics["agent/status/bad_return"]) == (16, 8, 8)
+    assert metrics["agent/rejected/model_not_found"] == 8
+    logs = [r.getMessage() for r in records if r.levelno == logging.WARNING]  # the stage task runs' log
+    assert sum("HTTP 404 model_not_found" in m and "'gpt-4o'" in m for m in logs) == 8
+    assert sum("raised RuntimeError: the agent's own bug" in m for m in logs) == 8
+    assert sum("returned str 'garbage'" in m for m in logs) == 8

@@ -432,6 +432,15 @@ def _failed(t: Trajectory | None, i: int, k: int, fmt: ChatFormat, messages: lis
     return t
 
 
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
 def run_function_batch(
     engine: RolloutEngine,
     fmt: ChatFormat,
@@ -444,7 +453,7 @@ def run_function_batch(
     timeout_s: float = 300.0,
     max_concurrency: int = 1024,
     window_s: float = 0.05,
-) -> tuple[list[dict], dict[str, float]]:
+) -> tuple[list[dict], dict[str, Any]]:
     """``params.n`` runs of the agent ``function`` on every row against the endpoint; completion dicts and stats.
 
     A completion dict is ``Trajectory.to_row()`` plus ``agent_reward`` (the function's reward, None: the rule
@@ -502,7 +511,12 @@ def run_function_batch(
 
     t0 = time.perf_counter()
     before = collections.Counter(server.rejected)
-    asyncio.run(main())
+    lines = _Lines()
+    log.addHandler(lines)  # this batch's warnings (the server thread's too) go back to the stage's log
+    try:
+        asyncio.run(main())
+    finally:
+        log.removeHandler(lines)
     rejected = server.rejected - before  # a request without a sample id names no batch: counted by the one running
     out: list[dict] = []
     for sid, (i, k) in samples.items():
@@ -520,11 +534,12 @@ def run_function_batch(
         "tool_s": 0.0,
         "batches": float(len(policy.batch_sizes)),
         **{f"rejected/{code}": float(n) for code, n in rejected.items()},
+        "log": lines.lines,  # not a metric: the lines the stage logs (tasks/stages.py)
     }
     return out, stats
 
 
-def run_agents(engine: RolloutEngine, agent: Any, rows: Sequence[dict], params: SamplingParams) -> tuple[list[dict], dict[str, float]]:
+def run_agents(engine: RolloutEngine, agent: Any, rows: Sequence[dict], params: SamplingParams) -> tuple[list[dict], dict[str, Any]]:
     """The ``agent`` config section's rollouts: ``agent.function`` against the endpoint, else the built-in loop."""
     if agent.function is None:
         return run_agent_config(engine, agent, rows, params)
