@@ -301,6 +301,33 @@ def test_a_request_that_rewrites_earlier_turns_is_refused():
     assert json.loads(out[0]["messages"])[2] == {"role": "user", "content": "go on"}
 
 
+def test_malformed_messages_are_a_400_not_a_crash():
+    got: list[tuple[int, str]] = []
+
+    async def agent(client, sample):
+        for messages in ([{"role": "user", "content": 12}], [{"role": "user", "content": "x", "tool_calls": [1]}], []):
+            try:
+                await client.chat.completions.create(model=sample.model, messages=messages)
+            except openai.BadRequestError as err:
+                got.append((err.status_code, err.body["code"]))
+        return await calculator_agent(client, sample)
+
+    out, _ = run_fn(agent, rows=ROWS[:1], params=SamplingParams(n=1, max_new_tokens=120))
+    assert got == [(400, "invalid_messages")] * 3 and out[0]["agent_status"] == "ok"
+
+
+class BrokenEngine(ScriptedEngine):
+    def generate_ids(self, encoded, params):
+        raise RuntimeError("CUDA out of memory (pretend)")
+
+
+def test_an_engine_failure_fails_the_batch_as_it_fails_the_built_in_loop():
+    with pytest.raises(RuntimeError, match="out of memory"):
+        run_fn(calculator_agent, BrokenEngine())
+    with pytest.raises(RuntimeError, match="out of memory"):
+        run_agent_batch(BrokenEngine(), FMT, TOOLS, ROWS, PARAMS, AgentLimits())
+
+
 # ---------------------------------------------------------------- config
 
 

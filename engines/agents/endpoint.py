@@ -101,6 +101,8 @@ def _norm(m: dict) -> tuple:
     content = m.get("content")
     if isinstance(content, list):  # content parts: the text ones, joined
         content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    if not isinstance(content, str | None):
+        raise TypeError("content must be a string or a list of text parts")
     return (m.get("role"), (content or "").strip(), tuple(calls), m.get("tool_call_id") if m.get("role") == "tool" else None)
 
 
@@ -153,6 +155,7 @@ class ChatEndpoint:
         self.records, self.samples = records, samples  # sample id -> (prompt index, sample index)
         self.ended = False  # the batch is over: every request is refused
         self.loop: asyncio.AbstractEventLoop | None = None  # the batch's loop, where requests run
+        self.engine_error: Exception | None = None  # the first generation failure: raised once the batch ends
 
     async def complete(self, body: Any, sample_id: str | None) -> dict:
         if self.ended:
@@ -187,7 +190,10 @@ class ChatEndpoint:
 
     async def _turn(self, sample_id: str, rec: SampleRecord, messages: list[dict], tools: list[dict] | None) -> dict:
         lim = self.limits
-        norm = [_norm(m) for m in messages]
+        try:
+            norm = [_norm(m) for m in messages]
+        except (AttributeError, TypeError, ValueError):
+            raise RequestError(400, "invalid_messages", "a message is malformed (content: a string or text parts; tool_calls: a list)") from None
         if rec.traj is None:  # the first request: its messages (and tools) rendered are the prompt
             i, k = self.samples[sample_id]
             first = [_plain(m, rec.call_names) for m in messages]
@@ -241,7 +247,11 @@ class ChatEndpoint:
         budget = lim.max_response_tokens - len(t.response_ids)
         params = replace(self.params, n=1, max_new_tokens=max(1, min(self.params.max_new_tokens, budget)))
         t0 = time.perf_counter()
-        gen = await self.policy.generate(t.prompt_ids + t.response_ids, params, rec.key)
+        try:
+            gen = await self.policy.generate(t.prompt_ids + t.response_ids, params, rec.key)
+        except Exception as err:  # the engine failed: the stage fails with it (retried), as the built-in loop's does
+            self.engine_error = self.engine_error or err
+            raise
         t.model_s += time.perf_counter() - t0
         if rec.closed:  # the agent gave up (timeout) while this turn was generated: not recorded
             raise RequestError(409, "sample_closed", f"sample {sample_id!r} has ended (its agent returned or failed)")
@@ -390,6 +400,9 @@ class EndpointServer:
                 return JSONResponse(await self._forward(endpoint, body, sample_id or ""))
             except RequestError as err:
                 return self.reject(err, sample_id)
+            except Exception as err:  # a failed generation (the stage fails after the batch) or a bug here
+                log.warning("agent endpoint: HTTP 500 (sample %s): %s: %s", sample_id or "-", type(err).__name__, err)
+                return JSONResponse({"error": {"message": str(err), "type": "server_error", "code": None}}, status_code=500)
 
         @app.get("/v1/models")
         async def models() -> dict:
@@ -517,6 +530,8 @@ def run_function_batch(
         asyncio.run(main())
     finally:
         log.removeHandler(lines)
+    if endpoint.engine_error is not None:
+        raise endpoint.engine_error
     rejected = server.rejected - before  # a request without a sample id names no batch: counted by the one running
     out: list[dict] = []
     for sid, (i, k) in samples.items():
