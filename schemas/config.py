@@ -405,8 +405,8 @@ class AgentConfig(_Section):
     batch_window_ms: float = Field(50.0, ge=0)  # how long a batch waits for requests in tool calls
     tools_in_prompt: bool = True  # pass the tool schemas to the chat template (its system prompt)
     chat_template: str | None = None  # a Jinja template or a path to one; None: the tokenizer's own
-    function: str | None = None  # your own agent, "package.module:function" (async, called with an OpenAI client and the sample); None: the built-in loop
-    function_timeout_s: float = Field(300.0, gt=0)  # an agent function running longer is a failed sample (kind "timeout")
+    function: str | None = Field(None, json_schema_extra=HASHED_WHEN_SET)  # your own agent, "package.module:function" (async, called with an OpenAI client and the sample); None: the built-in loop
+    function_timeout_s: float = Field(300.0, gt=0, json_schema_extra=HASHED_WHEN_SET)  # an agent function running longer is a failed sample (kind "timeout")
 
     @field_validator("tools")
     @classmethod

@@ -359,3 +359,21 @@ def test_a_stored_config_may_not_name_an_agent_function_to_import():
     assert stored_config_from(stored, "run.json", ["agent.function=evil_agents:run"]).agent.function == "evil_agents:run"
     example = {"config": {"agent": {"enable": True, "function": "rlstage.engines.agents.examples:calculator_agent"}}}
     assert stored_config_from(example, "run.json").agent.function.endswith(":calculator_agent")
+
+
+def test_a_run_recorded_before_agent_function_existed_continues_with_its_keys(tmp_path):
+    from rlstage.flows.checks import check_run_config, record_run_config
+    from rlstage.infra.store import ArtifactStore
+
+    store = ArtifactStore(str(tmp_path))
+    cfg = load_config(None, ["run_name=nightly", "agent.enable=true"])
+    assert not {"function", "function_timeout_s"} & set(cfg.hashed_dump()["agent"])  # late settings at their default
+    record_run_config(store, cfg)
+    stored = store.get_json("nightly", "run.json")
+    for doc in (stored["config"], stored["identity"]):  # as the version before them wrote it
+        doc["agent"].pop("function", None)
+        doc["agent"].pop("function_timeout_s", None)
+    store.put_json("nightly", "run.json", stored)
+    assert check_run_config(store, cfg) is True
+    with pytest.raises(ConfigError, match=r"exists with another config \(agent.function: stored None"):
+        check_run_config(store, load_config(None, ["run_name=nightly", "agent.enable=true", "agent.function=rlstage.engines.agents.examples:calculator_agent"]))
