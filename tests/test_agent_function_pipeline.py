@@ -27,6 +27,7 @@ AGENT = [
     # Every request joins its batch however slow HTTP is here: the batches (and their seeds) are the same in both runs.
     "agent.batch_window_ms=20000",
 ]
+EQUAL = ["rollout.max_new_tokens=96"]  # room for a whole call (81 characters) in a turn: calls that run, answers that score
 FUNCTION = "agent.function=rlstage.engines.agents.examples:calculator_agent"
 
 
@@ -37,7 +38,7 @@ def runs(prefect_api, tmp_path_factory):
     store = tmp_path_factory.mktemp("agent-function") / "store"
     out = {}
     for name, extra in (("builtin", []), ("function", [FUNCTION])):
-        cfg = load_config(None, [f"store.root={store}", f"run_name={name}", *tiny_overrides(), *moving_overrides(), *AGENT, *extra])
+        cfg = load_config(None, [f"store.root={store}", f"run_name={name}", *tiny_overrides(), *moving_overrides(), *AGENT, *EQUAL, *extra])
         out[name] = (cfg, train(config=cfg))
     return out
 

@@ -230,15 +230,15 @@ class ChatEndpoint:
                 env = self.fmt.env_ids(plain, stopped=rec.last_finish == "stop")
             except Exception as err:
                 raise RequestError(400, "invalid_messages", f"the chat template cannot render the new messages: {err}") from None
-            if len(t.response_ids) + len(env) >= lim.max_response_tokens:  # no room for a policy token: end here
-                rec.ended, t.truncated = "length", True
-                return self._empty("length")
-            for m in tool_msgs:
+            for m in tool_msgs:  # the agent ran these calls: counted even if their messages do not fit (as built in)
                 t.tool_calls += 1
                 bad = m["content"].startswith("error:")  # the built-in loop's tool messages report failures so
                 t.tool_errors += bad
                 status = "error" if bad else "ok"
                 t.tool_status[status] = t.tool_status.get(status, 0) + 1
+            if len(t.response_ids) + len(env) >= lim.max_response_tokens:  # no room for a policy token: end here
+                rec.ended, t.truncated = "length", True
+                return self._empty("length")
             t.messages.extend(plain)
             t.append(env, False, None, "tool" if tool_msgs else plain[-1]["role"])
             t.states.append("generating")
