@@ -100,11 +100,25 @@ def test_the_trainers_tokens_are_the_engines_for_a_trajectory_that_would_re_toke
     assert stats["batches"] == 2  # every sample's first turn in one batch, every second turn in another
 
 
-def test_the_function_agent_and_the_built_in_loop_store_the_same_trajectories():
-    fn_rows, _ = run_fn(calculator_agent)
-    loop_rows, _ = run_agent_batch(ScriptedEngine(), FMT, TOOLS, ROWS, PARAMS, AgentLimits())
-    keys = ("prompt_ids", "response_ids", "response_mask", "log_probs", "turn_bounds", "messages", "text", "finish_reason", "num_turns", "tool_calls")
+@pytest.mark.parametrize(
+    ("limits", "finish"),
+    [
+        (AgentLimits(), "stop"),
+        (AgentLimits(max_turns=1), "max_turns"),
+        (AgentLimits(max_tool_calls=0), "max_tool_calls"),
+        (AgentLimits(max_response_tokens=90), "length"),  # the tool turn does not fit after the call
+        (AgentLimits(max_response_tokens=60), "length"),  # the call itself is cut
+    ],
+)
+def test_the_function_agent_and_the_built_in_loop_store_the_same_trajectories(limits, finish):
+    fn_rows, _ = run_fn(calculator_agent, limits=limits)
+    loop_rows, _ = run_agent_batch(ScriptedEngine(), FMT, TOOLS, ROWS, PARAMS, limits)
+    keys = (
+        "prompt_ids", "response_ids", "response_mask", "log_probs", "turn_bounds", "messages", "text", "finish_reason",
+        "truncated", "num_turns", "tool_calls", "tool_errors",
+    )  # fmt: skip
     assert [{k: r[k] for k in keys} for r in fn_rows] == [{k: r[k] for k in keys} for r in loop_rows]
+    assert {r["finish_reason"] for r in fn_rows} == {finish}
 
 
 @pytest.fixture(scope="module")

@@ -188,6 +188,50 @@ class ChatEndpoint:
         """The answer to a request past a limit: nothing generated, nothing recorded."""
         return _response({"role": "assistant", "content": ""}, reason, 0, 0)
 
+    def _extend(self, rec: SampleRecord, messages: list[dict], norm: list[tuple]) -> dict | None:
+        """Append a later request's new messages to the recorded ids, as the built-in loop appends tool turns;
+        the empty answer instead when a limit ends the trajectory here (None: generate)."""
+        lim = self.limits
+        t = rec.traj
+        if norm[: len(rec.seen)] != rec.seen or len(norm) == len(rec.seen):
+            raise RequestError(400, "not_a_continuation", "messages must repeat the sample's earlier turns and append tool or user messages")
+        new = messages[len(rec.seen) :]
+        if any(m.get("role") not in _ROLES_AFTER for m in new):
+            raise RequestError(400, "invalid_messages", f"only {', '.join(_ROLES_AFTER)} messages may follow a completion")
+        if rec.ended is not None:
+            return self._empty("length")
+        out_of_tokens = len(t.response_ids) >= lim.max_response_tokens
+        if out_of_tokens or t.num_turns >= lim.max_turns:
+            rec.ended = "length" if out_of_tokens else "max_turns"
+            t.truncated = out_of_tokens
+            return self._empty("length")
+        plain = [_plain(m, rec.call_names) for m in new]
+        tool_msgs = [m for m in plain if m["role"] == "tool"]
+        room = lim.max_tool_calls - t.tool_calls
+        if tool_msgs and room <= 0:
+            rec.ended = "max_tool_calls"
+            return self._empty("length")
+        for m in tool_msgs[max(room, 0) :]:  # as the built-in loop answers calls over the limit
+            m["content"] = f"error: tool call limit ({lim.max_tool_calls} per request) reached; not run"
+        try:
+            env = self.fmt.env_ids(plain, stopped=rec.last_finish == "stop")
+        except Exception as err:
+            raise RequestError(400, "invalid_messages", f"the chat template cannot render the new messages: {err}") from None
+        for m in tool_msgs:  # the agent ran these calls: counted even if their messages do not fit (as built in)
+            t.tool_calls += 1
+            bad = m["content"].startswith("error:")  # the built-in loop's tool messages report failures so
+            t.tool_errors += bad
+            status = "error" if bad else "ok"
+            t.tool_status[status] = t.tool_status.get(status, 0) + 1
+        if len(t.response_ids) + len(env) >= lim.max_response_tokens:  # no room for a policy token: end here
+            rec.ended, t.truncated = "length", True
+            return self._empty("length")
+        t.messages.extend(plain)
+        t.append(env, False, None, "tool" if tool_msgs else plain[-1]["role"])
+        t.states.append("generating")
+        rec.seen = norm
+        return None
+
     async def _turn(self, sample_id: str, rec: SampleRecord, messages: list[dict], tools: list[dict] | None) -> dict:
         lim = self.limits
         try:
@@ -205,44 +249,9 @@ class ChatEndpoint:
             rec.traj.states.append("generating")
             rec.seen = norm
         else:
-            t = rec.traj
-            if norm[: len(rec.seen)] != rec.seen or len(norm) == len(rec.seen):
-                raise RequestError(400, "not_a_continuation", "messages must repeat the sample's earlier turns and append tool or user messages")
-            new = messages[len(rec.seen) :]
-            if any(m.get("role") not in _ROLES_AFTER for m in new):
-                raise RequestError(400, "invalid_messages", f"only {', '.join(_ROLES_AFTER)} messages may follow a completion")
-            if rec.ended is not None:
-                return self._empty("length")
-            out_of_tokens = len(t.response_ids) >= lim.max_response_tokens
-            if out_of_tokens or t.num_turns >= lim.max_turns:
-                rec.ended = "length" if out_of_tokens else "max_turns"
-                t.truncated = out_of_tokens
-                return self._empty("length")
-            plain = [_plain(m, rec.call_names) for m in new]
-            tool_msgs = [m for m in plain if m["role"] == "tool"]
-            room = lim.max_tool_calls - t.tool_calls
-            if tool_msgs and room <= 0:
-                rec.ended = "max_tool_calls"
-                return self._empty("length")
-            for m in tool_msgs[max(room, 0) :]:  # as the built-in loop answers calls over the limit
-                m["content"] = f"error: tool call limit ({lim.max_tool_calls} per request) reached; not run"
-            try:
-                env = self.fmt.env_ids(plain, stopped=rec.last_finish == "stop")
-            except Exception as err:
-                raise RequestError(400, "invalid_messages", f"the chat template cannot render the new messages: {err}") from None
-            for m in tool_msgs:  # the agent ran these calls: counted even if their messages do not fit (as built in)
-                t.tool_calls += 1
-                bad = m["content"].startswith("error:")  # the built-in loop's tool messages report failures so
-                t.tool_errors += bad
-                status = "error" if bad else "ok"
-                t.tool_status[status] = t.tool_status.get(status, 0) + 1
-            if len(t.response_ids) + len(env) >= lim.max_response_tokens:  # no room for a policy token: end here
-                rec.ended, t.truncated = "length", True
-                return self._empty("length")
-            t.messages.extend(plain)
-            t.append(env, False, None, "tool" if tool_msgs else plain[-1]["role"])
-            t.states.append("generating")
-            rec.seen = norm
+            ended = self._extend(rec, messages, norm)
+            if ended is not None:
+                return ended
         t = rec.traj
         budget = lim.max_response_tokens - len(t.response_ids)
         params = replace(self.params, n=1, max_new_tokens=max(1, min(self.params.max_new_tokens, budget)))
