@@ -83,6 +83,14 @@ def check_engines(cfg: RunConfig) -> None:
                 check(getattr(tool, key))
             except ToolConfigError as err:
                 raise ConfigError(f"config error: agent.tools.{i}.{key}: {err}") from None
+    if cfg.agent.enable and cfg.agent.function is not None:
+        # imports torch and fastapi: only for agent-function runs
+        from rlstage.engines.agents.endpoint import resolve_agent_function
+
+        try:
+            resolve_agent_function(cfg.agent.function)
+        except ToolConfigError as err:
+            raise ConfigError(f"config error: agent.function: {err}") from None
     if cfg.agent.enable:
         from rlstage.engines.agents.loop import check_agent_template  # imports torch: only for agent runs
 

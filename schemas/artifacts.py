@@ -54,6 +54,8 @@ ROLLOUTS = pa.schema(
         ("tool_calls", pa.int32()),
         ("tool_errors", pa.int32()),  # malformed, unknown tool, bad arguments, raised, timed out, over the limit
         ("tool_timeouts", pa.int32()),
+        # agent.function runs: the reward the agent returned (null: the rule scores response_text; 0 when it failed)
+        ("agent_reward", pa.float32()),
     ]
 )
 
@@ -122,8 +124,15 @@ SCHEMAS: dict[str, pa.Schema] = {
 }
 
 
+# Columns added after an artifact kind was first stored: a table written before them gets them as nulls.
+LATE_COLUMNS = frozenset({"agent_reward"})
+
+
 def conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
-    """Cast ``table`` to ``schema`` (column order and types), failing on missing columns."""
+    """Cast ``table`` to ``schema`` (column order and types), failing on missing columns (but ``LATE_COLUMNS``)."""
+    for f in schema:
+        if f.name in LATE_COLUMNS and f.name not in table.column_names:
+            table = table.append_column(f.name, pa.nulls(table.num_rows, f.type))
     missing = [f.name for f in schema if f.name not in table.column_names]
     if missing:
         raise ValueError(f"artifact is missing columns {missing}")

@@ -407,6 +407,8 @@ class AgentConfig(_Section):
     batch_window_ms: float = Field(50.0, ge=0)  # how long a batch waits for requests in tool calls
     tools_in_prompt: bool = True  # pass the tool schemas to the chat template (its system prompt)
     chat_template: str | None = None  # a Jinja template or a path to one; None: the tokenizer's own
+    function: str | None = Field(None, json_schema_extra=HASHED_WHEN_SET)  # your own agent, "package.module:function" (async, called with an OpenAI client and the sample); None: the built-in loop
+    function_timeout_s: float = Field(300.0, gt=0, json_schema_extra=HASHED_WHEN_SET)  # an agent function running longer is a failed sample (kind "timeout")
 
     @field_validator("tools")
     @classmethod
@@ -416,6 +418,19 @@ class AgentConfig(_Section):
         if dup:
             raise ValueError(f"duplicate tool names {dup}")
         return v
+
+    @field_validator("function")
+    @classmethod
+    def _path(cls, v: str | None) -> str | None:
+        if v is not None and ":" not in v:
+            raise ValueError(f"{v!r} is not an import path (write package.module:function)")
+        return v
+
+    @model_validator(mode="after")
+    def _function_in_agent_mode(self) -> AgentConfig:
+        if self.function is not None and not self.enable:
+            raise ValueError("agent.function replaces the built-in loop of agent mode: set agent.enable=true")
+        return self
 
 
 class OptimConfig(_Section):
@@ -984,6 +999,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
 
 # The built-in calculator tool (rlstage.engines.agents.tools), by its registered name, its import path and its import
 # paths before engines/ had sub-packages and before 0.2.0 (engines/modpath.py resolves both).
+# rlstage's own example agents (engines/agents/examples.py): a stored config may name them.
+EXAMPLE_AGENT_PATHS = ("rlstage.engines.agents.examples:calculator_agent",)
 CALCULATOR_PATHS = (
     "calculator",
     "rlstage.engines.agents.tools:calculator",
@@ -1029,6 +1046,9 @@ def code_settings(data: Any) -> list[tuple[str, str]]:
         path = tool.get("callable") if isinstance(tool, dict) else None
         if path is not None and (":" in str(path) or "." in str(path)):  # a plain name is a registered tool
             out.append((f"agent.tools.{i}.callable", str(path)))
+    function = agent.get("function") if isinstance(agent, dict) else None
+    if function is not None:
+        out.append(("agent.function", str(function)))
     plugins = data.get("plugins")
     for i, module in enumerate(plugins if isinstance(plugins, list) else []):
         out.append((f"plugins.{i}", str(module)))
@@ -1048,7 +1068,7 @@ def stored_config_from(stored: Any, where: str, overrides: list[str] | tuple[str
     given = parse_overrides(overrides)
     merged = merge_dicts(base, given)
     named = code_settings(merged)
-    own = {path for _, path in code_settings(given)} | set(trusted) | set(CALCULATOR_PATHS)
+    own = {path for _, path in code_settings(given)} | set(trusted) | set(CALCULATOR_PATHS) | set(EXAMPLE_AGENT_PATHS)
     allowed = own | (allowed_callables() if any(path not in own for _, path in named) else set())
     for setting, path in named:
         if path not in allowed:

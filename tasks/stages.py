@@ -14,6 +14,7 @@ clients and its settings for every task (~0.14 s a stage, measured on a no-op ta
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -22,9 +23,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 import ray
-from prefect import Task, task
+from prefect import Task, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.client.schemas.objects import StateDetails
+from prefect.exceptions import MissingContextError
 from prefect.states import Completed, State
 
 from rlstage.engines import algorithms as algos
@@ -139,6 +141,9 @@ def _run_on_ray(name: str, cfg: RunConfig, args: tuple, kwargs: dict) -> StageRe
         raise
 
 
+LOG_META = "log"  # manifest meta: lines a stage's workers logged (agent.function's failures and refused requests)
+
+
 def stage_task(name: str) -> Callable[[Callable[..., StageResult]], Task]:
     """Register ``body`` as the task of registry stage ``name``: called with the run config, it runs
     ``body`` on the stage's config view (reads outside it raise ``UndeclaredConfigRead``)."""
@@ -149,6 +154,8 @@ def stage_task(name: str) -> Callable[[Callable[..., StageResult]], Task]:
             @functools.wraps(body)  # Prefect binds the task's parameters by the body's signature
             def run(cfg: RunConfig, *args, **kwargs) -> StageResult | State:
                 result = execute(cfg, args, kwargs)
+                if result.executed:  # what the stage's workers had to say, in the task run's log (one line each)
+                    _log_lines(name, result.manifest.meta.get(LOG_META) or [])
                 return result if result.executed else cached(result)
 
             # The store's manifest decides reuse (run_stage); Prefect only reports it, so it caches nothing itself.
@@ -160,6 +167,15 @@ def stage_task(name: str) -> Callable[[Callable[..., StageResult]], Task]:
         return TASKS[name]
 
     return register
+
+
+def _log_lines(stage: str, lines: list[str]) -> None:
+    try:
+        logger = get_run_logger()
+    except MissingContextError:  # the task's function called outside a task run
+        logger = logging.getLogger(f"rlstage.stages.{stage}")
+    for line in lines:
+        logger.warning(line)
 
 
 def cached(result: StageResult) -> State:
@@ -267,6 +283,7 @@ def generate_round(
     group.arm("rollout", iteration)
     group.acquire_rollout(policy, update_hash(cfg), ask_trainer=not ahead)
     comps, stats = _complete(cfg, group, policy.version, batch, _sampling(cfg, iteration, round_=round_))
+    log = stats.pop("log", [])  # agent.function: its failures and refused requests, for the stage's log
     if cfg.algorithm.adv_estimator == "remax":
         # ReMax's baseline: one greedy answer per prompt, scored like the samples (sample_index -1).
         greedy, _ = _complete(cfg, group, policy.version, batch, _sampling(cfg, iteration, n=1, greedy=True, round_=round_))
@@ -278,7 +295,7 @@ def generate_round(
     agent = agent_metrics([c for c in comps if c["sample_index"] >= 0], stats) if cfg.agent.enable else {}
     return StageOutput(
         tables={"rollouts.parquet": table},
-        meta={"generated_by": group.generator_info()},
+        meta={"generated_by": group.generator_info(), **({LOG_META: log} if log else {})},
         metrics={
             **agent,
             "response_length/mean": float(lengths.mean()),
@@ -300,7 +317,7 @@ def _complete(cfg: ConfigView, group: PolicyGroup, version: str, batch: list[dic
     return group.generate(Generator.generate_ids, version, prompt_ids, params), {}
 
 
-_AGENT_COLUMNS = ("turn_bounds", "truncated", "num_turns", "tool_calls", "tool_errors", "tool_timeouts")
+_AGENT_COLUMNS = ("turn_bounds", "truncated", "num_turns", "tool_calls", "tool_errors", "tool_timeouts", "agent_reward")
 
 
 def _rollouts_table(batch: list[dict], comps: list[dict], iteration: int, round_: int, per_round: int) -> pa.Table:
@@ -378,6 +395,11 @@ def score_round(cfg: ConfigView, table: pa.Table) -> StageOutput:
     errors: list[str | None] = [None] * len(rows)
     for i, r in zip(ruled, results, strict=True):
         rule[i], fn_names[i], errors[i] = r.score, r.reward_fn, r.error
+    # An agent function's own reward (agent.function) replaces the rule's; rollouts stored before it have no column.
+    given = table.column("agent_reward").to_pylist() if "agent_reward" in table.column_names else [None] * len(rows)
+    for i, g in enumerate(given):
+        if g is not None:
+            rule[i], fn_names[i], errors[i] = g, "agent.function", None
     rm: list[float | None] = [None] * len(rows)
     if rm_on:
         got = rm_scores(cfg, table.column("prompt").to_pylist(), [r["response_text"] for r in rows])
@@ -654,13 +676,17 @@ def evaluate(
         group.arm("eval", iteration)
         group.acquire_rollout(policy, update_hash(cfg))
         comps, stats = _complete(cfg, group, policy.version, batch, _sampling(cfg, iteration, n=1, greedy=True))
+        log = stats.pop("log", [])  # agent.function: its failures and refused requests, for the stage's log
         # Tool use of the greedy answers (agent mode): held-out tool-call success rate and friends.
         agent = agent_metrics(comps, stats, prefix="val/") if cfg.agent.enable else {}
         if cfg.trainer.eval_n > 0:
             params = _sampling(cfg, iteration, n=cfg.trainer.eval_n)
-            comps += _complete(cfg, group, policy.version, batch, params)[0]
+            sampled, sampled_stats = _complete(cfg, group, policy.version, batch, params)
+            comps += sampled
+            log += sampled_stats.get("log", [])
         rows = rewards.completion_rows(batch, comps)
-        scores = [r.score for r in score_rows(cfg, rows)]
+        # An agent function's own reward (agent.function) is the sample's score, as in the reward stage.
+        scores = [r.score if c.get("agent_reward") is None else c["agent_reward"] for r, c in zip(score_rows(cfg, rows), comps, strict=True)]
         greedy_n = len(batch)
         table = pa.table(
             {
@@ -697,7 +723,7 @@ def evaluate(
         # the share of greedy answers scored correct; with a partial-credit rule the mean score differs
         metrics["val/accuracy"] = float(np.mean([eval_metrics.is_correct(s) for s in scores[:greedy_n]]))
         metrics["val/reward_mean"] = float(np.mean(scores[:greedy_n]))
-        return StageOutput(tables={"eval.parquet": table}, metrics=metrics)
+        return StageOutput(tables={"eval.parquet": table}, metrics=metrics, meta={LOG_META: log} if log else {})
 
     inputs = {"prompts": prompts.artifact_id, "policy": policy.version}
     return run_stage(cfg, "eval", iteration, inputs, produce, version=version, meta=meta)

@@ -188,6 +188,7 @@ CASES: list[tuple[str, list[str], dict[str, str], str]] = [
     ("reward file missing", ["train", "reward.function={w}/nope.py:f"], {}, r"config error: reward\.function: reward function file .*/nope\.py does not exist"),
     ("reward module missing", ["train", "reward.function=no_such_mod:f"], {}, r"cannot load reward function 'no_such_mod:f': ModuleNotFoundError"),
     ("tool not importable", ["train", "agent.tools=[{{name: t, callable: no_such_mod:f}}]"], {}, r"config error: agent\.tools\.0\.callable: cannot import 'no_such_mod:f'"),
+    ("agent function not importable", ["train", "agent.enable=true", "agent.function=no_such_mod:agent"], {}, r"config error: agent\.function: cannot import 'no_such_mod:agent': ModuleNotFoundError"),
     ("failure share 0", ["train", "reward.stop_failure_share=0"], {}, r"config error: reward\.stop_failure_share: Input should be greater than 0"),
     # ---- data files
     ("train file missing", ["train", *_train_data("{w}/nope.jsonl")], {}, r"data\.train_path .*/nope\.jsonl does not exist"),

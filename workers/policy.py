@@ -479,9 +479,9 @@ class PolicyWorker:
         """Multi-turn tool-calling rollouts of prompts-table rows (``agent`` config); completions and timings."""
         self._require(version)
         self.drill.point("rollout")
-        from rlstage.engines.agents.loop import run_agent_config
+        from rlstage.engines.agents.endpoint import run_agents
 
-        return run_agent_config(self.rollout, self.cfg.agent, rows, SamplingParams(**params))
+        return run_agents(self.rollout, self.cfg.agent, rows, SamplingParams(**params))
 
     def _scorer(self) -> TorchActor:
         """What computes the policy's log-probs: the train engine, or under ZeRO-3 a bare actor over rank 0's

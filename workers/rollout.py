@@ -118,9 +118,9 @@ class RolloutWorker:
     def agent_generate(self, version: str, rows: list[dict], params: dict) -> tuple[list[dict], dict]:
         self._require(version)
         self.drill.point("rollout")
-        from rlstage.engines.agents.loop import run_agent_config
+        from rlstage.engines.agents.endpoint import run_agents
 
-        return run_agent_config(self.rollout, self.cfg.agent, rows, SamplingParams(**params))
+        return run_agents(self.rollout, self.cfg.agent, rows, SamplingParams(**params))
 
     def busy_intervals(self) -> list[tuple[float, float]]:
         return list(self.busy)

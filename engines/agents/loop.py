@@ -372,19 +372,24 @@ def agent_metrics(rows: Sequence[dict], stats: dict[str, float] | None = None, p
         out[f"tool_calls/status/{status}"] = float(sum(r["tool_status"].get(status, 0) for r in rows))
     for reason in FINISH_REASONS:
         out[f"rollout/finish/{reason}"] = sum(r["finish_reason"] == reason for r in rows) / n
+    statuses = [r["agent_status"] for r in rows if "agent_status" in r]  # agent.function runs
+    for status in sorted(set(statuses)):
+        out[f"agent/status/{status}"] = float(statuses.count(status))
     if stats is not None:
         out["timing_s/gen_model"] = stats["model_s"]
         out["timing_s/gen_tools"] = stats["tool_s"]
         out["timing_s/gen_tool_wait"] = stats.get("tool_wait_s", 0.0)
         out["timing_s/gen_wall"] = stats["wall_s"]
         out["rollout/gen_batches"] = stats["batches"]
+        out.update({f"agent/{k}": v for k, v in stats.items() if k.startswith("rejected/")})
     return {prefix + k: v for k, v in out.items()}
 
 
 def run_agent_config(
     engine: RolloutEngine, agent: Any, rows: Sequence[dict], params: SamplingParams
 ) -> tuple[list[dict], dict[str, float]]:
-    """``run_agent_batch`` with everything taken from the ``agent`` config section."""
+    """``run_agent_batch`` with everything taken from the ``agent`` config section (the built-in loop; with
+    ``agent.function`` set, workers call ``engines/agents/endpoint.py: run_agents`` instead)."""
     from rlstage.engines.agents.tools import load_tools, resolve_template
 
     fmt = ChatFormat(engine.tokenizer, resolve_template(agent.chat_template))

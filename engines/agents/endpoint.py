@@ -1,0 +1,577 @@
+"""Your own agent: an OpenAI-compatible ``/v1/chat/completions`` endpoint in front of the policy.
+
+Each process serves one endpoint on 127.0.0.1 (an ephemeral port, ``EndpointServer``). ``run_function_batch``
+calls ``agent.function`` once per sample with an ``openai.AsyncOpenAI`` client bound to that sample (its requests
+carry the ``X-Rlstage-Sample-Id`` header); requests become ``BatchingPolicy`` requests on the batch's event loop,
+so concurrent agents share generation batches exactly as the built-in loop's requests do.
+
+Trajectories are recorded in tokens: a sample's first request renders its messages (and ``tools``) with the chat
+template; every later request must repeat the earlier conversation and append tool / user messages, whose
+rendered ids are appended to the recorded ids (``ChatFormat.env_ids``). The policy's tokens and log-probs are
+kept as the engine produced them, never re-tokenized from text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import hashlib
+import inspect
+import json
+import logging
+import math
+import re
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from rlstage.engines.agents.loop import AgentLimits, ChatFormat, Trajectory, row_messages, run_agent_config
+from rlstage.engines.agents.policies import BatchingPolicy, RolloutEngine
+from rlstage.engines.agents.tools import (
+    CALL_CLOSE,
+    CALL_OPEN,
+    ToolConfigError,
+    load_tools,
+    parse_tool_calls,
+    resolve_callable,
+    resolve_template,
+    sample_tools,
+)
+from rlstage.engines.rollout.hf import SamplingParams
+
+log = logging.getLogger(__name__)
+
+SAMPLE_HEADER = "X-Rlstage-Sample-Id"
+MODEL_NAME = "policy"  # the model name the endpoint serves (AgentSample.model)
+# How an agent function's sample ended; every kind but "ok" is a failed sample.
+OK, RAISED, TIMEOUT, BAD_RETURN, NO_REQUEST = "ok", "raised", "timeout", "bad_return", "no_request"
+_ROLES_AFTER = ("tool", "user", "system")  # what an agent may append between two completions
+_TAGGED = re.compile(re.escape(CALL_OPEN) + r".*?" + re.escape(CALL_CLOSE), re.S)
+
+
+class RequestError(Exception):
+    """A request the endpoint refuses: an HTTP 4xx with an OpenAI-shaped error body."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status, self.code = status, code
+
+
+@dataclass(frozen=True)
+class AgentSample:
+    """What an agent function gets besides its client: the sample and how to ask for the policy."""
+
+    sample_id: str  # also in every request's X-Rlstage-Sample-Id header (the client sets it)
+    model: str  # the model name to request
+    messages: list[dict]  # the prompts row's first messages
+    row: dict  # the prompts-table row: prompt, ground_truth, data_source, extra_info, ...
+    tools: list[dict]  # the configured tools offered to this sample, as OpenAI function tools
+
+
+def resolve_agent_function(path: str) -> Callable[..., Any]:
+    """``agent.function`` -> an ``async def fn(client, sample)``; ToolConfigError (one line) otherwise."""
+    fn = resolve_callable(path) if (":" in path or "." in path) else None
+    if fn is None:
+        raise ToolConfigError(f"{path!r} is not an import path (write package.module:function)")
+    if not inspect.iscoroutinefunction(fn):
+        raise ToolConfigError(f"{path!r} must be an async function: async def agent(client, sample) -> float | None")
+    return fn
+
+
+# ---------------------------------------------------------------- one sample's record
+
+
+def _norm(m: dict) -> tuple:
+    """A message as the prefix check compares it: role, content and tool calls (arguments parsed)."""
+    calls = []
+    for c in m.get("tool_calls") or []:
+        fn = c.get("function") or {}
+        args = fn.get("arguments")
+        with contextlib.suppress(TypeError, ValueError):
+            args = json.loads(args) if isinstance(args, str) else args
+        calls.append((fn.get("name"), json.dumps(args, sort_keys=True)))
+    content = m.get("content")
+    if isinstance(content, list):  # content parts: the text ones, joined
+        content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    if not isinstance(content, str | None):
+        raise TypeError("content must be a string or a list of text parts")
+    return (m.get("role"), (content or "").strip(), tuple(calls), m.get("tool_call_id") if m.get("role") == "tool" else None)
+
+
+@dataclass
+class SampleRecord:
+    """A sample's trajectory as requests arrive (``Trajectory`` as the built-in loop builds it)."""
+
+    key: int
+    traj: Trajectory | None = None
+    seen: list[tuple] = field(default_factory=list)  # the conversation as the agent sends it, normalized
+    call_names: dict[str, str] = field(default_factory=dict)  # tool call id -> tool name (tool messages name it)
+    last_finish: str = ""  # the last generation's finish reason
+    ended: str | None = None  # a limit that ended the trajectory: later requests are answered empty
+    closed: bool = False  # the agent returned (or failed): requests are refused
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one request of a sample at a time
+
+
+def _assistant_message(text: str, call_id: str) -> tuple[dict, dict[str, str]]:
+    """The OpenAI message of a turn: text outside the tool-call tags as content, each tag a tool call."""
+    calls, names = [], {}
+    for j, c in enumerate(parse_tool_calls(text)):
+        cid = f"{call_id}_{j}"
+        # An unparseable call still comes back, with its raw arguments (the OpenAI API does not promise JSON).
+        args = json.dumps(c.arguments) if c.arguments is not None else (c.error or "")
+        calls.append({"id": cid, "type": "function", "function": {"name": c.name or "", "arguments": args}})
+        names[cid] = c.name or ""
+    content = _TAGGED.sub("", text).strip() if calls else text
+    msg: dict = {"role": "assistant", "content": content or None}
+    if calls:
+        msg["tool_calls"] = calls
+    return msg, names
+
+
+# ---------------------------------------------------------------- the endpoint
+
+
+class ChatEndpoint:
+    """``/v1/chat/completions`` over a ``BatchingPolicy``, recording each sample's trajectory."""
+
+    def __init__(
+        self,
+        policy: BatchingPolicy,
+        fmt: ChatFormat,
+        params: SamplingParams,
+        limits: AgentLimits,
+        records: dict[str, SampleRecord],
+        samples: dict[str, tuple[int, int]],
+    ) -> None:
+        self.policy, self.fmt, self.params, self.limits = policy, fmt, params, limits
+        self.records, self.samples = records, samples  # sample id -> (prompt index, sample index)
+        self.ended = False  # the batch is over: every request is refused
+        self.loop: asyncio.AbstractEventLoop | None = None  # the batch's loop, where requests run
+        self.engine_error: Exception | None = None  # the first generation failure: raised once the batch ends
+
+    async def complete(self, body: Any, sample_id: str | None) -> dict:
+        if self.ended:
+            raise RequestError(409, "stage_ended", f"the rollout stage that served sample {sample_id!r} has ended")
+        rec = self.records.get(sample_id)
+        if rec is None:
+            raise RequestError(404, "unknown_sample", f"sample {sample_id!r} is not in this batch")
+        if not isinstance(body, dict):
+            raise RequestError(400, "invalid_body", "the body must be a JSON object")
+        if body.get("model") != MODEL_NAME:
+            raise RequestError(404, "model_not_found", f"model {body.get('model')!r} is not served here (use {MODEL_NAME!r})")
+        if body.get("stream"):
+            raise RequestError(400, "unsupported", "streaming is not supported")
+        if body.get("n", 1) != 1:
+            raise RequestError(400, "unsupported", "n must be 1 (each sample is one trajectory)")
+        messages, tools = body.get("messages"), body.get("tools")
+        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) and "role" in m for m in messages):
+            raise RequestError(400, "invalid_messages", "messages must be a non-empty list of {role, content} objects")
+        if tools is not None and not (
+            isinstance(tools, list)
+            and all(isinstance(t, dict) and isinstance(t.get("function"), dict) and isinstance(t["function"].get("name"), str) for t in tools)
+        ):
+            raise RequestError(400, "invalid_tools", 'tools must be a list of {"type": "function", "function": {"name": ..., "parameters": ...}}')
+        async with rec.lock:
+            if rec.closed:
+                raise RequestError(409, "sample_closed", f"sample {sample_id!r} has ended (its agent returned or failed)")
+            return await self._turn(sample_id, rec, messages, tools)
+
+    def _empty(self, reason: str) -> dict:
+        """The answer to a request past a limit: nothing generated, nothing recorded."""
+        return _response({"role": "assistant", "content": ""}, reason, 0, 0)
+
+    def _extend(self, rec: SampleRecord, messages: list[dict], norm: list[tuple]) -> dict | None:
+        """Append a later request's new messages to the recorded ids, as the built-in loop appends tool turns;
+        the empty answer instead when a limit ends the trajectory here (None: generate)."""
+        lim = self.limits
+        t = rec.traj
+        if norm[: len(rec.seen)] != rec.seen or len(norm) == len(rec.seen):
+            raise RequestError(400, "not_a_continuation", "messages must repeat the sample's earlier turns and append tool or user messages")
+        new = messages[len(rec.seen) :]
+        if any(m.get("role") not in _ROLES_AFTER for m in new):
+            raise RequestError(400, "invalid_messages", f"only {', '.join(_ROLES_AFTER)} messages may follow a completion")
+        if rec.ended is not None:
+            return self._empty("length")
+        out_of_tokens = len(t.response_ids) >= lim.max_response_tokens
+        if out_of_tokens or t.num_turns >= lim.max_turns:
+            rec.ended = "length" if out_of_tokens else "max_turns"
+            t.truncated = out_of_tokens
+            return self._empty("length")
+        plain = [_plain(m, rec.call_names) for m in new]
+        tool_msgs = [m for m in plain if m["role"] == "tool"]
+        room = lim.max_tool_calls - t.tool_calls
+        if tool_msgs and room <= 0:
+            rec.ended = "max_tool_calls"
+            return self._empty("length")
+        for m in tool_msgs[max(room, 0) :]:  # as the built-in loop answers calls over the limit
+            m["content"] = f"error: tool call limit ({lim.max_tool_calls} per request) reached; not run"
+        try:
+            env = self.fmt.env_ids(plain, stopped=rec.last_finish == "stop")
+        except Exception as err:
+            raise RequestError(400, "invalid_messages", f"the chat template cannot render the new messages: {err}") from None
+        for m in tool_msgs:  # the agent ran these calls: counted even if their messages do not fit (as built in)
+            t.tool_calls += 1
+            bad = m["content"].startswith("error:")  # the built-in loop's tool messages report failures so
+            t.tool_errors += bad
+            status = "error" if bad else "ok"
+            t.tool_status[status] = t.tool_status.get(status, 0) + 1
+        if len(t.response_ids) + len(env) >= lim.max_response_tokens:  # no room for a policy token: end here
+            rec.ended, t.truncated = "length", True
+            return self._empty("length")
+        t.messages.extend(plain)
+        t.append(env, False, None, "tool" if tool_msgs else plain[-1]["role"])
+        t.states.append("generating")
+        rec.seen = norm
+        return None
+
+    async def _turn(self, sample_id: str, rec: SampleRecord, messages: list[dict], tools: list[dict] | None) -> dict:
+        lim = self.limits
+        try:
+            norm = [_norm(m) for m in messages]
+        except (AttributeError, TypeError, ValueError):
+            raise RequestError(400, "invalid_messages", "a message is malformed (content: a string or text parts; tool_calls: a list)") from None
+        if rec.traj is None:  # the first request: its messages (and tools) rendered are the prompt
+            i, k = self.samples[sample_id]
+            first = [_plain(m, rec.call_names) for m in messages]
+            try:
+                prompt = self.fmt.prompt_ids(first, tools)
+            except Exception as err:  # the template cannot render what the agent sent
+                raise RequestError(400, "invalid_messages", f"the chat template cannot render the messages: {err}") from None
+            rec.traj = Trajectory(i, k, prompt, first)
+            rec.traj.states.append("generating")
+            rec.seen = norm
+        else:
+            ended = self._extend(rec, messages, norm)
+            if ended is not None:
+                return ended
+        t = rec.traj
+        budget = lim.max_response_tokens - len(t.response_ids)
+        params = replace(self.params, n=1, max_new_tokens=max(1, min(self.params.max_new_tokens, budget)))
+        t0 = time.perf_counter()
+        try:
+            gen = await self.policy.generate(t.prompt_ids + t.response_ids, params, rec.key)
+        except Exception as err:  # the engine failed: the stage fails with it (retried), as the built-in loop's does
+            self.engine_error = self.engine_error or err
+            raise
+        t.model_s += time.perf_counter() - t0
+        if rec.closed:  # the agent gave up (timeout) while this turn was generated: not recorded
+            raise RequestError(409, "sample_closed", f"sample {sample_id!r} has ended (its agent returned or failed)")
+        ids = list(gen.token_ids)[: params.max_new_tokens]
+        t.append(ids, True, list(gen.log_probs)[: len(ids)], "assistant")
+        t.num_turns += 1
+        text = self.fmt.decode(ids)
+        t.messages.append({"role": "assistant", "content": text})
+        rec.last_finish = gen.finish_reason
+        msg, names = _assistant_message(text, f"call_{_short(sample_id)}_{t.num_turns}")
+        rec.call_names.update(names)
+        rec.seen = [*rec.seen, _norm(msg)]
+        calls = "tool_calls" in msg
+        if calls and len(t.response_ids) >= lim.max_response_tokens:
+            rec.ended, t.truncated = "length", True
+        elif calls and t.num_turns >= lim.max_turns:
+            rec.ended = "max_turns"
+        elif calls and lim.max_tool_calls - t.tool_calls <= 0:
+            rec.ended = "max_tool_calls"
+        reason = "tool_calls" if calls else gen.finish_reason
+        return _response(msg, reason, len(t.prompt_ids) + len(t.response_ids) - len(ids), len(ids))
+
+    def finish(self, rec: SampleRecord) -> Trajectory | None:
+        """The sample's trajectory once its agent is done: the finish reason the built-in loop would give."""
+        t = rec.traj
+        if t is None:
+            return None
+        if rec.ended is not None:
+            t.finish_reason = rec.ended
+        else:
+            t.finish_reason = rec.last_finish
+            t.truncated = t.truncated or (rec.last_finish == "length" and len(t.response_ids) >= self.limits.max_response_tokens)
+        t.text = next((m["content"] for m in reversed(t.messages) if m["role"] == "assistant"), "")
+        t.states.append("completed")
+        return t
+
+
+def _short(sample_id: str) -> str:
+    return hashlib.blake2b(sample_id.encode(), digest_size=4).hexdigest()
+
+
+def _plain(m: dict, call_names: dict[str, str]) -> dict:
+    """A request message as the chat template and the stored conversation take it ({role, content[, name]})."""
+    content = m.get("content")
+    if isinstance(content, list):
+        content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    if m["role"] == "tool":  # named after the call it answers, as the built-in loop names tool messages
+        return {"role": "tool", "name": m.get("name") or call_names.get(m.get("tool_call_id") or "", ""), "content": content or ""}
+    return {"role": m["role"], "content": content or ""}
+
+
+def _response(msg: dict, reason: str, prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "id": f"chatcmpl-{time.monotonic_ns():x}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": MODEL_NAME,
+        "choices": [{"index": 0, "message": msg, "finish_reason": reason, "logprobs": None}],
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens},
+    }
+
+
+class EndpointServer:
+    """The process's endpoint: uvicorn on 127.0.0.1 (an ephemeral port) in a daemon thread of its own.
+
+    It outlives the stages: a batch registers its ``ChatEndpoint`` under a token that prefixes its sample ids,
+    requests are run on the batch's event loop, and a request for a batch that has ended gets HTTP 409.
+    """
+
+    def __init__(self) -> None:
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            @contextlib.contextmanager
+            def capture_signals(self):  # the worker process keeps its own signal handlers
+                yield
+
+        self.batches: dict[str, ChatEndpoint] = {}
+        self.ended: collections.OrderedDict[str, None] = collections.OrderedDict()  # the last tokens that ended
+        self.rejected: collections.Counter[str] = collections.Counter()  # refused requests by error code
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind(("127.0.0.1", 0))
+        self.base_url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
+        config = uvicorn.Config(self._app(), log_level="error", access_log=False, lifespan="off", timeout_graceful_shutdown=1)
+        self._server = Server(config)
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._server.serve(sockets=[sock])), name="rlstage-agent-endpoint", daemon=True)
+        self._thread.start()
+        while not self._server.started:
+            if not self._thread.is_alive():
+                raise RuntimeError("the agent endpoint's server did not start")
+            time.sleep(0.01)
+
+    def open(self, token: str, endpoint: ChatEndpoint) -> None:
+        self.batches[token] = endpoint
+
+    def close(self, token: str) -> None:
+        endpoint = self.batches.pop(token, None)
+        if endpoint is not None:
+            endpoint.ended = True
+        self.ended[token] = None
+        while len(self.ended) > 10_000:
+            self.ended.popitem(last=False)
+
+    def _route(self, sample_id: str | None) -> ChatEndpoint:
+        if not sample_id:
+            raise RequestError(400, "missing_sample_id", f"no {SAMPLE_HEADER} header: use the client rlstage gave the agent")
+        token = sample_id.split("-", 1)[0]
+        endpoint = self.batches.get(token)
+        if endpoint is None:
+            if token in self.ended:
+                raise RequestError(409, "stage_ended", f"the rollout stage that served sample {sample_id!r} has ended")
+            raise RequestError(404, "unknown_sample", f"sample {sample_id!r} is in no running rollout stage")
+        return endpoint
+
+    def reject(self, err: RequestError, sample_id: str | None) -> JSONResponse:
+        self.rejected[err.code] += 1
+        log.warning("agent endpoint: HTTP %d %s (sample %s): %s", err.status, err.code, sample_id or "-", err)
+        body = {"error": {"message": str(err), "type": "invalid_request_error", "code": err.code}}
+        return JSONResponse(body, status_code=err.status)
+
+    async def _forward(self, endpoint: ChatEndpoint, body: Any, sample_id: str) -> dict:
+        """Run the request on its batch's event loop (where the policy batches); a batch ending meanwhile is a 409."""
+        try:
+            fut = asyncio.run_coroutine_threadsafe(endpoint.complete(body, sample_id), endpoint.loop)
+        except RuntimeError:  # the batch's loop has closed
+            raise RequestError(409, "stage_ended", f"the rollout stage that served sample {sample_id!r} has ended") from None
+        try:
+            return await asyncio.wrap_future(fut)
+        except asyncio.CancelledError:
+            if not fut.cancelled():
+                raise  # this server is stopping
+            raise RequestError(409, "stage_ended", f"the rollout stage that served sample {sample_id!r} has ended") from None
+
+    def _app(self) -> Any:
+        app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
+
+        @app.post("/v1/chat/completions")
+        async def chat_completions(request: Request) -> JSONResponse:
+            sample_id = request.headers.get(SAMPLE_HEADER)
+            try:
+                endpoint = self._route(sample_id)
+                try:
+                    body = await request.json()
+                except ValueError:
+                    raise RequestError(400, "invalid_body", "the body is not JSON") from None
+                return JSONResponse(await self._forward(endpoint, body, sample_id or ""))
+            except RequestError as err:
+                return self.reject(err, sample_id)
+            except Exception as err:  # a failed generation (the stage fails after the batch) or a bug here
+                log.warning("agent endpoint: HTTP 500 (sample %s): %s: %s", sample_id or "-", type(err).__name__, err)
+                return JSONResponse({"error": {"message": str(err), "type": "server_error", "code": None}}, status_code=500)
+
+        @app.get("/v1/models")
+        async def models() -> dict:
+            return {"object": "list", "data": [{"id": MODEL_NAME, "object": "model", "owned_by": "rlstage"}]}
+
+        return app
+
+
+_SERVER: list[EndpointServer] = []
+_SERVER_LOCK = threading.Lock()
+
+
+def endpoint_server() -> EndpointServer:
+    """The process's endpoint server, started on first use."""
+    with _SERVER_LOCK:
+        if not _SERVER:
+            _SERVER.append(EndpointServer())
+        return _SERVER[0]
+
+
+# ---------------------------------------------------------------- a batch of samples
+
+
+def _check_reward(value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise TypeError(f"returned {type(value).__name__} {value!r}, not a finite float or None")
+    return float(value)
+
+
+def _failed(t: Trajectory | None, i: int, k: int, fmt: ChatFormat, messages: list[dict]) -> Trajectory:
+    """A failed sample keeps its group whole: its tokens, none trained (or one masked eos if none was generated)."""
+    if t is None:
+        eos = fmt.tok.eos_token_id
+        t = Trajectory(i, k, fmt.prompt_ids(messages), messages)
+        t.append([eos], False, None, "assistant")
+        t.finish_reason = "stop"
+    t.response_mask = [0] * len(t.response_ids)
+    return t
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def run_function_batch(
+    engine: RolloutEngine,
+    fmt: ChatFormat,
+    function: Callable[..., Any],
+    rows: Sequence[dict],
+    params: SamplingParams,
+    limits: AgentLimits,
+    *,
+    tool_schemas: Callable[[dict], list[dict]] = lambda row: [],
+    timeout_s: float = 300.0,
+    max_concurrency: int = 1024,
+    window_s: float = 0.05,
+) -> tuple[list[dict], dict[str, Any]]:
+    """``params.n`` runs of the agent ``function`` on every row against the endpoint; completion dicts and stats.
+
+    A completion dict is ``Trajectory.to_row()`` plus ``agent_reward`` (the function's reward, None: the rule
+    scores the answer) and ``agent_status`` (OK or the kind of failure). A failed sample gets reward 0.0 and no
+    trained tokens.
+    """
+    import httpx
+    import openai
+
+    server = endpoint_server()
+    token = secrets.token_hex(6)  # this batch's prefix of its sample ids
+    policy = BatchingPolicy(engine, max_batch=getattr(engine, "batch_size", 1024), window_s=window_s)
+    samples = {f"{token}-{i}-{k}": (i, k) for i in range(len(rows)) for k in range(params.n)}
+    records = {sid: SampleRecord(key=i * params.n + k) for sid, (i, k) in samples.items()}
+    endpoint = ChatEndpoint(policy, fmt, params, limits, records, samples)
+    results: dict[str, tuple[float | None, str]] = {}
+
+    async def one(sid: str, base_url: str, http: Any, gate: asyncio.Semaphore) -> None:
+        i, k = samples[sid]
+        row = rows[i]
+        sample = AgentSample(sid, MODEL_NAME, row_messages(row), dict(row), tool_schemas(row))
+        client = openai.AsyncOpenAI(
+            base_url=base_url, api_key="rlstage", http_client=http, max_retries=0, timeout=timeout_s,
+            default_headers={SAMPLE_HEADER: sid},
+        )  # fmt: skip
+        async with gate:
+            policy.open_request()
+            try:
+                reward, status = _check_reward(await asyncio.wait_for(function(client, sample), timeout_s)), OK
+            except TimeoutError:
+                reward, status = 0.0, TIMEOUT
+                log.warning("agent function: sample %s timed out after %gs", sid, timeout_s)
+            except TypeError as err:
+                reward, status = 0.0, (BAD_RETURN if str(err).startswith("returned ") else RAISED)
+                log.warning("agent function: sample %s %s", sid, err)
+            except Exception as err:  # the agent's own failure is this sample's, never the stage's
+                reward, status = 0.0, RAISED
+                log.warning("agent function: sample %s raised %s: %s", sid, type(err).__name__, err)
+            finally:
+                records[sid].closed = True
+                policy.close_request()
+        results[sid] = (reward, status)
+
+    async def main() -> None:
+        gate = asyncio.Semaphore(max_concurrency)
+        endpoint.loop = asyncio.get_running_loop()
+        server.open(token, endpoint)
+        limits_http = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        try:
+            async with httpx.AsyncClient(limits=limits_http, timeout=timeout_s) as http:
+                await asyncio.gather(*(one(sid, server.base_url, http, gate) for sid in samples))
+        finally:
+            server.close(token)
+            await policy.aclose()
+
+    t0 = time.perf_counter()
+    before = collections.Counter(server.rejected)
+    lines = _Lines()
+    log.addHandler(lines)  # this batch's warnings (the server thread's too) go back to the stage's log
+    try:
+        asyncio.run(main())
+    finally:
+        log.removeHandler(lines)
+    if endpoint.engine_error is not None:
+        raise endpoint.engine_error
+    rejected = server.rejected - before  # a request without a sample id names no batch: counted by the one running
+    out: list[dict] = []
+    for sid, (i, k) in samples.items():
+        reward, status = results[sid]
+        t = endpoint.finish(records[sid])
+        if status != OK or t is None:
+            status = status if status != OK else NO_REQUEST  # returned without a single request: nothing to train
+            t = _failed(t, i, k, fmt, row_messages(rows[i]))
+        row = t.to_row()
+        row["agent_reward"], row["agent_status"] = reward, status
+        out.append(row)
+    stats = {
+        "wall_s": time.perf_counter() - t0,
+        "model_s": policy.model_s,
+        "tool_s": 0.0,
+        "batches": float(len(policy.batch_sizes)),
+        **{f"rejected/{code}": float(n) for code, n in rejected.items()},
+        "log": lines.lines,  # not a metric: the lines the stage logs (tasks/stages.py)
+    }
+    return out, stats
+
+
+def run_agents(engine: RolloutEngine, agent: Any, rows: Sequence[dict], params: SamplingParams) -> tuple[list[dict], dict[str, Any]]:
+    """The ``agent`` config section's rollouts: ``agent.function`` against the endpoint, else the built-in loop."""
+    if agent.function is None:
+        return run_agent_config(engine, agent, rows, params)
+    fmt = ChatFormat(engine.tokenizer, resolve_template(agent.chat_template))
+    limits = AgentLimits(agent.max_turns, agent.max_tool_calls, agent.max_response_tokens, agent.max_tool_output_chars)
+    tools = load_tools(agent.tools, agent.tool_timeout_s)
+    return run_function_batch(
+        engine, fmt, resolve_agent_function(agent.function), rows, params, limits,
+        tool_schemas=lambda row: sample_tools(tools, row.get("extra_info")).schemas(),
+        timeout_s=agent.function_timeout_s, max_concurrency=agent.max_concurrency, window_s=agent.batch_window_ms / 1000,
+    )  # fmt: skip

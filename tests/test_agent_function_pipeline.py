@@ -1,0 +1,174 @@
+"""agent.function end to end (issue 40 item 3): the calculator task as a plain OpenAI-client agent trains, with
+the weights moving, to exactly what the built-in loop trains to with the same seed."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from rlstage.schemas.config import load_config
+from tests_support import moving_overrides, tiny_overrides, update_weights, weights_moved
+
+pytestmark = pytest.mark.slow
+
+AGENT = [
+    "kit.task=multiply",
+    "kit.digits=3",
+    "sft.steps=120",
+    "sft.lr=3e-3",
+    "rollout.max_new_tokens=80",
+    "agent.enable=true",
+    "agent.tools=[{name: calculator, callable: 'rlstage.engines.agents.tools:calculator', "
+    "parameters: {type: object, properties: {expression: {type: string}}, required: [expression]}}]",
+    "agent.max_turns=3",
+    "agent.max_response_tokens=160",
+    # Every request joins its batch however slow HTTP is here: the batches (and their seeds) are the same in both runs.
+    "agent.batch_window_ms=20000",
+]
+EQUAL = ["rollout.max_new_tokens=96"]  # room for a whole call (81 characters) in a turn: calls that run, answers that score
+FUNCTION = "agent.function=rlstage.engines.agents.examples:calculator_agent"
+
+
+@pytest.fixture(scope="module")
+def runs(prefect_api, tmp_path_factory):
+    from rlstage.flows.training import train
+
+    store = tmp_path_factory.mktemp("agent-function") / "store"
+    out = {}
+    for name, extra in (("builtin", []), ("function", [FUNCTION])):
+        cfg = load_config(None, [f"store.root={store}", f"run_name={name}", *tiny_overrides(), *moving_overrides(), *AGENT, *EQUAL, *extra])
+        out[name] = (cfg, train(config=cfg))
+    return out
+
+
+def _table(cfg, run: str, it: int, stage: str, name: str) -> list[dict]:
+    from rlstage.tasks.runtime import store_for
+
+    store = store_for(cfg)
+    return store.read_table(store.manifest(run, it, stage), name).to_pylist()
+
+
+def test_the_openai_client_agent_trains_to_the_built_in_loops_tokens_rewards_and_weights(runs):
+    from rlstage.tasks.runtime import store_for
+
+    cfg, _ = runs["function"]
+    store = store_for(cfg)
+    same = ("prompt_ids", "response_ids", "response_mask", "rollout_log_probs", "messages_json", "turn_bounds", "finish_reason", "num_turns", "tool_calls", "tool_errors")
+    multi_turn = 0
+    for it in (1, 2):
+        built = _table(cfg, "builtin", it, "rollout", "rollouts.parquet")
+        fn = _table(cfg, "function", it, "rollout", "rollouts.parquet")
+        assert len(fn) == len(built) == 32
+        assert [{k: r[k] for k in same} for r in fn] == [{k: r[k] for k in same} for r in built]
+        assert all(r["agent_reward"] is None for r in fn)  # the agent returns None: the rule scores its answer
+        multi_turn += sum(r["num_turns"] > 1 and 0 in r["response_mask"] for r in fn)
+        scores = [[r["score"] for r in _table(cfg, run, it, "reward", "rewards.parquet")] for run in ("builtin", "function")]
+        assert scores[0] == scores[1]
+    assert multi_turn > 0  # the SFT'd policy calls the calculator: masked tool turns are compared too
+    w = {run: [update_weights(store, run, it) for it in (1, 2)] for run in ("builtin", "function")}
+    assert weights_moved(w["function"][0], w["function"][1])
+    for a, b in zip(w["builtin"], w["function"], strict=True):
+        assert not weights_moved(a, b)
+
+
+def test_the_agent_function_runs_are_counted_by_status(runs):
+    from mlflow.tracking import MlflowClient
+
+    from rlstage.infra.tracking import tracking_uri_for
+
+    cfg, result = runs["function"]
+    metrics = MlflowClient(tracking_uri_for(cfg)).get_run(result["mlflow_run_id"]).data.metrics
+    assert metrics["agent/status/ok"] == 32 and "agent/status/raised" not in metrics
+    msgs = json.loads(_table(cfg, "function", 1, "rollout", "rollouts.parquet")[0]["messages_json"])
+    assert msgs[0]["role"] == "user"
+
+
+# ---------------------------------------------------------------- agents that grade themselves, fail or ask wrongly
+
+MIXED = """
+from rlstage.engines.agents.examples import calculator_agent
+
+
+async def mixed(client, sample):
+    k = int(sample.sample_id.rsplit("-", 1)[1])
+    if k == 1:
+        raise RuntimeError("the agent's own bug")
+    if k == 2:
+        return "garbage"
+    if k == 3:  # a wrong model name first: a 404, then the agent goes on
+        try:
+            await client.chat.completions.create(model="gpt-4o", messages=sample.messages)
+        except Exception:
+            pass
+    await calculator_agent(client, sample)
+    return 0.75 if k == 0 else None  # sample 0 grades itself; sample 3 leaves it to the rule
+"""
+
+
+@pytest.fixture(scope="module")
+def mixed_run(prefect_api, tmp_path_factory):
+    """One iteration with agents that grade themselves, raise, return garbage or ask for another model. Their
+    module must import here and in Ray's workers: on sys.path, and on PYTHONPATH for a Ray started again."""
+    import os
+    import sys
+
+    import ray
+
+    from rlstage.flows.training import train
+
+    tmp = tmp_path_factory.mktemp("agent-mixed")
+    (tmp / "mixed_agents.py").write_text(MIXED)
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(tmp), old) if p)
+    sys.path.insert(0, str(tmp))
+    ray.shutdown()
+    try:
+        cfg = load_config(
+            None,
+            [f"store.root={tmp / 'store'}", "run_name=mixed", *tiny_overrides(), *moving_overrides(), *AGENT,
+             "agent.function=mixed_agents:mixed", "trainer.iterations=1"],
+        )  # fmt: skip
+        records: list[logging.LogRecord] = []
+        handler = logging.Handler(logging.WARNING)
+        handler.emit = records.append  # the task run logger's records (tests do not ship logs to the Prefect API)
+        logger = logging.getLogger("prefect.task_runs")
+        logger.addHandler(handler)
+        try:
+            yield cfg, train(config=cfg), records
+        finally:
+            logger.removeHandler(handler)
+    finally:
+        ray.shutdown()
+        sys.path.remove(str(tmp))
+        if old is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = old
+
+
+def test_failed_agents_are_samples_the_stage_trains_past_and_logs(mixed_run):
+    from mlflow.tracking import MlflowClient
+
+    from rlstage.infra.tracking import tracking_uri_for
+
+    cfg, result, records = mixed_run
+    rows = _table(cfg, "mixed", 1, "rollout", "rollouts.parquet")
+    scores = _table(cfg, "mixed", 1, "reward", "rewards.parquet")
+    assert _table(cfg, "mixed", 1, "update", "metrics.parquet")  # the update trained past the failed samples
+    for r, s in zip(rows, scores, strict=True):
+        k = r["sample_index"]
+        if k in (1, 2):  # failed: reward 0, no trained token
+            assert r["agent_reward"] == 0.0 and s["score"] == 0.0 and set(r["response_mask"]) == {0}
+        elif k == 0:  # graded by the agent
+            assert r["agent_reward"] == 0.75 and s["score"] == 0.75 and s["reward_fn"] == "agent.function"
+        else:  # scored by the rule
+            assert r["agent_reward"] is None and s["reward_fn"] != "agent.function" and 1 in r["response_mask"]
+    metrics = MlflowClient(tracking_uri_for(cfg)).get_run(result["mlflow_run_id"]).data.metrics
+    assert (metrics["agent/status/ok"], metrics["agent/status/raised"], metrics["agent/status/bad_return"]) == (16, 8, 8)
+    assert metrics["agent/rejected/model_not_found"] == 8
+    logs = [r.getMessage() for r in records if r.levelno == logging.WARNING]  # the stage task runs' log
+    assert sum("HTTP 404 model_not_found" in m and "'gpt-4o'" in m for m in logs) == 8
+    assert sum("raised RuntimeError: the agent's own bug" in m for m in logs) == 8
+    assert sum("returned str 'garbage'" in m for m in logs) == 8
