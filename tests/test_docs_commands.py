@@ -101,8 +101,13 @@ def _ui(cwd: Path, env: dict, words: tuple[str, ...]) -> str:
 
 
 def test_the_pages_commands_run_and_print_what_the_pages_show(prefect_api, tmp_path, monkeypatch, capsys):
+    import ray
+
     from rlstage.flows.cli import main
 
+    # The pages' commands start their own Ray where they run: a Ray of an earlier test, started elsewhere, would
+    # resolve the pages' relative store (./rlstage-runs) in its own working directory.
+    ray.shutdown()
     (tmp_path / "configs").symlink_to(REPO / "configs")  # the pages run from the repository root
     monkeypatch.chdir(tmp_path)
     for key in ("RLSTAGE_HOME", "MLFLOW_TRACKING_URI"):
@@ -135,6 +140,7 @@ def test_the_pages_commands_run_and_print_what_the_pages_show(prefect_api, tmp_p
     for words in compared:
         assert (tmp_path / words[words.index("--png") + 1]).stat().st_size > 0
     assert len(printed) == len(RUN) and Path("rlstage-runs/exp1/iter-000007").is_dir()  # nightly went on to 7
+    ray.shutdown()  # its workers run in this directory, which the test removes
 
 
 @pytest.mark.parametrize("block", [b for b in BLOCKS if b.not_run], ids=lambda b: f"{b.page}:{b.line}")

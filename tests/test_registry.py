@@ -75,6 +75,7 @@ def _leaves(model: type[BaseModel], prefix: str = "") -> list[tuple[str, typing.
 LEAVES = [(p, ann) for p, ann in _leaves(RunConfig) if not p.startswith("actor.rollout_correction.")]
 EXPLICIT = {
     "agent.tools": [[CALC]],
+    "agent.function": ["rlstage.engines.agents.examples:calculator_agent"],
     "ray.stages": [{"rollout": {"num_cpus": 1.0}}],
     "store.storage_options": [{"anon": True}],
     "ray.trainer_resources": [{"node_a": 1.0}],
