@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 from rlstage.infra.env import pid_alive
@@ -79,12 +80,16 @@ def forget_service(name: str, proc: subprocess.Popen) -> None:
 OWNER_ENV = "RLSTAGE_OWNER_PID"  # set by each command: every process it starts (Prefect, Ray, workers) inherits it
 
 
-def _environ(pid: int) -> dict[bytes, bytes]:
-    try:
-        raw = Path(f"/proc/{pid}/environ").read_bytes()
-    except OSError:  # gone, or another user's
-        return {}
-    return dict(entry.split(b"=", 1) for entry in raw.split(b"\0") if b"=" in entry)
+def process_environs() -> Iterator[tuple[int, dict[bytes, bytes]]]:
+    """Every other process of this user with its environment (Linux's /proc; nothing elsewhere)."""
+    for proc in Path("/proc").iterdir() if Path("/proc").is_dir() else ():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            raw = (proc / "environ").read_bytes()
+        except OSError:  # gone, or another user's
+            continue
+        yield int(proc.name), dict(entry.split(b"=", 1) for entry in raw.split(b"\0") if b"=" in entry)
 
 
 def stop_leftovers(prefect_home: Path) -> list[int]:
@@ -94,16 +99,13 @@ def stop_leftovers(prefect_home: Path) -> list[int]:
 
     ours, home_entry = str(os.getpid()).encode(), str(prefect_home.resolve()).encode()
     stopped = []
-    for proc in Path("/proc").iterdir() if Path("/proc").is_dir() else ():
-        if not proc.name.isdigit() or int(proc.name) == os.getpid():
-            continue
-        env = _environ(int(proc.name))
+    for pid, env in process_environs():
         owner = env.get(OWNER_ENV.encode(), b"")
         if env.get(b"PREFECT_HOME") != home_entry or not owner.isdigit() or owner == ours or pid_alive(int(owner)):
             continue
         try:
-            os.kill(int(proc.name), signal.SIGKILL)
-            stopped.append(int(proc.name))
+            os.kill(pid, signal.SIGKILL)
+            stopped.append(pid)
         except OSError:
             pass
     return stopped

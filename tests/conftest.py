@@ -136,3 +136,18 @@ def smollm2_path() -> Path:
         return fetch_model("smollm2")
     except ModelFetchError as err:
         pytest.skip(f"SmolLM2 could not be fetched: {err}")
+
+
+@pytest.fixture(scope="module")
+def tiny_engine():
+    """A one-layer Llama of the kit's character tokenizer behind the HF rollout engine (the agent loop's tests)."""
+    import torch
+
+    from rlstage.engines.models.tinykit import build_char_tokenizer, build_tiny_llama
+    from rlstage.engines.rollout.hf import HFRolloutEngine
+    from rlstage.schemas.config import KitConfig
+
+    torch.manual_seed(0)
+    tok = build_char_tokenizer()
+    model = build_tiny_llama(KitConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64), tok).eval()
+    return HFRolloutEngine(model, tok, batch_size=64)

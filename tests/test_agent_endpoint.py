@@ -17,7 +17,7 @@ from rlstage.engines.agents.loop import AgentLimits, ChatFormat, agent_metrics, 
 from rlstage.engines.agents.tools import ToolSpec, calculator
 from rlstage.engines.models.tinykit import build_char_tokenizer, build_tiny_llama
 from rlstage.engines.preflight import preflight
-from rlstage.engines.rollout.hf import Completion, HFRolloutEngine, SamplingParams
+from rlstage.engines.rollout.hf import Completion, SamplingParams
 from rlstage.schemas.config import ConfigError, KitConfig, load_config
 
 TOK = build_char_tokenizer()
@@ -119,13 +119,6 @@ def test_the_function_agent_and_the_built_in_loop_store_the_same_trajectories(li
     )  # fmt: skip
     assert [{k: r[k] for k in keys} for r in fn_rows] == [{k: r[k] for k in keys} for r in loop_rows]
     assert {r["finish_reason"] for r in fn_rows} == {finish}
-
-
-@pytest.fixture(scope="module")
-def tiny_engine():
-    torch.manual_seed(0)
-    model = build_tiny_llama(KitConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64), TOK).eval()
-    return HFRolloutEngine(model, TOK, batch_size=64)
 
 
 def test_on_the_hf_engine_the_endpoint_samples_as_the_built_in_loop(tiny_engine):

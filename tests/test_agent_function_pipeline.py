@@ -9,21 +9,12 @@ import logging
 import pytest
 
 from rlstage.schemas.config import load_config
-from tests_support import moving_overrides, tiny_overrides, update_weights, weights_moved
+from tests_support import agent_overrides, moving_overrides, tiny_overrides, update_weights, weights_moved
 
 pytestmark = pytest.mark.slow
 
 AGENT = [
-    "kit.task=multiply",
-    "kit.digits=3",
-    "sft.steps=120",
-    "sft.lr=3e-3",
-    "rollout.max_new_tokens=80",
-    "agent.enable=true",
-    "agent.tools=[{name: calculator, callable: 'rlstage.engines.agents.tools:calculator', "
-    "parameters: {type: object, properties: {expression: {type: string}}, required: [expression]}}]",
-    "agent.max_turns=3",
-    "agent.max_response_tokens=160",
+    *agent_overrides(),
     # Every request joins its batch however slow HTTP is here: the batches (and their seeds) are the same in both runs.
     "agent.batch_window_ms=20000",
 ]

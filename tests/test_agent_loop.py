@@ -32,7 +32,7 @@ from rlstage.engines.agents.tools import (
 )
 from rlstage.engines.models.tinykit import build_char_tokenizer, build_tiny_llama
 from rlstage.engines.preflight import preflight
-from rlstage.engines.rollout.hf import HFRolloutEngine, SamplingParams
+from rlstage.engines.rollout.hf import SamplingParams
 from rlstage.schemas.config import ConfigError, KitConfig, build_config, load_config
 
 TOK = build_char_tokenizer()
@@ -303,13 +303,6 @@ def test_a_slow_request_does_not_delay_the_others(slow_fn):
 
 
 # ---------------------------------------------------------------- the HF engine behind the loop
-
-
-@pytest.fixture(scope="module")
-def tiny_engine():
-    torch.manual_seed(0)
-    model = build_tiny_llama(KitConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64), TOK).eval()
-    return HFRolloutEngine(model, TOK, batch_size=64)
 
 
 def test_hf_batching_policy_matches_the_engine_and_batches_concurrent_requests(tiny_engine):

@@ -7,22 +7,11 @@ import json
 import pytest
 
 from rlstage.schemas.config import load_config
-from tests_support import tiny_overrides
+from tests_support import agent_overrides, tiny_overrides
 
 pytestmark = pytest.mark.slow
 
-AGENT = [
-    "kit.task=multiply",
-    "kit.digits=3",
-    "sft.steps=120",
-    "sft.lr=3e-3",
-    "rollout.max_new_tokens=80",
-    "agent.enable=true",
-    "agent.tools=[{name: calculator, callable: 'rlstage.engines.agents.tools:calculator', "
-    "parameters: {type: object, properties: {expression: {type: string}}, required: [expression]}}]",
-    "agent.max_turns=3",
-    "agent.max_response_tokens=160",
-]
+AGENT = agent_overrides()
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import sqlite3
 import subprocess
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from test_prefect_lost import _servers_of
 from test_trust import _processes_with_env
 from test_workers import _checksums
 
@@ -119,26 +121,15 @@ def _run_until_done(cmd, cwd: Path, env: dict, kills: list[Kill], prefect_home: 
     pytest.fail(f"the run did not complete in {limit} attempts (exit codes {codes}):\n" + "".join(out[-60:]))
 
 
-def _servers_of(prefect_home: Path) -> dict[int, bytes]:
-    cmdlines = {p: Path(f"/proc/{p}/cmdline").read_bytes() for p in _processes_with_env(f"PREFECT_HOME={prefect_home.resolve()}")}
-    return {p: c for p, c in cmdlines.items() if b"prefect\0server\0start" in c}
-
-
 def test_a_bad_schedule_is_one_line():
     for seed, kinds, choose, says in [
         ("7", 3, KINDS, "chaos seed must be an integer, got '7'"),
         (0, 9, KINDS, "chaos kinds: 9 is not 1..5 of command, prefect_server"),
         (0, 1, ("mlflow_server_x",), "chaos kinds: ['mlflow_server_x'] is not 1..1 of"),
     ]:
-        with pytest.raises(ScheduleError, match=r"^" + re_escape(says)):
+        with pytest.raises(ScheduleError, match=r"^" + re.escape(says)):
             schedule(seed, kinds, choose)
     assert schedule(3, 3) == schedule(3, 3) and len({k.kind for k in schedule(3, 3)}) == 3
-
-
-def re_escape(text: str) -> str:
-    import re
-
-    return re.escape(text)
 
 
 @pytest.mark.slow

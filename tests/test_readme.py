@@ -10,38 +10,24 @@ import importlib
 import inspect
 import json
 import re
-import shlex
 from pathlib import Path
 
 import pytest
 import yaml
+from test_docs_commands import BLOCKS
 
 from rlstage.flows.cli import build_parser
 from rlstage.schemas.config import load_config, parse_overrides
 from rlstage.schemas.stages import REPLAYABLE
 
 REPO = Path(__file__).resolve().parent.parent
-FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
-
-
-def _commands() -> tuple[list[list[str]], dict[tuple[str, ...], str]]:
-    """Shell command lines of the README's and the docs' bash blocks (continuations joined, comments dropped),
-    and the page and line of each block that holds one."""
-    out, where = [], {}
-    for page in [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]:
-        text = page.read_text()
-        for m in FENCE.finditer(text):
-            if m.group(1) not in ("bash", "sh", ""):
-                continue
-            for line in m.group(2).replace("\\\n", " ").splitlines():
-                words = shlex.split(line, comments=True)
-                if words and not line.lstrip().startswith("#"):
-                    out.append(words)
-                    where.setdefault(tuple(words), f"{page.relative_to(REPO)}:{text.count(chr(10), 0, m.start()) + 1}")
-    return out, where
-
-
-COMMANDS, WHERE = _commands()
+# Shell command lines of the pages' bash blocks (continuations joined, comments dropped: tests/test_docs_commands.py
+# reads them), and the page and line of the first block that holds each.
+COMMANDS = [list(words) for block in BLOCKS for words in block.commands]
+WHERE = {}
+for block in BLOCKS:
+    for words in block.commands:
+        WHERE.setdefault(words, f"{block.page}:{block.line}")
 
 
 def _write(folder: Path, text: str) -> str:

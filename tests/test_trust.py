@@ -5,7 +5,6 @@ documents refuse a writer without the key, and a reward function that fails on a
 from __future__ import annotations
 
 import json
-import os
 import signal
 import uuid
 from pathlib import Path
@@ -273,16 +272,10 @@ def test_a_failed_first_attempt_records_nothing(clean_env: Path) -> None:
 
 def _processes_with_env(entry: str) -> list[int]:
     """Processes of this user whose environment holds ``entry`` (``NAME=value``)."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit() or int(proc.name) == os.getpid():
-            continue
-        try:
-            if entry.encode() in (proc / "environ").read_bytes().split(b"\0"):
-                found.append(int(proc.name))
-        except OSError:  # gone, or another user's
-            pass
-    return found
+    from rlstage.infra.home import process_environs
+
+    name, value = entry.encode().split(b"=", 1)
+    return [pid for pid, env in process_environs() if env.get(name) == value]
 
 
 def test_sigint_and_sigterm_take_the_same_way_out() -> None:

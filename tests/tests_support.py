@@ -26,6 +26,22 @@ def tiny_overrides() -> list[str]:
     ]
 
 
+def agent_overrides() -> list[str]:
+    """The kit's multiply task with the calculator tool: multi-turn tool-calling rollouts on the tiny model."""
+    return [
+        "kit.task=multiply",
+        "kit.digits=3",
+        "sft.steps=120",
+        "sft.lr=3e-3",
+        "rollout.max_new_tokens=80",
+        "agent.enable=true",
+        "agent.tools=[{name: calculator, callable: 'rlstage.engines.agents.tools:calculator', "
+        "parameters: {type: object, properties: {expression: {type: string}}, required: [expression]}}]",
+        "agent.max_turns=3",
+        "agent.max_response_tokens=160",
+    ]
+
+
 def moving_overrides() -> list[str]:
     """On the tiny settings every reward is 0 (so is every advantage); an entropy bonus and a larger step
     make every update change the weights, so that kill, resume and replay tests compare moving runs."""
