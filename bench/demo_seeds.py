@@ -1,12 +1,16 @@
-"""The README demo over several seeds: does every seed reach the target, and how spread are they?
+"""A demo over several seeds: does every seed reach the target, and how spread are they?
 
     .venv/bin/python bench/demo_seeds.py [--seeds 0 1 2 3 4] [--store /tmp/rlstage-demo-seeds] [overrides...]
+    .venv/bin/python bench/demo_seeds.py --real --seeds 0 1 2 --target 0.47    # the second demo
 
 Each seed runs ``rlstage demo`` (configs/demo.yaml plus the overrides) as a new user would, with
 ``trainer.seed`` and ``sft.seed`` both set to it, so the SFT start differs per seed too (its checkpoint
-is trained once per seed and reused on a rerun with the same store). Prints one JSON line per seed
-(SFT start, final and best held-out accuracy, the first evaluated iteration at or above the target,
-wall seconds of the whole command), then one line with the median and range over the seeds.
+is trained once per seed and reused on a rerun with the same store). ``--real`` runs the second demo
+instead (``rlstage train -c configs/reasoning-smollm2.yaml`` on the fetched SmolLM2) with ``trainer.seed``,
+``rollout.seed`` and ``data.shuffle_seed`` set to the seed; its held-out split stays the same. Prints one
+JSON line per seed (start, final and best held-out accuracy, the first evaluated iteration at or above the
+target, wall seconds of the whole command, the median seconds of an iteration, the peak memory of the
+command and everything it started), then one line with the median and range over the seeds.
 """
 
 from __future__ import annotations
@@ -18,22 +22,63 @@ import re
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-EVAL_LINE = re.compile(r"^\s+iteration\s+(\d+): ([0-9.]+)$")  # flows/cli.py _summary
+EVAL_LINE = re.compile(r"^\s+iteration\s+(\d+): ([0-9.]+)")  # flows/cli.py _summary
+ITERATION_LINE = re.compile(r"^iteration\s+(\d+): .*\| ([0-9.]+)s, executed")  # flows/terminal.py
+REAL_CONFIG = "configs/reasoning-smollm2.yaml"
 
 
-def run_seed(seed: int, store: str, target: float, overrides: list[str]) -> dict:
-    cmd = [
-        str(ROOT / ".venv" / "bin" / "rlstage"), "demo", f"run_name=demo-seed{seed}", f"store.root={store}",
-        f"trainer.seed={seed}", f"sft.seed={seed}", *overrides,
+def tree_rss_bytes(owner: int) -> int:
+    """Resident memory of a command and of every process it started (they carry its RLSTAGE_OWNER_PID)."""
+    from rlstage.infra.home import OWNER_ENV, process_environs
+
+    total = 0
+    for pid, env in process_environs():
+        if pid == owner or env.get(OWNER_ENV.encode()) == str(owner).encode():
+            try:
+                rss = next(ln for ln in Path(f"/proc/{pid}/status").read_text().splitlines() if ln.startswith("VmRSS"))
+            except (OSError, StopIteration):  # gone meanwhile, or a zombie
+                continue
+            total += int(rss.split()[1]) * 1024
+    return total
+
+
+def command(seed: int, store: str, real: bool) -> list[str]:
+    rlstage = str(ROOT / ".venv" / "bin" / "rlstage")
+    if not real:
+        return [rlstage, "demo", f"run_name=demo-seed{seed}", f"store.root={store}", f"trainer.seed={seed}", f"sft.seed={seed}"]
+    model = subprocess.run(
+        [str(ROOT / ".venv" / "bin" / "python"), "-m", "rlstage.infra.models", "smollm2"],
+        cwd=ROOT, capture_output=True, text=True, check=True,
+    ).stdout.split()[-1]  # fmt: skip
+    return [
+        rlstage, "train", "-c", REAL_CONFIG, model, f"run_name=real-seed{seed}", f"store.root={store}",
+        f"trainer.seed={seed}", f"rollout.seed={seed}", f"data.shuffle_seed={seed}",
     ]  # fmt: skip
+
+
+def run_seed(seed: int, store: str, target: float, overrides: list[str], real: bool = False) -> dict:
+    cmd = [*command(seed, store, real), *overrides]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "PREFECT_LOGGING_LEVEL": "WARNING"}
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    peak = [0]
+
+    def sample() -> None:  # every 2 s while it runs: the peak of the whole tree, Ray's workers included
+        while proc.poll() is None:
+            peak[0] = max(peak[0], tree_rss_bytes(proc.pid))
+            time.sleep(2)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    stdout, stderr = proc.communicate()
     wall = time.perf_counter() - t0
+    sampler.join()
+    proc = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
     if proc.returncode:
         sys.exit(f"seed {seed}: rlstage demo failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
     curve = [(int(m[1]), float(m[2])) for m in map(EVAL_LINE.match, proc.stdout.splitlines()) if m]
@@ -46,8 +91,15 @@ def run_seed(seed: int, store: str, target: float, overrides: list[str]) -> dict
         "best": max(a for _i, a in curve),
         "iterations_to_target": next((i for i, a in curve if a >= target), None),
         "wall_s": round(wall, 1),
+        "iteration_s": statistics.median(t) if (t := iteration_seconds(proc.stdout)) else None,
+        "peak_rss_gib": round(peak[0] / 2**30, 2),
         "curve": curve,
     }
+
+
+def iteration_seconds(stdout: str) -> list[float]:
+    """Seconds of each training iteration (iteration 0 is the base model's eval only)."""
+    return [float(m[2]) for m in map(ITERATION_LINE.match, stdout.splitlines()) if m and int(m[1]) > 0]
 
 
 def main() -> None:
@@ -56,17 +108,20 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     parser.add_argument("--store", default="/tmp/rlstage-demo-seeds")
     parser.add_argument("--target", type=float, default=0.8)
+    parser.add_argument("--real", action="store_true", help=f"the second demo ({REAL_CONFIG}) instead of the tiny one")
     args = parser.parse_args()
     rows = []
     for seed in args.seeds:
-        rows.append(run_seed(seed, args.store, args.target, args.overrides))
+        rows.append(run_seed(seed, args.store, args.target, args.overrides, args.real))
         print(json.dumps(rows[-1]), flush=True)
     summary: dict = {"seeds": len(rows), "target": args.target}
-    for key in ("start", "final", "best", "wall_s"):
+    for key in ("start", "final", "best", "wall_s", "peak_rss_gib"):
         vals = [r[key] for r in rows]
         summary[key] = {"median": statistics.median(vals), "min": min(vals), "max": max(vals)}
     summary["all_reach_target"] = all(r["iterations_to_target"] is not None for r in rows)
     summary["final_all_above_target"] = all(r["final"] >= args.target for r in rows)
+    summary["gain_points"] = [round((r["final"] - r["start"]) * 100, 1) for r in rows]
+    summary["final_within_3_points_of_best"] = all(r["best"] - r["final"] <= 0.03 + 1e-9 for r in rows)
     print(json.dumps(summary), flush=True)
 
 

@@ -13,7 +13,13 @@ from pathlib import Path
 
 from rlstage.engines.plugins import check_recorded_plugins, load_plugins, plugins_used
 from rlstage.infra.store import ArtifactStore
-from rlstage.schemas.config import ConfigError, RunConfig, drop_unset_late_settings, stored_config_from
+from rlstage.schemas.config import (
+    ConfigError,
+    RunConfig,
+    absolute_root,
+    drop_unset_late_settings,
+    stored_config_from,
+)
 from rlstage.schemas.manifest import Manifest, unsafe_checkpoint_file
 from rlstage.schemas.stages import EXECUTION, REPLAYABLE, STAGES, covers, kit_run_name, view_paths
 
@@ -124,7 +130,7 @@ def stored_config_with(store_root: str, run_name: str, overrides: list[str], wha
             raise ConfigError(f"config error: {item.split('=', 1)[0]}: {what} cannot change it")
     store = ArtifactStore(store_root)
     cfg = stored_config(store, run_name, overrides)
-    return store, cfg.model_copy(update={"store": cfg.store.model_copy(update={"root": store_root})})
+    return store, cfg.model_copy(update={"store": cfg.store.model_copy(update={"root": absolute_root(store_root)})})
 
 
 # ---------------------------------------------------------------- committed artifacts

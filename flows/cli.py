@@ -509,11 +509,15 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from rlstage.engines.rewards.rules import RewardFailure
     from rlstage.flows.checks import InputError
     from rlstage.infra.lease import RunLocked
+    from rlstage.infra.ray_runtime import RayUnreachable
     from rlstage.infra.store import StoreError
     from rlstage.infra.tracking import TrackingUnavailable
     from rlstage.schemas.config import ConfigError
 
-    return (ConfigError, InputError, DatasetError, RewardFailure, FileNotFoundError, StoreError, RunLocked, TrackingUnavailable)
+    return (
+        ConfigError, InputError, DatasetError, RewardFailure, FileNotFoundError, StoreError, RunLocked, TrackingUnavailable,
+        RayUnreachable,
+    )  # fmt: skip
 
 
 def build_parser() -> _Parser:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -19,36 +21,74 @@ WORKERS_SOFT_LIMIT = 16  # idle workers kept: the role actors plus the stage tas
 # Set when a signal interrupts the flow's wait: stage tasks waiting on Ray in threads of the flow give up too
 # (their Ray task cancelled), instead of holding the flow's exit until a long stage ends.
 STOPPING = threading.Event()
-# Set by watch_local_raylet when the raylet of the local Ray this process started dies under a live driver.
+# Set by the watch of the Ray this process runs on (watch_local_raylet, watch_joined_cluster) when it dies.
 RAY_LOST = threading.Event()
+# ... and that was a cluster this process joined, whose GCS is gone too: nothing there answers a call any more
+CLUSTER_LOST = threading.Event()
+
+
+class RayUnreachable(ConnectionError):
+    """The Ray cluster at ``ray.address`` could not be joined: one line naming it."""
 
 
 class LocalRayDied(RuntimeError):
-    """The raylet of the local Ray this process started is gone (seen by ``watch_local_raylet``)."""
+    """The Ray this process runs on is gone (seen by ``watch_local_raylet`` or ``watch_joined_cluster``)."""
 
 
 def watch_local_raylet(poll_s: float = 0.5) -> None:
     """Notice within a second that the raylet of the local Ray this process started died (Ray's driver learns
     it from the node's health checks, ~40 s here): RAY_LOST and STOPPING are set, and ``wait_result`` raises
-    LocalRayDied in the flow's main thread. Nothing is watched on a cluster this process joined."""
+    LocalRayDied in the flow's main thread. On a cluster this process joined, ``watch_joined_cluster``."""
     node = getattr(ray._private.worker, "_global_node", None)
     infos = (getattr(node, "all_processes", None) or {}).get("raylet") or []
     raylet = getattr(infos[0], "process", None) if infos else None
     if raylet is None:
         return
-    RAY_LOST.clear()
+    _watch(node, lambda: raylet.poll() is None, poll_s)
+
+
+def watch_joined_cluster(poll_s: float = 1.0, lost_after_s: float = 5.0) -> None:
+    """Notice within seconds that a cluster this process joined (``ray.address``) is gone: its GCS or this node's
+    raylet no longer accepts connections for ``lost_after_s``. Ray's driver would wait 60 s for the GCS, then
+    end the process without a word."""
+    node = getattr(ray._private.worker, "_global_node", None)
+    if node is None:
+        return
+    gcs_host, _, gcs_port = node.gcs_address.rpartition(":")
+    endpoints = [(gcs_host, int(gcs_port)), (node.node_ip_address, node.node_manager_port)]
+    down_since: list[float] = []
+
+    def answers() -> bool:
+        try:
+            for endpoint in endpoints:
+                socket.create_connection(endpoint, timeout=poll_s).close()
+        except OSError:
+            down_since[:] = down_since or [time.monotonic()]
+            return time.monotonic() - down_since[0] < lost_after_s
+        down_since.clear()
+        return True
+
+    _watch(node, answers, poll_s, CLUSTER_LOST)
+
+
+def _watch(node, alive: Callable[[], bool], poll_s: float, *also: threading.Event) -> None:
+    """A daemon thread that sets RAY_LOST (STOPPING, ``also``) once ``alive()`` fails while ``node`` is this process's."""
+    for event in (RAY_LOST, *also):
+        event.clear()
 
     def ours() -> bool:  # ray.shutdown disconnects before it stops the raylet; a later ray.init is another node
         return ray.is_initialized() and getattr(ray._private.worker, "_global_node", None) is node
 
     def watch() -> None:
-        while ours() and raylet.poll() is None:
+        while ours() and alive():
             time.sleep(poll_s)
         if ours():
+            for event in also:
+                event.set()
             RAY_LOST.set()
             STOPPING.set()  # stage threads stop waiting on the dead node too
 
-    threading.Thread(target=watch, name="rlstage-raylet-watch", daemon=True).start()
+    threading.Thread(target=watch, name="rlstage-ray-watch", daemon=True).start()
 
 
 def mute_node_death_reports() -> None:
@@ -81,7 +121,16 @@ def ensure_ray(cfg: RunConfig) -> None:
     apply_defaults()
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     if cfg.ray.address:
-        ray.init(address=cfg.ray.address, namespace=RAY_NAMESPACE, log_to_driver=False)
+        try:
+            ray.init(address=cfg.ray.address, namespace=RAY_NAMESPACE, log_to_driver=False, logging_level=logging.ERROR)
+        except ConnectionError as err:
+            # Ray 2.60 joins an explicit address without the token that `ray start` now requires by default
+            hint = "" if os.environ.get("RAY_AUTH_MODE") else (
+                "; a cluster with token authentication (the default of `ray start`) is joined with RAY_AUTH_MODE=token"
+                " and its token (~/.ray/auth_token or RAY_AUTH_TOKEN)"
+            )  # fmt: skip
+            raise RayUnreachable(f"cannot join the Ray cluster at {cfg.ray.address}: {err}{hint}") from None
+        watch_joined_cluster()
     else:
         ray.init(
             # "local": a new cluster even where /tmp/ray names another (a `ray start` or a dead one)
@@ -115,7 +164,7 @@ def wait_result(future, poll_s: float = 0.05, meanwhile: Callable[[], None] | No
         while not future.wrapped_future.done():
             concurrent.futures.wait([future.wrapped_future], timeout=poll_s)
             if RAY_LOST.is_set():
-                raise LocalRayDied("the raylet of the local Ray died")
+                raise LocalRayDied("the Ray this command runs on stopped answering")
             if meanwhile is not None and not future.wrapped_future.done():
                 meanwhile()
                 meanwhile = None

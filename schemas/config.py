@@ -173,10 +173,24 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+def absolute_root(root: str) -> str:
+    """A local store root as an absolute path (a URL as it is): the workers of a Ray cluster that the run joins
+    run in the cluster's directories and would resolve a relative one there."""
+    if "://" in root and not root.startswith("file://"):
+        return root
+    scheme = "file://" if root.startswith("file://") else ""
+    return scheme + os.path.abspath(os.path.expanduser(root.removeprefix("file://")))
+
+
 class StoreConfig(_Section):
-    root: str = "./rlstage-runs"  # local folder or any fsspec URL (s3://bucket/prefix)
+    root: str = "./rlstage-runs"  # local folder or any fsspec URL (s3://bucket/prefix); a relative folder is taken from where the command runs
     storage_options: dict[str, Any] = Field(default_factory=dict)  # fsspec options of the store's filesystem (S3: endpoint_url, key, secret, ...)
     retries: int = Field(3, ge=0)  # transient store errors are retried with backoff
+
+    @field_validator("root")
+    @classmethod
+    def _absolute(cls, root: str) -> str:
+        return absolute_root(root)
 
 
 class KitConfig(_Section):

@@ -190,3 +190,65 @@ def test_a_dead_local_ray_is_started_again_and_the_run_goes_on(migrated_prefect_
             break
         threading.Event().wait(0.2)
     assert not _rays_of(ours), "a Ray process outlived the command"
+
+
+@pytest.mark.slow
+def test_a_lost_cluster_it_joined_is_one_line_within_seconds(migrated_prefect_home, tmp_path):
+    """A Ray cluster the command did not start (`ray start` elsewhere, token authentication as Ray's default,
+    joined with ``ray.address`` and a relative ``store.root``), SIGKILLed while the trainer holds in update 2:
+    the command stops with one line (exit 3) long before Ray's driver would give up on its GCS (60 s, then an
+    exit without a word), iteration 1 is committed under the command's own directory, not the cluster's."""
+    import subprocess
+    import tempfile
+
+    from rlstage.infra.env import free_port
+    from rlstage.infra.store import ArtifactStore
+
+    port, token = free_port(), os.urandom(16).hex()
+    auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}
+    cluster_dir, user_dir, markers = tmp_path / "cluster", tmp_path / "user", tmp_path / "markers"
+    for d in (cluster_dir, user_dir, markers):
+        d.mkdir()
+    ray_tmp = tempfile.mkdtemp(prefix="rc", dir="/tmp")  # Ray's socket paths must stay short
+    mark = f"RLSTAGE_TEST_CLUSTER={ray_tmp}"
+    head = [
+        str(Path(sys.executable).parent / "ray"), "start", "--head", f"--port={port}", "--num-cpus=2",
+        "--node-ip-address=127.0.0.1", "--include-dashboard=false", f"--temp-dir={ray_tmp}", "--disable-usage-stats",
+    ]  # fmt: skip
+    env = {**cli_env(), **auth, "RLSTAGE_TEST_CLUSTER": ray_tmp}
+    started = subprocess.run(head, cwd=cluster_dir, env=env, capture_output=True, text=True, timeout=120)
+    assert started.returncode == 0, started.stderr[-2000:]
+    migrated_prefect_home(user_dir / ".rlstage" / "prefect")
+    overrides = [
+        *tiny_overrides(), *moving_overrides(), "run_name=joined", "store.root=./store", f"ray.address=127.0.0.1:{port}",
+        "drill.hold_worker_at=['update:2']", f"drill.markers={markers}",
+    ]  # fmt: skip
+    cmd = [sys.executable, "-m", "rlstage.flows.cli", "train", *overrides]
+    try:
+        proc = start_cli_until(cmd, user_dir, {**cli_env(), **auth}, "iteration   1:")
+        try:
+            for _ in range(600):
+                if (markers / "held-update-2").exists() or proc.poll() is not None:
+                    break
+                time.sleep(0.2)
+            assert proc.poll() is None, proc.stdout.read()
+            t0 = time.monotonic()
+            for pid in _processes_with_env(mark):  # the whole cluster: its GCS, raylet and workers
+                os.kill(pid, signal.SIGKILL)
+            rest = proc.stdout.read()
+            assert proc.wait(120) == 3, rest
+            print(f"said {time.monotonic() - t0:.1f} s after the kill")  # printed, not asserted: a slow machine is no failure
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    finally:
+        for pid in _processes_with_env(mark):
+            os.kill(pid, signal.SIGKILL)
+    line = (
+        f"rlstage: the Ray cluster at 127.0.0.1:{port} stopped answering during the run; committed stages are kept, "
+        "rerun the command to continue"
+    )
+    assert rest.strip().splitlines() == [line], rest  # no Prefect ERROR lines, no Ray report of the dead GCS
+    store = ArtifactStore(str(user_dir / "store"))
+    assert store.manifest("joined", 1, "update") is not None and store.manifest("joined", 2, "update") is None
+    assert not (cluster_dir / "store").exists()

@@ -25,7 +25,7 @@ from ray.exceptions import ActorUnavailableError
 from ray.util.placement_group import get_placement_group, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rlstage.infra.ray_runtime import RAY_NAMESPACE
+from rlstage.infra.ray_runtime import CLUSTER_LOST, RAY_NAMESPACE
 from rlstage.infra.store import store_identity
 from rlstage.schemas.config import ConfigError, RunConfig
 from rlstage.schemas.manifest import Manifest, PolicyRef
@@ -220,6 +220,8 @@ class PolicyGroup:
         are killed at once and the files their engines registered are removed here."""
         from rlstage.engines.rollout.vllm_engine import reap_owned_files
 
+        if CLUSTER_LOST.is_set():  # each call would wait 60 s for a GCS that is gone, and its workers went with it
+            return
         pids = [pid for r in self.actors if (pid := _actor_pid(r)) is not None]
         for r in self.actors:
             if not busy:
