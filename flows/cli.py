@@ -339,9 +339,11 @@ def cmd_inspect(args) -> int:
     from rlstage.infra.explore import Experience, run_query
     from rlstage.infra.store import ArtifactStore
 
-    exp = Experience.open(ArtifactStore(args.store), args.run, None if args.iteration is None else [args.iteration])
+    iterations = None if args.iteration is None else [args.iteration]
+    exp = Experience.open(ArtifactStore(args.store), args.run, iterations, sample_id=args.sample)
     frame = run_query(exp, args.query, args.limit).collect()
-    with pl.Config(tbl_rows=-1, tbl_cols=-1, fmt_str_lengths=40, tbl_width_chars=200, tbl_hide_dataframe_shape=True):
+    wide = 100 if args.query == "trajectory" else 40  # a turn's content is what it shows
+    with pl.Config(tbl_rows=-1, tbl_cols=-1, fmt_str_lengths=wide, tbl_width_chars=200, tbl_hide_dataframe_shape=True):
         print(frame)
     return 0
 
@@ -601,7 +603,8 @@ def build_parser() -> _Parser:
     p.add_argument("run", help="run name")
     p.add_argument("-q", "--query", choices=list(QUERIES), default="rewards", help="the query")
     p.add_argument("-i", "--iteration", type=int, default=None, help="one iteration (None: all)")
-    p.add_argument("-n", "--limit", type=int, default=10, help="rows of best/worst/logprob-gap")
+    p.add_argument("-n", "--limit", type=int, default=10, help="rows of best/worst/logprob-gap, samples of trajectory")
+    p.add_argument("-s", "--sample", default=None, help="one sample id (e.g. a trajectory's)")
     p.add_argument("--store", default="./rlstage-runs", help="store root of the run")
     p.set_defaults(fn=cmd_inspect)
 

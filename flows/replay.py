@@ -18,6 +18,7 @@ from rlstage.flows.training import Models, models_before, name_flow_run
 from rlstage.infra.ray_runtime import ensure_ray
 from rlstage.infra.store import ArtifactStore
 from rlstage.infra.story import publish_replay, published
+from rlstage.schemas.artifacts import TIMING_COLUMNS
 from rlstage.schemas.config import ConfigError, RunConfig
 from rlstage.schemas.manifest import Manifest, PolicyRef
 from rlstage.schemas.stages import SPECS, STAGE_FILES, spec
@@ -100,10 +101,19 @@ def replay(
     return {**summary, **publish_replay(cfg, summary, overrides, original.artifact_id)}
 
 
+def _same_but_timing(store: ArtifactStore, original: Manifest, replayed: Manifest, name: str) -> bool:
+    """Two Parquet files equal in every column but those of wall-clock time (an agent's turn seconds)."""
+    if not name.endswith(".parquet"):
+        return False
+    a, b = store.read_table(original, name), store.read_table(replayed, name)
+    timing = [c for c in TIMING_COLUMNS if c in a.column_names]
+    return bool(timing) and a.drop_columns(timing).equals(b.drop_columns([c for c in timing if c in b.column_names]))
+
+
 def summarize(store: ArtifactStore, original: Manifest, replayed: Manifest) -> dict:
     main_file = STAGE_FILES[original.stage]
     same = {
-        name: original.files[name].sha256 == entry.sha256
+        name: original.files[name].sha256 == entry.sha256 or _same_but_timing(store, original, replayed, name)
         for name, entry in replayed.files.items()
         if name in original.files
     }

@@ -14,6 +14,7 @@ the manifest's row count is checked against the Parquet footer when a frame is b
 
 from __future__ import annotations
 
+import json
 import posixpath
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -58,12 +59,13 @@ class Experience:
     run: str
     iterations: tuple[int, ...]  # the iterations looked at (each has a committed rollout)
     version: str = MAIN
+    sample_id: str | None = None  # one sample only (every frame filtered to it)
 
     @classmethod
     def open(
-        cls, store: ArtifactStore, run: str, iterations: list[int] | None = None, version: str = MAIN
+        cls, store: ArtifactStore, run: str, iterations: list[int] | None = None, version: str = MAIN, sample_id: str | None = None
     ) -> Experience:
-        """Select ``iterations`` (default: every iteration with a committed rollout) of ``run``."""
+        """Select ``iterations`` (default: every iteration with a committed rollout) of ``run``, and one sample."""
         committed = [it for it in store.iterations(run) if store.manifest(run, it, "rollout", version)]
         if not committed:
             runs = _runs_under(store)
@@ -77,7 +79,7 @@ class Experience:
                 f"run {run!r} has no committed rollout for iteration {', '.join(map(str, missing))} "
                 f"(committed: {_span(committed)})"
             )
-        return cls(store, run, tuple(sorted(iterations) if iterations else committed), version)
+        return cls(store, run, tuple(sorted(iterations) if iterations else committed), version, sample_id)
 
     def _manifests(self, stage: str) -> list[Manifest]:
         found = (self.store.manifest(self.run, it, stage, self.version) for it in self.iterations)
@@ -100,7 +102,8 @@ class Experience:
         manifests = self._manifests(TABLES[name])
         if not manifests:
             raise NotCommitted(f"run {self.run!r} has no committed {TABLES[name]} in iterations {_span(list(self.iterations))}")
-        return pl.concat([self._scan(m) for m in manifests], how="vertical")
+        frame = pl.concat([self._scan(m) for m in manifests], how="vertical")
+        return frame if self.sample_id is None or name == "eval" else frame.filter(pl.col("sample_id") == self.sample_id)
 
     def rollouts(self) -> pl.LazyFrame:
         return self.frame("rollouts")
@@ -259,3 +262,41 @@ def logprob_gap(exp: Experience, limit: int) -> pl.LazyFrame:
         .sort(["max_gap", "iteration", "sample_id"], descending=[True, False, False])
         .head(limit)
     )
+
+
+@query("trajectory")
+def trajectories(exp: Experience, limit: int) -> pl.LazyFrame:
+    """The turns of the multi-turn (agent) samples with the most turns, latest iteration first (``-s``: one
+    sample): who spoke, its tokens in the trajectory, the seconds the turn took, and what was said."""
+    rollouts = exp.rollouts()
+    have = rollouts.collect_schema().names()
+    timed = "turn_seconds" in have  # runs of rlstage 0.1 have no turn timing
+    picked = (
+        rollouts.filter(pl.col("messages_json").is_not_null())
+        .sort(["num_turns", "iteration", "sample_id"], descending=[True, True, False])
+        .head(limit)
+        .select("iteration", "sample_id", "prompt_length", "messages_json", "turn_bounds", *(["turn_seconds"] * timed))
+        .collect()
+    )
+    if picked.is_empty():
+        which = f"sample {exp.sample_id!r}" if exp.sample_id else "multi-turn (agent) samples"
+        raise NotCommitted(f"run {exp.run!r} has no {which} in iterations {_span(list(exp.iterations))}")
+    rows = []
+    for r in picked.iter_rows(named=True):
+        messages = json.loads(r["messages_json"])
+        first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
+        rows += [(r["iteration"], r["sample_id"], 0, m["role"], r["prompt_length"] if i == 0 else None, None, m["content"])
+                 for i, m in enumerate(messages[:first])]  # fmt: skip
+        turns: list[list[dict]] = []  # an assistant message, or the tool / user messages that answer it
+        for m in messages[first:]:
+            if m["role"] == "assistant" or not turns or turns[-1][0]["role"] == "assistant":
+                turns.append([m])
+            else:
+                turns[-1].append(m)
+        seconds = r.get("turn_seconds") or [None] * len(r["turn_bounds"])
+        for k, (said, bounds, took) in enumerate(zip(turns, r["turn_bounds"], seconds, strict=False), start=1):
+            content = "\n".join(m["content"] for m in said)
+            rows.append((r["iteration"], r["sample_id"], k, bounds["role"], bounds["end"] - bounds["start"], took, content))
+    schema = {"iteration": pl.Int64, "sample_id": pl.String, "turn": pl.Int64, "role": pl.String, "tokens": pl.Int64,
+              "seconds": pl.Float64, "content": pl.String}  # fmt: skip
+    return pl.DataFrame(rows, schema=schema, orient="row").lazy()

@@ -56,6 +56,8 @@ ROLLOUTS = pa.schema(
         ("tool_timeouts", pa.int32()),
         # agent.function runs: the reward the agent returned (null: the rule scores response_text; 0 when it failed)
         ("agent_reward", pa.float32()),
+        # wall seconds of each turn of turn_bounds: the policy's generation, or the tools' (the agent's own) work
+        ("turn_seconds", _floats),
     ]
 )
 
@@ -125,7 +127,9 @@ SCHEMAS: dict[str, pa.Schema] = {
 
 
 # Columns added after an artifact kind was first stored: a table written before them gets them as nulls.
-LATE_COLUMNS = frozenset({"agent_reward"})
+LATE_COLUMNS = frozenset({"agent_reward", "turn_seconds"})
+# Columns of wall-clock time: a replay that reproduces every other value is the same artifact (flows/replay.py).
+TIMING_COLUMNS = frozenset({"turn_seconds"})
 
 
 def conform(table: pa.Table, schema: pa.Schema) -> pa.Table:

@@ -317,7 +317,7 @@ def _complete(cfg: ConfigView, group: PolicyGroup, version: str, batch: list[dic
     return group.generate(Generator.generate_ids, version, prompt_ids, params), {}
 
 
-_AGENT_COLUMNS = ("turn_bounds", "truncated", "num_turns", "tool_calls", "tool_errors", "tool_timeouts", "agent_reward")
+_AGENT_COLUMNS = ("turn_bounds", "truncated", "num_turns", "tool_calls", "tool_errors", "tool_timeouts", "agent_reward", "turn_seconds")
 
 
 def _rollouts_table(batch: list[dict], comps: list[dict], iteration: int, round_: int, per_round: int) -> pa.Table:

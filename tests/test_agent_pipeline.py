@@ -81,3 +81,30 @@ def test_agent_metrics_reach_mlflow(agent_run):
     ):
         assert name in run.data.metrics, name
     assert run.data.metrics["num_turns/mean"] > 1.0
+
+
+def test_a_stored_trajectory_shows_its_turns_and_a_replay_reproduces_it(agent_run, capsys):
+    """Each turn's seconds are stored beside its bounds; `rlstage inspect -q trajectory` shows a multi-turn sample
+    turn by turn; a replay of the rollout reproduces every column but the seconds, and the reward replays from it."""
+    from rlstage.flows.cli import main
+    from rlstage.flows.replay import replay
+    from rlstage.tasks.runtime import store_for
+
+    cfg, _ = agent_run
+    store = store_for(cfg)
+    rows = store.read_table(store.manifest("agent", 2, "rollout"), "rollouts.parquet").to_pylist()
+    for r in rows:
+        assert len(r["turn_seconds"]) == len(r["turn_bounds"]) and all(s >= 0 for s in r["turn_seconds"])
+    sample = max(rows, key=lambda r: (r["tool_calls"], r["sample_id"]))
+    assert sample["tool_calls"] > 0
+    capsys.readouterr()
+    assert main(["inspect", "agent", "-q", "trajectory", "-i", "2", "-s", sample["sample_id"], "--store", cfg.store.root]) == 0
+    shown = capsys.readouterr().out
+    print(shown)  # docs/agents.md shows one such table
+    roles = [b["role"] for b in sample["turn_bounds"]]
+    table = [line for line in shown.splitlines() if sample["sample_id"] in line]
+    assert [line.split("┆")[3].strip() for line in table] == ["user", *roles], shown  # the prompt, then each turn
+    assert "tool" in roles and "multiply" in shown, shown
+    replayed = replay(run_name="agent", iteration=2, stage="rollout", store_root=cfg.store.root)
+    assert replayed["identical"], replayed["files_identical"]
+    assert replay(run_name="agent", iteration=2, stage="reward", store_root=cfg.store.root)["identical"]

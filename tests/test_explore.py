@@ -129,7 +129,7 @@ def test_queries_on_a_local_run(local: ArtifactStore):
     assert isinstance(exp.samples(), pl.LazyFrame)
     one = Experience.open(local, RUN, [2])
     assert one.rollouts().select("iteration").unique().collect()["iteration"].to_list() == [2]
-    assert set(QUERIES) == {"rewards", "best", "worst", "lengths", "advantages", "logprob-gap"}
+    assert set(QUERIES) == {"rewards", "best", "worst", "lengths", "advantages", "logprob-gap", "trajectory"}
 
 
 def test_inspect_cli(local: ArtifactStore, capsys):
@@ -140,6 +140,10 @@ def test_inspect_cli(local: ArtifactStore, capsys):
     assert "truncated" in out and "p90" in out
     assert main(["inspect", RUN, "--store", local.root, "-q", "worst", "-n", "2", "-i", "2"]) == 0
     assert "response_text" in capsys.readouterr().out
+
+    assert main(["inspect", RUN, "--store", local.root, "-q", "trajectory"]) == 2  # single-turn samples: none to show
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"rlstage: run '{RUN}' has no multi-turn (agent) samples in iterations 1, 2"]
 
     assert main(["inspect", RUN, "--store", local.root, "--iteration", "7"]) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -118,6 +118,7 @@ class SampleRecord:
     ended: str | None = None  # a limit that ended the trajectory: later requests are answered empty
     closed: bool = False  # the agent returned (or failed): requests are refused
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one request of a sample at a time
+    replied_at: float = 0.0  # when the last completion was answered: the agent's own turn runs from there
 
 
 def _assistant_message(text: str, call_id: str) -> tuple[dict, dict[str, str]]:
@@ -227,7 +228,7 @@ class ChatEndpoint:
             rec.ended, t.truncated = "length", True
             return self._empty("length")
         t.messages.extend(plain)
-        t.append(env, False, None, "tool" if tool_msgs else plain[-1]["role"])
+        t.append(env, False, None, "tool" if tool_msgs else plain[-1]["role"], time.perf_counter() - rec.replied_at)
         t.states.append("generating")
         rec.seen = norm
         return None
@@ -261,11 +262,12 @@ class ChatEndpoint:
         except Exception as err:  # the engine failed: the stage fails with it (retried), as the built-in loop's does
             self.engine_error = self.engine_error or err
             raise
-        t.model_s += time.perf_counter() - t0
+        took = time.perf_counter() - t0
+        t.model_s += took
         if rec.closed:  # the agent gave up (timeout) while this turn was generated: not recorded
             raise RequestError(409, "sample_closed", f"sample {sample_id!r} has ended (its agent returned or failed)")
         ids = list(gen.token_ids)[: params.max_new_tokens]
-        t.append(ids, True, list(gen.log_probs)[: len(ids)], "assistant")
+        t.append(ids, True, list(gen.log_probs)[: len(ids)], "assistant", took)
         t.num_turns += 1
         text = self.fmt.decode(ids)
         t.messages.append({"role": "assistant", "content": text})
@@ -281,6 +283,7 @@ class ChatEndpoint:
         elif calls and lim.max_tool_calls - t.tool_calls <= 0:
             rec.ended = "max_tool_calls"
         reason = "tool_calls" if calls else gen.finish_reason
+        rec.replied_at = time.perf_counter()
         return _response(msg, reason, len(t.prompt_ids) + len(t.response_ids) - len(ids), len(ids))
 
     def finish(self, rec: SampleRecord) -> Trajectory | None:
@@ -448,7 +451,7 @@ def _failed(t: Trajectory | None, i: int, k: int, fmt: ChatFormat, messages: lis
     if t is None:
         eos = fmt.tok.eos_token_id
         t = Trajectory(i, k, fmt.prompt_ids(messages), messages)
-        t.append([eos], False, None, "assistant")
+        t.append([eos], False, None, "assistant", 0.0)
         t.finish_reason = "stop"
     t.response_mask = [0] * len(t.response_ids)
     return t

@@ -149,6 +149,7 @@ class Trajectory:
     response_mask: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
     turn_bounds: list[dict] = field(default_factory=list)  # {"role", "start", "end"} over response_ids
+    turn_seconds: list[float] = field(default_factory=list)  # wall seconds of each turn of turn_bounds
     text: str = ""  # the last assistant message: the answer a reward function scores
     finish_reason: str = ""
     truncated: bool = False  # stopped by max_response_tokens (always at a turn boundary or the sampler's cut)
@@ -163,7 +164,8 @@ class Trajectory:
     states: list[str] = field(default_factory=list)
     done_seq: int = -1  # completion order within the batch
 
-    def append(self, ids: Sequence[int], policy: bool, log_probs: Sequence[float] | None, role: str) -> None:
+    def append(self, ids: Sequence[int], policy: bool, log_probs: Sequence[float] | None, role: str, seconds: float) -> None:
+        """A turn: the policy's (its sampling log-probs) or the environment's (tools, user), and how long it took."""
         if log_probs is not None and len(log_probs) != len(ids):
             raise ValueError(f"the policy returned {len(ids)} tokens but {len(log_probs)} log-probs")
         start = len(self.response_ids)
@@ -171,6 +173,7 @@ class Trajectory:
         self.response_mask.extend([1 if policy else 0] * len(ids))
         self.log_probs.extend(list(log_probs) if log_probs is not None else [0.0] * len(ids))
         self.turn_bounds.append({"role": role, "start": start, "end": len(self.response_ids)})
+        self.turn_seconds.append(seconds)
 
     def to_row(self) -> dict:
         """The completion dict the rollout stage stores (``Completion`` keys plus the agent fields)."""
@@ -228,9 +231,10 @@ class AgentRequest:
             params = replace(self.params, n=1, max_new_tokens=max(1, min(self.params.max_new_tokens, budget)))
             t0 = time.perf_counter()
             gen = await self.policy.generate(t.prompt_ids + t.response_ids, params, self.key)
-            t.model_s += time.perf_counter() - t0
+            took = time.perf_counter() - t0
+            t.model_s += took
             ids = list(gen.token_ids)[: params.max_new_tokens]
-            t.append(ids, True, list(gen.log_probs)[: len(ids)], "assistant")
+            t.append(ids, True, list(gen.log_probs)[: len(ids)], "assistant", took)
             t.num_turns += 1
             text = self.fmt.decode(ids)
             t.messages.append({"role": "assistant", "content": text})
@@ -252,7 +256,8 @@ class AgentRequest:
                     *(execute_tool_call(c, self.tools, self.tool_executor, lim.max_tool_output_chars) for c in calls[:room])
                 )
             )
-            t.tool_s += time.perf_counter() - t0
+            tools_took = time.perf_counter() - t0
+            t.tool_s += tools_took
             outcomes += [
                 ToolOutcome(f"error: tool call limit ({lim.max_tool_calls} per request) reached; not run", LIMIT, name=c.name)
                 for c in calls[room:]
@@ -269,7 +274,7 @@ class AgentRequest:
             if len(t.response_ids) + len(env) >= lim.max_response_tokens:
                 return self._finish("length", truncated=True)
             t.messages.extend(tool_messages)
-            t.append(env, False, None, "tool")
+            t.append(env, False, None, "tool", tools_took)
             self._to(AgentState.GENERATING)
 
 
