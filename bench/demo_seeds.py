@@ -9,8 +9,8 @@ is trained once per seed and reused on a rerun with the same store). ``--real`` 
 instead (``rlstage train -c configs/reasoning-smollm2.yaml`` on the fetched SmolLM2) with ``trainer.seed``,
 ``rollout.seed`` and ``data.shuffle_seed`` set to the seed; its held-out split stays the same. Prints one
 JSON line per seed (start, final and best held-out accuracy, the first evaluated iteration at or above the
-target, wall seconds of the whole command, the median seconds of an iteration, the peak memory of the
-command and everything it started), then one line with the median and range over the seeds.
+target, wall seconds of the whole command, the median seconds of an iteration, the peak memory (PSS) of
+the command and everything it started), then one line with the median and range over the seeds.
 """
 
 from __future__ import annotations
@@ -32,18 +32,20 @@ ITERATION_LINE = re.compile(r"^iteration\s+(\d+): .*\| ([0-9.]+)s, executed")  #
 REAL_CONFIG = "configs/reasoning-smollm2.yaml"
 
 
-def tree_rss_bytes(owner: int) -> int:
-    """Resident memory of a command and of every process it started (they carry its RLSTAGE_OWNER_PID)."""
+def tree_pss_bytes(owner: int) -> int:
+    """Memory of a command and of every process it started (they carry its RLSTAGE_OWNER_PID): the sum of their
+    proportional set sizes, so that pages the processes share (torch's libraries, a model mapped by several)
+    count once, not once per process as in a sum of RSS."""
     from rlstage.infra.home import OWNER_ENV, process_environs
 
     total = 0
     for pid, env in process_environs():
         if pid == owner or env.get(OWNER_ENV.encode()) == str(owner).encode():
             try:
-                rss = next(ln for ln in Path(f"/proc/{pid}/status").read_text().splitlines() if ln.startswith("VmRSS"))
+                pss = next(ln for ln in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines() if ln.startswith("Pss:"))
             except (OSError, StopIteration):  # gone meanwhile, or a zombie
                 continue
-            total += int(rss.split()[1]) * 1024
+            total += int(pss.split()[1]) * 1024
     return total
 
 
@@ -70,7 +72,7 @@ def run_seed(seed: int, store: str, target: float, overrides: list[str], real: b
 
     def sample() -> None:  # every 2 s while it runs: the peak of the whole tree, Ray's workers included
         while proc.poll() is None:
-            peak[0] = max(peak[0], tree_rss_bytes(proc.pid))
+            peak[0] = max(peak[0], tree_pss_bytes(proc.pid))
             time.sleep(2)
 
     sampler = threading.Thread(target=sample, daemon=True)
@@ -91,8 +93,8 @@ def run_seed(seed: int, store: str, target: float, overrides: list[str], real: b
         "best": max(a for _i, a in curve),
         "iterations_to_target": next((i for i, a in curve if a >= target), None),
         "wall_s": round(wall, 1),
-        "iteration_s": statistics.median(t) if (t := iteration_seconds(proc.stdout)) else None,
-        "peak_rss_gib": round(peak[0] / 2**30, 2),
+        "iteration_s": statistics.median(t) if (t := iteration_seconds(proc.stderr)) else None,  # the terminal's lines
+        "peak_pss_gib": round(peak[0] / 2**30, 2),
         "curve": curve,
     }
 
@@ -115,7 +117,7 @@ def main() -> None:
         rows.append(run_seed(seed, args.store, args.target, args.overrides, args.real))
         print(json.dumps(rows[-1]), flush=True)
     summary: dict = {"seeds": len(rows), "target": args.target}
-    for key in ("start", "final", "best", "wall_s", "peak_rss_gib"):
+    for key in ("start", "final", "best", "wall_s", "peak_pss_gib"):
         vals = [r[key] for r in rows]
         summary[key] = {"median": statistics.median(vals), "min": min(vals), "max": max(vals)}
     summary["all_reach_target"] = all(r["iterations_to_target"] is not None for r in rows)
