@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/chaos.py --seeds 0 1 2 3 4 5 6 7 8 9
 
-Each seed draws four kills of distinct kinds (the command, its Prefect server, a trainer worker, the rollout
+Each seed draws ``--kills`` kills (default four; CI's test draws three) of distinct kinds (the command, its Prefect server, a trainer worker, the rollout
 worker, a stage task's process) at random iterations; the test restarts the command after each death until it
 completes, then compares every artifact with an undisturbed run's, MLflow's steps, Prefect's states and the
 processes left. One JSON line per seed (its schedule, the attempts' exit codes, passed or the failure's last
@@ -27,12 +27,13 @@ TEST = "tests/test_chaos.py::test_a_run_killed_at_random_is_the_run_undisturbed"
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=list(range(10)), help="one schedule per seed")
+    parser.add_argument("--kills", type=int, default=4, help="kills of distinct kinds per schedule (1..5)")
     parser.add_argument("--out", type=Path, default=None, help="also append the JSON lines to this file")
     args = parser.parse_args(argv)
     passed = 0
     for seed in args.seeds:
         t0 = time.perf_counter()
-        env = {**os.environ, "RLSTAGE_CHAOS_SEED": str(seed)}
+        env = {**os.environ, "RLSTAGE_CHAOS_SEED": str(seed), "RLSTAGE_CHAOS_KILLS": str(args.kills)}
         cmd = [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", TEST]
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
         out = proc.stdout + proc.stderr
@@ -53,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.out is not None:
             with args.out.open("a") as f:
                 f.write(line + "\n")
-    print(json.dumps({"schedules": len(args.seeds), "passed": passed}))
+    print(json.dumps({"schedules": len(args.seeds), "kills_each": args.kills, "passed": passed}))
     return 0 if passed == len(args.seeds) else 1
 
 
