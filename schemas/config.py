@@ -183,7 +183,7 @@ def absolute_root(root: str) -> str:
 
 
 class StoreConfig(_Section):
-    root: str = "./rlstage-runs"  # local folder or any fsspec URL (s3://bucket/prefix); a relative folder is taken from where the command runs
+    root: str = Field("./rlstage-runs", validate_default=True)  # local folder or any fsspec URL (s3://bucket/prefix); a relative folder is taken from where the command runs
     storage_options: dict[str, Any] = Field(default_factory=dict)  # fsspec options of the store's filesystem (S3: endpoint_url, key, secret, ...)
     retries: int = Field(3, ge=0)  # transient store errors are retried with backoff
 
