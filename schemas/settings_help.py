@@ -63,6 +63,17 @@ def rows() -> list[tuple[str, type[BaseModel], str, object, str]]:
     return out
 
 
+@functools.cache
+def setting_paths() -> frozenset[str]:
+    """Every setting's dotted path and every section's (a section: its table), without the help texts, whose
+    reading parses the config module's source (a second of a config error's one line)."""
+    found = set()
+    for prefix, model in sections(RunConfig):
+        found.add(prefix.rstrip("."))
+        found |= {f"{prefix}{name}" for name in model.model_fields}
+    return frozenset(found - {""})
+
+
 def missing_help() -> list[str]:
     """Settings with neither a description nor a comment in schemas/config.py (tests/test_docs.py fails on any)."""
     return [f"{prefix}{name}" for prefix, _, name, _, text in rows() if not text]
@@ -129,8 +140,7 @@ def reference_link(message: str) -> str | None:
     if m is None:
         return None
     key = m.group(1).replace("[", ".").replace("]", "")
-    known = {f"{prefix}{name}" for prefix, _, name, _, _ in rows()}
-    known |= {prefix.rstrip(".") for prefix, _ in sections(RunConfig) if prefix}  # a section: its table
+    known = setting_paths()
     parts = key.split(".")
     for end in range(len(parts), 0, -1):
         if ".".join(parts[:end]) in known:
