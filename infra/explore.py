@@ -279,7 +279,7 @@ def trajectories(exp: Experience, limit: int) -> pl.LazyFrame:
         .collect()
     )
     if picked.is_empty():
-        which = f"sample {exp.sample_id!r}" if exp.sample_id else "multi-turn (agent) samples"
+        which = f"multi-turn (agent) sample {exp.sample_id!r}" if exp.sample_id else "multi-turn (agent) samples"
         raise NotCommitted(f"run {exp.run!r} has no {which} in iterations {_span(list(exp.iterations))}")
     rows = []
     for r in picked.iter_rows(named=True):
