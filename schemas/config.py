@@ -418,7 +418,7 @@ class AgentConfig(_Section):
     max_tool_output_chars: int = Field(2048, ge=1)  # a tool's output is cut to this many characters
     tool_workers: int = Field(8, ge=1)  # threads running sync tools
     max_concurrency: int = Field(1024, ge=1)  # requests in flight at once
-    batch_window_ms: float = Field(50.0, ge=0)  # how long a batch waits for requests in tool calls
+    batch_window_ms: float = Field(50.0, ge=0)  # a batch waits for more requests until none has come for this long
     tools_in_prompt: bool = True  # pass the tool schemas to the chat template (its system prompt)
     chat_template: str | None = None  # a Jinja template or a path to one; None: the tokenizer's own
     function: str | None = Field(None, json_schema_extra=HASHED_WHEN_SET)  # your own agent, "package.module:function" (async, called with an OpenAI client and the sample); None: the built-in loop

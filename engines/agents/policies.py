@@ -51,9 +51,9 @@ class RolloutEngine(Protocol):
 class BatchingPolicy:
     """Concurrent requests -> batched ``engine.generate_ids`` calls on one worker thread.
 
-    A batch starts when every live request is waiting on the model, the batch is full, or
-    ``window_s`` has passed since the first waiting request (so a request in a slow tool call
-    delays the others by at most the window). Requests in a batch are ordered by key and each
+    A batch starts when every live request is waiting on the model, the batch is full, or no
+    request has arrived for ``window_s`` (so a request in a slow tool call delays the others by
+    one quiet window). Requests in a batch are ordered by key and each
     batch has its own seed, so with tools that answer within the window the batches — and the
     samples — are the same on every run.
     """
@@ -105,9 +105,13 @@ class BatchingPolicy:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            first = loop.time()
+            # The window restarts at each arrival: requests that trickle in (HTTP agents answer one by one) join one
+            # batch, while a request in a slow tool call holds the others back by one quiet window at most.
+            last, waiting = loop.time(), len(self._queue)
             while len(self._queue) < min(max(self._active, 1), self.max_batch):
-                left = self.window_s - (loop.time() - first)
+                if len(self._queue) > waiting:
+                    last, waiting = loop.time(), len(self._queue)
+                left = self.window_s - (loop.time() - last)
                 if left <= 0:
                     break
                 self._wake.clear()
