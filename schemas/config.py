@@ -80,7 +80,7 @@ class ConfigDeprecation(DeprecationWarning):
 # those runs committed keep their keys (a nightly after an upgrade continues them instead of redoing them).
 HASHED_WHEN_SET = {"hashed_when_set": True}
 # Built-in data sources that generate their prompts instead of reading train_path/test_path (engines/datasets.py).
-GENERATED_SOURCES = frozenset({"synthetic", "reasoning_gym"})
+GENERATED_SOURCES = frozenset({"synthetic", "reasoning_gym", "openenv"})
 
 
 def _default(field: Any) -> Any:

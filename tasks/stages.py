@@ -389,14 +389,17 @@ def score_round(cfg: ConfigView, table: pa.Table) -> StageOutput:
     rows = table.select(["response_text", "ground_truth", "data_source", "extra_info"]).to_pylist()
     rule: list[float | None] = [None] * len(rows)
     rm_on = cfg.reward_model.enable
-    ruled = [i for i, r in enumerate(rows) if not rm_on or rewards.has_rule(r["data_source"], cfg.reward.function)]
+    # An agent function's own reward (agent.function) replaces the rule's, so its rows need none (an OpenEnv episode
+    # has none); rollouts stored before it have no column.
+    given = table.column("agent_reward").to_pylist() if "agent_reward" in table.column_names else [None] * len(rows)
+    ruled = [
+        i for i, r in enumerate(rows) if given[i] is None and (not rm_on or rewards.has_rule(r["data_source"], cfg.reward.function))
+    ]
     results = score_rows(cfg, [rows[i] for i in ruled]) if ruled else []
     fn_names: list[str | None] = [None] * len(rows)
     errors: list[str | None] = [None] * len(rows)
     for i, r in zip(ruled, results, strict=True):
         rule[i], fn_names[i], errors[i] = r.score, r.reward_fn, r.error
-    # An agent function's own reward (agent.function) replaces the rule's; rollouts stored before it have no column.
-    given = table.column("agent_reward").to_pylist() if "agent_reward" in table.column_names else [None] * len(rows)
     for i, g in enumerate(given):
         if g is not None:
             rule[i], fn_names[i], errors[i] = g, "agent.function", None
@@ -685,8 +688,12 @@ def evaluate(
             comps += sampled
             log += sampled_stats.get("log", [])
         rows = rewards.completion_rows(batch, comps)
-        # An agent function's own reward (agent.function) is the sample's score, as in the reward stage.
-        scores = [r.score if c.get("agent_reward") is None else c["agent_reward"] for r, c in zip(score_rows(cfg, rows), comps, strict=True)]
+        # An agent function's own reward (agent.function) is the sample's score, as in the reward stage: the rule
+        # scores only the rows without one.
+        scores = [c.get("agent_reward") for c in comps]
+        ruled = [i for i, sc in enumerate(scores) if sc is None]
+        for i, r in zip(ruled, score_rows(cfg, [rows[i] for i in ruled]) if ruled else [], strict=True):
+            scores[i] = r.score
         greedy_n = len(batch)
         table = pa.table(
             {

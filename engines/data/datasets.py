@@ -6,6 +6,7 @@ verl-format parquet files. Bad input raises one ``DatasetError`` naming the file
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import json
 import random
@@ -499,6 +500,92 @@ def load_reasoning_gym(path: str | None = None, split: str = "train", **settings
     train = [row for row in _reasoning_gym_rows(s, "train", s.train_size, s.seed + 1) if row["prompt"] not in held_out]
     if not train:
         raise DatasetError(f"reasoning_gym task {s.task!r}: every training question is also held out (too few distinct questions)")
+    return _to_table(train)
+
+
+# ---------------------------------------------------------------- OpenEnv
+
+OPENENV_SOURCE = "openenv"  # episodes of a running OpenEnv server; rlstage.engines.agents.openenv:episode plays them
+
+
+class OpenEnvSettings(BaseModel):
+    """``data.source_settings`` of ``data.source: openenv``: episodes of an OpenEnv environment (PyPI ``openenv-core``)
+    whose server is already running. A prompt row is one episode: its seed, and as its prompt the text of the
+    observation that ``reset(seed)`` returns (asked once at data prep). The agent
+    ``rlstage.engines.agents.openenv:episode`` plays it; the environment's rewards are the sample's reward."""
+
+    model_config = ConfigDict(extra="forbid")
+    url: str = Field(description="the environment server's base URL (http://host:port or ws://host:port)")
+    observation_field: str = Field("prompt", description="the observation's field whose text the policy reads, as a user message")
+    action_field: str = Field("message", description="the action's field that the policy's reply fills")
+    max_steps: int = Field(4, ge=1, description="steps of an episode at most (the environment's done ends it sooner)")
+    train_size: int = Field(1000, ge=1, description="training episodes (seeds after the held-out ones)")
+    test_size: int = Field(100, ge=1, description="held-out episodes, never trained on (seeds seed .. seed + test_size - 1)")
+    seed: int = Field(0, ge=0, description="the first held-out episode's seed")
+    timeout_s: float = Field(30.0, gt=0, description="seconds a reply of the environment server may take")
+
+
+def observation_text(observation: Any, field: str) -> str:
+    """The policy's view of an OpenEnv observation: its ``field``, which must hold text."""
+    value = observation.get(field) if isinstance(observation, dict) else None
+    if not isinstance(value, str):
+        keys = ", ".join(sorted(observation)) if isinstance(observation, dict) else type(observation).__name__
+        raise DatasetError(f"OpenEnv observation field {field!r} is not text (the observation has: {keys}); set observation_field")
+    return value
+
+
+async def _first_observations(s: OpenEnvSettings, seeds: list[int]) -> list[str]:
+    from openenv.core.generic_client import GenericEnvClient
+
+    gate = asyncio.Semaphore(32)  # connections at once: each is a session the server holds
+
+    async def one(seed: int) -> str:
+        async with gate, GenericEnvClient(base_url=s.url, connect_timeout_s=s.timeout_s, message_timeout_s=s.timeout_s) as env:
+            return observation_text((await env.reset(seed=seed)).observation, s.observation_field)
+
+    return await asyncio.gather(*(one(seed) for seed in seeds))
+
+
+def _openenv_rows(s: OpenEnvSettings, split: str, seeds: list[int]) -> list[dict[str, Any]]:
+    try:
+        prompts = asyncio.run(_first_observations(s, seeds))
+    except DatasetError:
+        raise
+    except Exception as err:  # the server's or the connection's failure, in one line
+        raise DatasetError(f"OpenEnv server {s.url}: reset failed: {type(err).__name__}: {' '.join(str(err).split())}") from None
+    episode = s.model_dump(include={"url", "observation_field", "action_field", "max_steps", "timeout_s"})
+    return [
+        {
+            "prompt_id": f"{OPENENV_SOURCE}-{split}-{seed}",
+            "prompt": prompt,
+            "messages": [{"role": "user", "content": prompt}],
+            "data_source": OPENENV_SOURCE,
+            "ground_truth": "",  # the environment holds it
+            "extra_info": _json({"split": split, "index": index, "seed": seed, "openenv": episode}),
+        }
+        for index, (seed, prompt) in enumerate(zip(seeds, prompts, strict=True))
+    ]
+
+
+@register_data_source(OPENENV_SOURCE, settings=OpenEnvSettings)
+def load_openenv(path: str | None = None, split: str = "train", **settings: Any) -> pa.Table:
+    """An OpenEnv environment's episodes: "test" (seeds ``seed`` ..) or "train" (the next ``train_size`` seeds,
+    without episodes whose first observation is a held-out one)."""
+    if path:
+        raise DatasetError(f"data source {OPENENV_SOURCE!r} asks its environment server for prompts: it reads no file ({path})")
+    s = OpenEnvSettings.model_validate(settings)
+    if importlib.util.find_spec("openenv") is None:
+        raise DatasetError("data source openenv needs the openenv-core package: pip install 'rlstage[envs]'")
+    test = _openenv_rows(s, "test", list(range(s.seed, s.seed + s.test_size)))
+    if split == "test":
+        return _to_table(test)
+    if split != "train":
+        raise DatasetError(f"openenv split must be 'train' or 'test', got {split!r}")
+    held_out = {row["prompt"] for row in test}
+    first = s.seed + s.test_size
+    train = [r for r in _openenv_rows(s, "train", list(range(first, first + s.train_size))) if r["prompt"] not in held_out]
+    if not train:
+        raise DatasetError(f"OpenEnv server {s.url}: every training episode starts as a held-out one does (too few distinct starts)")
     return _to_table(train)
 
 
