@@ -208,13 +208,14 @@ class KitConfig(_Section):
 
 
 class SFTConfig(_Section):
-    steps: int = Field(1000, ge=0)  # at most; training stops once target_accuracy is reached
+    steps: int = Field(1500, ge=0)  # at most; training stops once target_accuracy is reached
     batch_size: int = Field(128, ge=1)  # samples per SFT step
     lr: float = Field(1e-3, gt=0)  # SFT's AdamW learning rate
     seed: int = 0  # seed of SFT's batches
-    # A partial start (not a solved task) leaves RL something to learn: accuracy jumps steeply
-    # during SFT of the tiny model, so it is checked every eval_every steps.
-    target_accuracy: float | None = Field(0.3, gt=0, le=1)
+    # A partial start leaves RL something to learn. The tiny model's SFT jumps steeply (0.22 at step 900,
+    # 0.86 at 1100): 0.6 is past the jump, where a start at 0.3 landed at a seed- and CPU-dependent point
+    # inside it that decided how much RL then learnt. Checked every eval_every steps.
+    target_accuracy: float | None = Field(0.6, gt=0, le=1)
     eval_every: int = Field(10, ge=1)  # SFT steps between held-out checks
     eval_size: int = Field(200, ge=1)  # held-out prompts per SFT check
 

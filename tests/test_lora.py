@@ -164,7 +164,7 @@ LEARNS = [
     "kit.digits=1", "kit.train_size=70", "kit.test_size=30", "kit.hidden_size=64", "kit.num_layers=2",
     "kit.num_heads=2", "kit.intermediate_size=128", "sft.steps=300", "sft.target_accuracy=0.3", "sft.lr=3e-3",
     "data.prompts_per_iteration=64", "rollout.n=8", "rollout.batch_size=512", "actor.ppo_mini_batch_size=64",
-    "actor.micro_batch_size=64", "actor.optim.lr=5e-3", "trainer.iterations=12", "actor.use_kl_loss=true",
+    "actor.micro_batch_size=64", "actor.optim.lr=5e-3", "actor.optim.lr_schedule=constant", "trainer.iterations=12", "actor.use_kl_loss=true",
     "tracking.rollout_sample_rows=4",
 ]  # fmt: skip
 
