@@ -112,8 +112,8 @@ def run_one(name: str, seed: int, args: argparse.Namespace) -> dict:
     from rlstage.flows.training import train
     from rlstage.schemas.config import load_config
 
-    config, overrides = RUNS[name]
-    overrides = [*overrides, f"store.root={args.store}", f"run_name=bench-{name}-s{seed}"]
+    config, changed = RUNS[name]
+    overrides = [*changed, f"store.root={args.store}", f"run_name=bench-{name}-s{seed}"]
     overrides += [f"trainer.seed={seed}", f"sft.seed={seed}"]
     if args.iterations is not None:
         overrides.append(f"trainer.iterations={args.iterations}")
@@ -130,7 +130,7 @@ def run_one(name: str, seed: int, args: argparse.Namespace) -> dict:
         "run": name,
         "seed": seed,
         "config": f"configs/{config}.yaml",
-        "overrides": overrides[: len(RUNS[name][1])],
+        "overrides": changed,
         "iterations": cfg.trainer.iterations,
         "accuracy_before": accs[0],
         "accuracy_best": max(accs),

@@ -360,6 +360,13 @@ def score_rows(cfg: ConfigView, rows: list[dict]) -> list:
     return results
 
 
+def rule_results(cfg: ConfigView, rows: list[dict], wanted: list[bool]) -> dict:
+    """The rule's result of each row that ``wanted`` marks, by row index (the rows an agent function scored itself,
+    which may have no rule at all, are left out by their callers)."""
+    ruled = [i for i, w in enumerate(wanted) if w]
+    return dict(zip(ruled, score_rows(cfg, [rows[i] for i in ruled]) if ruled else [], strict=True))
+
+
 def rm_scores(cfg: ConfigView, prompts: list[str], responses: list[str]) -> list[rewards.RewardResult]:
     """The reward model's score of each sample: the model's worker, or the configured HTTP server."""
     rm = cfg.reward_model
@@ -392,13 +399,12 @@ def score_round(cfg: ConfigView, table: pa.Table) -> StageOutput:
     # An agent function's own reward (agent.function) replaces the rule's, so its rows need none (an OpenEnv episode
     # has none); rollouts stored before it have no column.
     given = table.column("agent_reward").to_pylist() if "agent_reward" in table.column_names else [None] * len(rows)
-    ruled = [
-        i for i, r in enumerate(rows) if given[i] is None and (not rm_on or rewards.has_rule(r["data_source"], cfg.reward.function))
+    wanted = [
+        g is None and (not rm_on or rewards.has_rule(r["data_source"], cfg.reward.function)) for g, r in zip(given, rows, strict=True)
     ]
-    results = score_rows(cfg, [rows[i] for i in ruled]) if ruled else []
     fn_names: list[str | None] = [None] * len(rows)
     errors: list[str | None] = [None] * len(rows)
-    for i, r in zip(ruled, results, strict=True):
+    for i, r in rule_results(cfg, rows, wanted).items():
         rule[i], fn_names[i], errors[i] = r.score, r.reward_fn, r.error
     for i, g in enumerate(given):
         if g is not None:
@@ -691,8 +697,7 @@ def evaluate(
         # An agent function's own reward (agent.function) is the sample's score, as in the reward stage: the rule
         # scores only the rows without one.
         scores = [c.get("agent_reward") for c in comps]
-        ruled = [i for i, sc in enumerate(scores) if sc is None]
-        for i, r in zip(ruled, score_rows(cfg, [rows[i] for i in ruled]) if ruled else [], strict=True):
+        for i, r in rule_results(cfg, rows, [sc is None for sc in scores]).items():
             scores[i] = r.score
         greedy_n = len(batch)
         table = pa.table(

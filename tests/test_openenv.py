@@ -125,12 +125,10 @@ def test_the_environments_episodes_are_the_prompts_and_its_rewards_the_scores(ru
         scores = [r["score"] for r in _table(cfg, it, "reward", "rewards.parquet")]
         assert len(rollouts) == 8 * 4
         for r, score in zip(rollouts, scores, strict=True):
-            seed = json.loads(r["extra_info"])["seed"] if "extra_info" in r else None
+            seed = json.loads(r["extra_info"])["seed"]
             msgs = json.loads(r["messages_json"])
             users = [m["content"] for m in msgs if m["role"] == "user"]
             replies = [m["content"] for m in msgs if m["role"] == "assistant"]
-            if seed is None:  # the rollout row names its prompt; its first question gives the seed's answers
-                seed = next(s for s in range(200) if question(s, 0)[0] == users[0])
             assert users == [question(seed, k)[0] for k in range(len(users))]
             two_questions += len(users) == STEPS
             # the environment's rewards, summed over the episode, are the sample's reward and its score

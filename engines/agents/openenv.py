@@ -12,18 +12,16 @@ from __future__ import annotations
 
 import json
 
-from rlstage.engines.data.datasets import observation_text
+from rlstage.engines.data.datasets import observation_text, openenv_session
 
 
 async def episode(client, sample) -> float:
     """Play the row's episode to its end (the environment's done, ``max_steps``, or the sample's token or turn
     limits); the environment's rewards summed."""
-    from openenv.core.generic_client import GenericEnvClient
-
     info = json.loads(sample.row["extra_info"])
     s = info["openenv"]
     total = 0.0
-    async with GenericEnvClient(base_url=s["url"], connect_timeout_s=s["timeout_s"], message_timeout_s=s["timeout_s"]) as env:
+    async with openenv_session(s["url"], s["timeout_s"]) as env:
         result = await env.reset(seed=info["seed"])
         messages = [{"role": "user", "content": observation_text(result.observation, s["observation_field"])}]
         for _ in range(s["max_steps"]):

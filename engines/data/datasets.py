@@ -534,13 +534,18 @@ def observation_text(observation: Any, field: str) -> str:
     return value
 
 
-async def _first_observations(s: OpenEnvSettings, seeds: list[int]) -> list[str]:
+def openenv_session(url: str, timeout_s: float) -> Any:
+    """A session with an OpenEnv server (its WebSocket client, dict actions and observations): ``async with`` it."""
     from openenv.core.generic_client import GenericEnvClient
 
+    return GenericEnvClient(base_url=url, connect_timeout_s=timeout_s, message_timeout_s=timeout_s)
+
+
+async def _first_observations(s: OpenEnvSettings, seeds: list[int]) -> list[str]:
     gate = asyncio.Semaphore(32)  # connections at once: each is a session the server holds
 
     async def one(seed: int) -> str:
-        async with gate, GenericEnvClient(base_url=s.url, connect_timeout_s=s.timeout_s, message_timeout_s=s.timeout_s) as env:
+        async with gate, openenv_session(s.url, s.timeout_s) as env:
             return observation_text((await env.reset(seed=seed)).observation, s.observation_field)
 
     return await asyncio.gather(*(one(seed) for seed in seeds))
