@@ -9,13 +9,14 @@ is trained once per seed and reused on a rerun with the same store). ``--real`` 
 instead (``rlstage train -c configs/reasoning-smollm2.yaml`` on the fetched SmolLM2) with ``trainer.seed``,
 ``rollout.seed`` and ``data.shuffle_seed`` set to the seed; its held-out split stays the same. Prints one
 JSON line per seed (start, final and best held-out accuracy, the first evaluated iteration at or above the
-target, wall seconds of the whole command, the median seconds of an iteration, the peak memory (PSS) of
+target and the wall seconds from the end of iteration 0 until it, wall seconds of the whole command, the median seconds of an iteration, the peak memory (PSS) of
 the command and everything it started), then one line with the median and range over the seeds.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import re
@@ -29,6 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 EVAL_LINE = re.compile(r"^\s+iteration\s+(\d+): ([0-9.]+)")  # flows/cli.py _summary
 ITERATION_LINE = re.compile(r"^iteration\s+(\d+): .*\| ([0-9.]+)s, executed")  # flows/terminal.py
+HELD_OUT = re.compile(r"held-out accuracy ([0-9.]+)")
 REAL_CONFIG = "configs/reasoning-smollm2.yaml"
 
 
@@ -49,22 +51,24 @@ def tree_pss_bytes(owner: int) -> int:
     return total
 
 
-def command(seed: int, store: str, real: bool) -> list[str]:
+def command(seed: int, store: str, real: bool, overrides: list[str] = ()) -> list[str]:
     rlstage = str(ROOT / ".venv" / "bin" / "rlstage")
+    # one run per overrides and seed: another setting is another run beside it in the store (the kit's SFT shared)
+    tag = "-" + hashlib.sha1(json.dumps(list(overrides)).encode()).hexdigest()[:6] if overrides else ""
     if not real:
-        return [rlstage, "demo", f"run_name=demo-seed{seed}", f"store.root={store}", f"trainer.seed={seed}", f"sft.seed={seed}"]
+        return [rlstage, "demo", f"run_name=demo{tag}-seed{seed}", f"store.root={store}", f"trainer.seed={seed}", f"sft.seed={seed}"]
     model = subprocess.run(
         [str(ROOT / ".venv" / "bin" / "python"), "-m", "rlstage.infra.models", "smollm2"],
         cwd=ROOT, capture_output=True, text=True, check=True,
     ).stdout.split()[-1]  # fmt: skip
     return [
-        rlstage, "train", "-c", REAL_CONFIG, model, f"run_name=real-seed{seed}", f"store.root={store}",
+        rlstage, "train", "-c", REAL_CONFIG, model, f"run_name=real{tag}-seed{seed}", f"store.root={store}",
         f"trainer.seed={seed}", f"rollout.seed={seed}", f"data.shuffle_seed={seed}",
     ]  # fmt: skip
 
 
 def run_seed(seed: int, store: str, target: float, overrides: list[str], real: bool = False) -> dict:
-    cmd = [*command(seed, store, real), *overrides]
+    cmd = [*command(seed, store, real, overrides), *overrides]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "PREFECT_LOGGING_LEVEL": "WARNING"}
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -75,11 +79,22 @@ def run_seed(seed: int, store: str, target: float, overrides: list[str], real: b
             peak[0] = max(peak[0], tree_pss_bytes(proc.pid))
             time.sleep(2)
 
+    lines: list[tuple[float, str]] = []  # the terminal's progress lines (stderr) as they arrive: when each iteration ended
+
+    def read_progress() -> None:
+        for line in proc.stderr:
+            lines.append((time.perf_counter(), line))
+
     sampler = threading.Thread(target=sample, daemon=True)
+    reader = threading.Thread(target=read_progress, daemon=True)
     sampler.start()
-    stdout, stderr = proc.communicate()
+    reader.start()
+    stdout = proc.stdout.read()
+    proc.wait()
     wall = time.perf_counter() - t0
     sampler.join()
+    reader.join()
+    stderr = "".join(line for _t, line in lines)
     proc = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
     if proc.returncode:
         sys.exit(f"seed {seed}: rlstage demo failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
@@ -92,11 +107,21 @@ def run_seed(seed: int, store: str, target: float, overrides: list[str], real: b
         "final": curve[-1][1],
         "best": max(a for _i, a in curve),
         "iterations_to_target": next((i for i, a in curve if a >= target), None),
+        "seconds_to_target": seconds_to_target(lines, target),
         "wall_s": round(wall, 1),
         "iteration_s": statistics.median(t) if (t := iteration_seconds(proc.stderr)) else None,  # the terminal's lines
         "peak_pss_gib": round(peak[0] / 2**30, 2),
         "curve": curve,
     }
+
+
+def seconds_to_target(lines: list[tuple[float, str]], target: float) -> float | None:
+    """Wall seconds from the end of iteration 0 (the start policy's eval) to the first iteration line whose held-out
+    accuracy reaches the target: what a user waits, whatever overlaps inside (pipelined iterations included)."""
+    ends = [(t, m) for t, line in lines if (m := ITERATION_LINE.match(line))]
+    start = next((t for t, m in ends if int(m[1]) == 0), None)
+    hit = next((t for t, m in ends if (a := HELD_OUT.search(m[0])) and float(a[1]) >= target and int(m[1]) > 0), None)
+    return round(hit - start, 1) if start is not None and hit is not None else None
 
 
 def iteration_seconds(stdout: str) -> list[float]:
@@ -117,8 +142,8 @@ def main() -> None:
         rows.append(run_seed(seed, args.store, args.target, args.overrides, args.real))
         print(json.dumps(rows[-1]), flush=True)
     summary: dict = {"seeds": len(rows), "target": args.target}
-    for key in ("start", "final", "best", "wall_s", "peak_pss_gib"):
-        vals = [r[key] for r in rows]
+    for key in ("start", "final", "best", "wall_s", "iteration_s", "seconds_to_target", "peak_pss_gib"):
+        vals = [r[key] if r[key] is not None else float("inf") for r in rows]  # a seed short of the target: slowest
         summary[key] = {"median": statistics.median(vals), "min": min(vals), "max": max(vals)}
     summary["all_reach_target"] = all(r["iterations_to_target"] is not None for r in rows)
     summary["final_all_above_target"] = all(r["final"] >= args.target for r in rows)
