@@ -54,7 +54,12 @@ def first_at(curve: list[list[float]], target: float) -> float | None:
     return next((t for t, acc, *_ in curve if acc >= target), None)
 
 
-def _median(times: list[float | None]) -> float | None:
+def overrides_tag(overrides: list[str]) -> str:
+    """Six hex digits naming a list of overrides: a run per setting, beside the others in one store."""
+    return hashlib.sha1(json.dumps(list(overrides)).encode()).hexdigest()[:6]
+
+
+def median_time(times: list[float | None]) -> float | None:
     """The median time-to-target, a seed that never reached it counting as slower than any that did."""
     m = statistics.median(t if t is not None else float("inf") for t in times)
     return None if m == float("inf") else m
@@ -76,7 +81,7 @@ def run_rlstage(args: argparse.Namespace, seed: int, out: Path) -> dict:
         from rlstage.schemas.config import load_config
 
         # One run per config, overrides and seed: another setting is another run, never a refused resume.
-        tag = hashlib.sha1(json.dumps(args.overrides).encode()).hexdigest()[:6] if args.overrides else "base"
+        tag = overrides_tag(args.overrides) if args.overrides else "base"
         run = f"vs-trl-{Path(args.config).stem}-{tag}-seed{seed}"
         cfg = load_config(ROOT / args.config, [*args.overrides, f"store.root={args.store}", f"run_name={run}", f"trainer.seed={seed}"])
         result = train(config=cfg)
@@ -176,7 +181,7 @@ def main() -> None:
             reached = [t for t in times if t is not None]
             summary[system] = {
                 "time_to_target_s": times,
-                "median_s": _median(times),
+                "median_s": median_time(times),
                 "reached": f"{len(reached)}/{len(times)}",
                 "final": [r["final"] for r in rows if r["system"] == system],
             }
