@@ -5,8 +5,8 @@
 Each seed draws ``--kills`` kills (default four; CI's test draws three) of distinct kinds (the command, its Prefect server, a trainer worker, the rollout
 worker, a stage task's process) at random iterations; the test restarts the command after each death until it
 completes, then compares every artifact with an undisturbed run's, MLflow's steps, Prefect's states and the
-processes left. One JSON line per seed (its schedule, the attempts' exit codes, passed or the failure's last
-line), then the totals.
+processes left. One JSON line per seed (its schedule, the attempts' exit codes, passed or the failure's first
+assertion line and the folder its run is kept in), then the totals.
 """
 
 from __future__ import annotations
@@ -15,8 +15,10 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -34,18 +36,27 @@ def main(argv: list[str] | None = None) -> int:
     for seed in args.seeds:
         t0 = time.perf_counter()
         env = {**os.environ, "RLSTAGE_CHAOS_SEED": str(seed), "RLSTAGE_CHAOS_KILLS": str(args.kills)}
-        cmd = [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", TEST]
+        # a folder of its own per schedule, kept when it fails (pytest's own keeps only its last three runs)
+        kept = Path(tempfile.mkdtemp(prefix=f"rlstage-chaos-seed{seed}-"))
+        pytest = [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider"]
+        cmd = [*pytest, f"--basetemp={kept}", TEST]
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
         out = proc.stdout + proc.stderr
+        if proc.returncode == 0:
+            shutil.rmtree(kept, ignore_errors=True)
         found = re.search(r"^chaos schedule: (.*)$", out, re.M)
         codes = re.search(r"^exit codes of the attempts: (.*)$", out, re.M)
-        failure = [ln for ln in out.splitlines() if ln.startswith(("E ", "FAILED"))][-1:]
+        lines = out.splitlines()
+        # the first assertion line says what differed; the FAILED line alone names only the test
+        asserted = [ln for ln in lines if ln.startswith("E ")][:1]
+        failure = asserted or [ln for ln in lines if ln.startswith("FAILED")][-1:]
         row = {
             "seed": seed,
             "schedule": found.group(1) if found else None,
             "exit_codes": codes.group(1) if codes else None,
             "passed": proc.returncode == 0,
             "failure": failure[0] if failure else None,
+            "kept": None if proc.returncode == 0 else str(kept),  # a failed run's stores, homes, databases
             "seconds": round(time.perf_counter() - t0, 1),
         }
         passed += row["passed"]

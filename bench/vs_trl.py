@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/vs_trl.py [--seeds 0 1 2] [--config configs/race.yaml] [--store /tmp/rlstage-vs-trl]
                                      [--trl-steps 2000] [--target 0.85] [overrides...]
+    .venv/bin/python bench/vs_trl.py --config configs/race-top.yaml --target 0.92    # the race to TRL's end of run
 
 For each seed, back to back on this machine: rlstage runs the config (plus the overrides) through the
 real pipeline (its own Prefect server, Ray, store and MLflow, in a child process), which builds or reuses
