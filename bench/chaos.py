@@ -41,8 +41,8 @@ def main(argv: list[str] | None = None) -> int:
         pytest = [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider"]
         cmd = [*pytest, f"--basetemp={kept}", TEST]
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
-        out = proc.stdout + proc.stderr
-        if proc.returncode == 0:
+        out, ok = proc.stdout + proc.stderr, proc.returncode == 0
+        if ok:
             shutil.rmtree(kept, ignore_errors=True)
         found = re.search(r"^chaos schedule: (.*)$", out, re.M)
         codes = re.search(r"^exit codes of the attempts: (.*)$", out, re.M)
@@ -54,9 +54,9 @@ def main(argv: list[str] | None = None) -> int:
             "seed": seed,
             "schedule": found.group(1) if found else None,
             "exit_codes": codes.group(1) if codes else None,
-            "passed": proc.returncode == 0,
+            "passed": ok,
             "failure": failure[0] if failure else None,
-            "kept": None if proc.returncode == 0 else str(kept),  # a failed run's stores, homes, databases
+            "kept": None if ok else str(kept),  # a failed run's stores, homes, databases
             "seconds": round(time.perf_counter() - t0, 1),
         }
         passed += row["passed"]

@@ -32,8 +32,7 @@ EVAL_LINE = re.compile(r"^\s+iteration\s+(\d+): ([0-9.]+)")  # flows/cli.py _sum
 ITERATION_LINE = re.compile(r"^iteration\s+(\d+): .*\| ([0-9.]+)s, executed")  # flows/terminal.py
 HELD_OUT = re.compile(r"held-out accuracy ([0-9.]+)")
 REAL_CONFIG = "configs/reasoning-smollm2.yaml"
-sys.path.insert(0, str(ROOT / "bench"))
-from vs_trl import median_time, overrides_tag  # noqa: E402
+from vs_trl import median_time, overrides_tag  # noqa: E402  (bench/ is the script's own folder, as for vs_trl_real.py)
 
 
 def tree_pss_bytes(owner: int) -> int:
