@@ -6,7 +6,6 @@ a fresh worker."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -17,7 +16,7 @@ import pytest
 from test_trust import _processes_with_env
 
 from rlstage.engines.rollout.vllm_engine import vllm_available
-from tests_support import cli_env, start_cli_until, tiny_overrides, update_weights, weights_moved
+from tests_support import cli_env, shm_files, start_cli_until, tiny_overrides, update_weights, weights_moved
 
 pytestmark = [
     pytest.mark.slow,
@@ -39,30 +38,6 @@ def _vllm_processes() -> list[str]:
         if "VLLM::" in title and (p.pid in mine or p.info["ppid"] == 1):
             names.append(f"{p.pid} {title.strip()}")
     return names
-
-
-def _in_shm(path: str) -> bool:
-    """A file of /dev/shm itself (the test folders may lie in a folder of it: scripts/test.sh), not unlinked."""
-    return os.path.dirname(path) == "/dev/shm" and not path.endswith("(deleted)")
-
-
-def _shm_files(pids: list[int]) -> set[str]:
-    """The /dev/shm files these processes have mapped or open (unlinked ones excluded: they go with the process)."""
-    found: set[str] = set()
-    for pid in pids:
-        try:
-            for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
-                fields = line.split(maxsplit=5)  # address, perms, offset, dev, inode[, path]
-                path = fields[5] if len(fields) == 6 else ""
-                if _in_shm(path):
-                    found.add(path)
-            for fd in Path(f"/proc/{pid}/fd").iterdir():
-                target = os.readlink(fd)
-                if _in_shm(target):
-                    found.add(target)
-        except OSError:  # gone meanwhile
-            pass
-    return found
 
 
 def test_vllm_rollouts_sigterm_stops_all_it_started_and_the_rerun_continues(prefect_api, migrated_prefect_home, tmp_path):
@@ -103,7 +78,7 @@ def test_vllm_rollouts_sigterm_stops_all_it_started_and_the_rerun_continues(pref
             time.sleep(0.2)
         assert proc.poll() is None, proc.stdout.read()
         started = _processes_with_env(home)  # the Prefect server, Ray's processes, the vLLM engine: the command's
-        shm = _shm_files(started)
+        shm = shm_files(started)
         cmdlines = b" ".join(Path(f"/proc/{p}/cmdline").read_bytes() for p in started if Path(f"/proc/{p}").exists())
         assert b"prefect\0server\0start" in cmdlines and b"raylet" in cmdlines
         # the rollout engine runs in processes of its own, among the command's (found by its environment: a process

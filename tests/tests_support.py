@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 
@@ -167,3 +168,37 @@ def env_with_wheel(wheel, env_dir) -> Path:
     done = subprocess.run(install, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return py
+
+
+def _in_shm(path: str) -> bool:
+    """A file of /dev/shm itself (the test folders may lie in a folder of it: scripts/test.sh), not unlinked."""
+    return os.path.dirname(path) == "/dev/shm" and not path.endswith("(deleted)")
+
+
+def shm_files(pids) -> set[str]:
+    """The /dev/shm files these processes have mapped or open (unlinked ones excluded: they go with the process)."""
+    found: set[str] = set()
+    for pid in pids:
+        try:
+            for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+                fields = line.split(maxsplit=5)  # address, perms, offset, dev, inode[, path]
+                path = fields[5] if len(fields) == 6 else ""
+                if _in_shm(path):
+                    found.add(path)
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                target = os.readlink(fd)
+                if _in_shm(target):
+                    found.add(target)
+        except OSError:  # gone meanwhile
+            pass
+    return found
+
+
+def orphaned_shm(before: set[str]) -> set[str]:
+    """Files of /dev/shm made since ``before`` (names) that no living process maps or holds open: what a killed
+    process left behind. A file of another test's live engine (xdist runs vLLM beside this one) is held, so not one."""
+    new = {f"/dev/shm/{n}" for n in set(os.listdir("/dev/shm")) - before}
+    if not new:
+        return set()
+    pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    return {f for f in new - shm_files(pids) if os.path.isfile(f)}  # scripts/test.sh's folder of test stores is a folder
