@@ -32,6 +32,7 @@ from tests_support import (
     orphaned_shm,
     shm_files,
     tiny_overrides,
+    until_empty,
     update_weights,
     weights_moved,
 )
@@ -202,15 +203,8 @@ def test_a_run_killed_at_random_is_the_run_undisturbed(seed, migrated_prefect_ho
     with sqlite3.connect(prefect_home / "prefect.db") as db:
         running = db.execute("select name from flow_run where state_type in ('RUNNING', 'PENDING')").fetchall()
     assert not running, running  # the killed ones are Crashed, not Running forever
-    for _ in range(300):  # processes that got their signal may take a moment to exit (60 s: niced Ray workers on a loaded machine)
-        left = _processes_with_env(f"PREFECT_HOME={prefect_home.resolve()}")
-        if not left:
-            break
-        threading.Event().wait(0.2)
+    # 60 s: Ray's workers run at nice 15 and get the CPU last on a loaded machine
+    left = until_empty(lambda: _processes_with_env(f"PREFECT_HOME={prefect_home.resolve()}"), 60)
     assert not left, [Path(f"/proc/{p}/cmdline").read_bytes()[:200] for p in left]
-    for _ in range(25):  # a segment of another test's process that has just exited: gone a moment later
-        left = orphaned_shm(shm_before)
-        if not left:
-            break
-        threading.Event().wait(0.2)
+    left = until_empty(lambda: orphaned_shm(shm_before), 5)  # a file of a process that has just exited goes with it
     assert not left, left  # nothing the killed processes had in /dev/shm outlives them

@@ -16,7 +16,15 @@ import pytest
 from test_trust import _processes_with_env
 
 from rlstage.engines.rollout.vllm_engine import vllm_available
-from tests_support import cli_env, shm_files, start_cli_until, tiny_overrides, update_weights, weights_moved
+from tests_support import (
+    cli_env,
+    shm_files,
+    start_cli_until,
+    tiny_overrides,
+    until_empty,
+    update_weights,
+    weights_moved,
+)
 
 pytestmark = [
     pytest.mark.slow,
@@ -99,11 +107,7 @@ def test_vllm_rollouts_sigterm_stops_all_it_started_and_the_rerun_continues(pref
                 proc.kill()
     assert "Traceback" not in rest
     assert rest.strip().splitlines()[-1] == "rlstage: stopped by SIGTERM; rerun the command to continue"
-    for _ in range(150):  # processes that got their signal may take a moment to exit
-        left = [pid for pid in _processes_with_env(home) if pid in started]
-        if not left:
-            break
-        time.sleep(0.2)
+    left = until_empty(lambda: [pid for pid in _processes_with_env(home) if pid in started], 30)
     assert left == [], [Path(f"/proc/{pid}/cmdline").read_bytes() for pid in left]
     assert not [f for f in shm if Path(f).exists()], "shared memory left behind"
     # killed inside a call, the trainer never closed its engine: the command removed what the engine registered
@@ -137,7 +141,5 @@ def test_vllm_rollouts_sigterm_stops_all_it_started_and_the_rerun_continues(pref
     gaps = [store.manifest("vllm", it, "advantage").meta["metrics"]["rollout/logprob_gap"] for it in (1, 2)]
     print("rollout/logprob_gap per iteration:", gaps)
     assert all(0 <= g < 1e-4 for g in gaps), gaps  # fp32: ~1e-6
-    deadline = time.time() + 30  # the rerun released its worker: no vLLM engine process outlives it
-    while set(_vllm_processes()) - before and time.time() < deadline:
-        time.sleep(1)
-    assert not set(_vllm_processes()) - before, _vllm_processes()
+    # the rerun released its worker: no vLLM engine process outlives it
+    assert not until_empty(lambda: set(_vllm_processes()) - before, 30, step=1), _vllm_processes()

@@ -202,3 +202,14 @@ def orphaned_shm(before: set[str]) -> set[str]:
         return set()
     pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
     return {f for f in new - shm_files(pids) if os.path.isfile(f)}  # scripts/test.sh's folder of test stores is a folder
+
+
+def until_empty(find, seconds: float, step: float = 0.2):
+    """``find()`` again every ``step`` seconds until it finds nothing or ``seconds`` pass; its last finding.
+    Processes that got their signal, and what they hold, may take a moment to go."""
+    import time
+
+    deadline = time.monotonic() + seconds
+    while (found := find()) and time.monotonic() < deadline:
+        time.sleep(step)
+    return found
