@@ -93,6 +93,17 @@ def _lost_if_down(url: str):
 
 
 @contextmanager
+def _prefect_settings(url: str, prefect_home: Path):
+    """Prefect's settings in this process name ``url`` and the home: they were read from the environment when Prefect
+    was imported, so without this its clients (the flow's, its log and event workers') found no API URL and each
+    command started a second, ephemeral server of Prefect's own beside the one it chose."""
+    from prefect.settings import PREFECT_API_URL, PREFECT_HOME, temporary_settings
+
+    with temporary_settings(updates={PREFECT_API_URL: url, PREFECT_HOME: str(prefect_home)}):
+        yield
+
+
+@contextmanager
 def prefect_api():
     """The Prefect API of this command: ``PREFECT_API_URL`` if set, else the server that runs on the local
     home (``infra/home.py``: ``rlstage ui``, ``infra/stack.sh``), else a server on that home started for the
@@ -119,7 +130,7 @@ def prefect_api():
     if url:
         os.environ["PREFECT_API_URL"] = url
         quick_retries_on_a_local_server()
-        with _lost_if_down(url):
+        with _prefect_settings(url, home.prefect_home()), _lost_if_down(url):
             yield url
         return
     from rlstage.infra.prefect_server import ServerKeeper, retry_refused_connections, start_prefect_server
@@ -133,7 +144,7 @@ def prefect_api():
     retry_refused_connections()
     quick_retries_on_a_local_server()
     try:
-        with _lost_if_down(server.url):
+        with _prefect_settings(server.url, home.prefect_home()), _lost_if_down(server.url):
             yield server.url
     finally:
         from prefect.logging.handlers import APILogHandler
