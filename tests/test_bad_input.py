@@ -13,7 +13,6 @@ import re
 import struct
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pyarrow as pa
@@ -259,27 +258,64 @@ def _files(root: Path) -> set[str]:
     return {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()}
 
 
+# The CLI's main() in a child forked, per case, from one process that imported what loading a config imports (the
+# registries' torch, Ray, MLflow: ~1.5 s of each fresh command): each case gets its own environment, working folder
+# and bytecode setting as a new process would, and ends with os._exit of main()'s code. Prefect is not imported
+# beforehand (it reads its settings from the environment at import).
+FORKS = r"""
+import json, os, sys, traceback
+import rlstage.flows.cli as cli
+import rlstage.engines.preflight, rlstage.schemas.config
+cli._user_errors()
+for line in sys.stdin:
+    case = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+        os.chdir(case["cwd"])
+        os.environ.clear()
+        os.environ.update(case["env"])
+        sys.dont_write_bytecode = bool(case["env"].get("PYTHONDONTWRITEBYTECODE"))
+        for fd, path in ((1, case["out"]), (2, case["err"])):
+            os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+        try:
+            code = cli.main(case["argv"])
+        except SystemExit as stop:
+            code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    print(json.dumps(os.waitstatus_to_exitcode(status)), flush=True)
+"""
+
+
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory) -> dict:
     w = tmp_path_factory.mktemp("bad-input")
     paths = _world(w)
     cwd = w / "cwd"
     cwd.mkdir()
+    out = tmp_path_factory.mktemp("bad-input-output")  # outside w, where nothing may appear
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RLSTAGE_", "PREFECT_API", "MLFLOW_TRACKING"))}
     # Our modules from this tree; evil_tool importable if the check failed to stop it; an empty allow-list.
     env.update(PYTHONPATH=os.pathsep.join([source_path(), str(w)]), XDG_CONFIG_HOME=str(w / "xdg"))
     before = _files(w)
-
-    def run(case):
-        name, argv, extra, _ = case
-        args = [a.format(**paths) for a in argv]
-        proc = subprocess.run(
-            [sys.executable, "-m", "rlstage.flows.cli", *args], cwd=cwd, env={**env, **extra}, capture_output=True, text=True, timeout=120
-        )
-        return name, proc
-
-    with ThreadPoolExecutor(2) as pool:
-        results = dict(pool.map(run, CASES))
+    forks = subprocess.Popen([sys.executable, "-c", FORKS], cwd=cwd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    results = {}
+    try:
+        for i, (name, argv, extra, _) in enumerate(CASES):
+            case = {"argv": [a.format(**paths) for a in argv], "env": {**env, **extra}, "cwd": str(cwd)}
+            case.update(out=str(out / f"{i}.out"), err=str(out / f"{i}.err"))
+            forks.stdin.write(json.dumps(case) + "\n")
+            forks.stdin.flush()
+            code = json.loads(forks.stdout.readline())
+            results[name] = subprocess.CompletedProcess(argv, code, Path(case["out"]).read_text(), Path(case["err"]).read_text())
+    finally:
+        forks.stdin.close()
+        forks.wait(60)
     return {"results": results, "new_files": _files(w) - before, "marker": Path(paths["marker"])}
 
 
