@@ -17,6 +17,7 @@ import torch
 from rlstage.engines import algorithms as algos
 from rlstage.engines.training.forward import pad_right
 from rlstage.schemas import artifacts as A
+from rlstage.schemas.config import AdvEstimatorConfig
 
 BYPASS_CHECK_ROWS = 8  # rows whose old log-probs are still recomputed under bypass, for the gap guard
 
@@ -72,9 +73,9 @@ class Experience:
     kl_state: dict | None  # the adaptive KL controller's state, carried to the next iteration
 
 
-def needs_sum_pi_squared(estimator: str) -> bool:
+def needs_sum_pi_squared(estimator: AdvEstimatorConfig) -> bool:
     """Whether the estimator declares that it needs the old policy's sum of pi^2 per token."""
-    return "sum_pi_squared" in algos.ADV_ESTIMATORS.entry(estimator).needs
+    return "sum_pi_squared" in algos.ADV_ESTIMATORS.entry(estimator.name).needs
 
 
 def otb_is_weights(algorithm, old: torch.Tensor, rollout_lp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
@@ -142,7 +143,7 @@ def compute_experience(
         new_kl_state = ctrl.state_dict()
     baseline = samples.baseline
     adv, ret = algos.compute_advantage(
-        a.adv_estimator,
+        a.adv_estimator.name,
         token_level_rewards=token_rewards,
         response_mask=mask,
         index=samples.index,
@@ -156,6 +157,7 @@ def compute_experience(
         old_log_probs=old_t,
         sum_pi_squared=None if fwd.sum_pi_squared is None else pad(fwd.sum_pi_squared),
         rollout_is_weights=otb_is_weights(a, old_t, roll_lp, mask),
+        settings=algos.adv_estimator_settings(a.adv_estimator),
     )
     list_type = A.EXPERIENCE.field("ref_log_probs").type
     ro = samples.rollouts

@@ -9,6 +9,11 @@ Provenance: an entry a config names is built in (a ``rlstage.`` module) or belon
 distribution and version (importlib.metadata), or by its module and the sha256 of its source when no installed
 distribution provides it. A run records the plugins its names use (run.json), the stage cache keys include them
 (tasks/runtime.py), and a run continued under another version, or without the plugin, is refused in one line.
+
+Code a config names by import path (``reward.function: pkg.mod:fn``, a tool's ``callable``, ``agent.function``) is
+recorded the same way (run.json ``callables``) and checked the same way whenever the run continues. It stays out of
+the stage cache keys: runs stored before it was recorded keep their keys, and no continuation passes the check with
+another version of that code, so no committed stage is reused under it.
 """
 
 from __future__ import annotations
@@ -16,16 +21,20 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib
+import importlib.util
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import metadata
+from pathlib import Path
 from typing import Any
 
+from rlstage.engines.modpath import LEGACY_TOP
 from rlstage.engines.registry import NAMED_SETTINGS, REGISTRIES, DuplicateEntry, Entry, named_values
-from rlstage.schemas.config import ConfigError
+from rlstage.schemas.config import ConfigError, RunConfig, code_settings
 
 ENTRY_POINT_GROUP = "rlstage.plugins"
+_OURS = Path(__file__).resolve().parent.parent  # rlstage's package folder (the repository's root in a checkout)
 
 
 class PluginError(ConfigError):
@@ -75,15 +84,58 @@ def _distributions() -> Mapping[str, list[str]]:
 
 def plugin_of(entry: Entry) -> Plugin | None:
     """The plugin an entry comes from; None for a built-in one."""
-    if entry.module == "rlstage" or entry.module.startswith("rlstage."):
+    return module_provenance(entry.module)
+
+
+def _digest(source: str | None) -> str:
+    try:
+        return "sha256:" + hashlib.sha256(open(source, "rb").read()).hexdigest()[:12] if source else "sha256:unknown"
+    except OSError:
+        return "sha256:unknown"
+
+
+def module_provenance(module: str) -> Plugin | None:
+    """The distribution and version that provide ``module``, or the module and the hash of its source (read from the
+    module loaded, else located without importing it); None for rlstage's own modules."""
+    top = module.split(".")[0]
+    if top == "rlstage":
         return None
-    top = entry.module.split(".")[0]
     dists = _distributions().get(top)
     if dists:
         return Plugin(dists[0], metadata.version(dists[0]))
-    source = getattr(sys.modules.get(entry.module), "__file__", None)
-    digest = hashlib.sha256(open(source, "rb").read()).hexdigest()[:12] if source else "unknown"
-    return Plugin(entry.module, f"sha256:{digest}")
+    source = getattr(sys.modules.get(module), "__file__", None)
+    if source is None:
+        try:  # a dotted name imports its parent packages, which the code named by a trusted config would anyway
+            spec = importlib.util.find_spec(module)
+        except (ImportError, ValueError):
+            spec = None
+        source = spec.origin if spec is not None and spec.has_location else None
+    return Plugin(module, _digest(source))
+
+
+def callable_provenance(path: str) -> Plugin | None:
+    """Where an import path a config names (``pkg.mod:fn``, a tool's ``pkg.mod.fn``, ``file.py:fn``) comes from, as
+    ``module_provenance`` (a file: itself and its hash); None for rlstage's own code."""
+    target = path.rsplit(":", 1)[0] if ":" in path else path.rsplit(".", 1)[0]
+    if target.endswith(".py"):
+        return Plugin(target, _digest(target))
+    top = target.split(".")[0]
+    if top in LEGACY_TOP:  # an earlier name of rlstage's own code (engines.tools:calculator), which modpath resolves
+        spec = importlib.util.find_spec(top)  # a top-level name: nothing is imported
+        if spec is None or any(Path(p).resolve() == _OURS / top for p in spec.submodule_search_locations or ()):
+            return None
+    return module_provenance(target)
+
+
+def callables_used(cfg: RunConfig) -> dict[str, str]:
+    """``{distribution or module: version}`` of the code ``cfg`` names by import path (reward.function, the tools'
+    callables, agent.function): recorded with a run beside its plugins (run.json ``callables``)."""
+    used: dict[str, str] = {}
+    for setting, path in code_settings(cfg.model_dump(mode="json")):
+        origin = None if setting.startswith("plugins.") else callable_provenance(path)
+        if origin is not None:
+            used[origin.name] = origin.version
+    return dict(sorted(used.items()))
 
 
 def plugins_used(cfg: Any, settings: Iterable[str] = NAMED_SETTINGS) -> dict[str, str]:
@@ -95,6 +147,31 @@ def plugins_used(cfg: Any, settings: Iterable[str] = NAMED_SETTINGS) -> dict[str
             if plugin is not None:
                 used[plugin.name] = plugin.version
     return dict(sorted(used.items()))
+
+
+def check_recorded_callables(recorded: Mapping[str, str], where: str) -> None:
+    """A stored run's code named by import path (``{name: version}``, run.json ``callables``) is the same here: one
+    line naming the first that differs. Not in the cache keys (runs stored before it was recorded keep theirs), so a
+    continuation under other code would reuse its committed stages: refused instead."""
+    for name, version in sorted(recorded.items()):
+        if not version.startswith("sha256:"):  # a distribution's version
+            try:
+                here = metadata.version(name)
+            except metadata.PackageNotFoundError:
+                raise PluginError(
+                    f"config error: {where} was run with {name}=={version} (its reward function or tools), which is "
+                    f"not installed here: pip install '{name}=={version}'"
+                ) from None
+        elif name.endswith(".py"):
+            here = _digest(name)
+        else:
+            here = (module_provenance(name) or Plugin(name, version)).version
+        if here != version:
+            raise PluginError(
+                f"config error: {where} was run with {name} {version} (its reward function or tools), this environment "
+                f"has {here}: its committed stages would be reused as they are; restore {name} {version}, or start a "
+                "new run_name"
+            )
 
 
 def check_recorded_plugins(recorded: Mapping[str, str], where: str) -> None:

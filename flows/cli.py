@@ -156,18 +156,34 @@ def prefect_api():
 
 def _load(args) -> object:
     from rlstage.engines.preflight import check_registered_names
-    from rlstage.schemas.config import ConfigDeprecation, load_config
+    from rlstage.schemas.config import load_config
 
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", ConfigDeprecation)
-        cfg = load_config(args.config, args.overrides)
-    for warning in caught:  # one line each, naming the new place of a setting read under its old name
-        if issubclass(warning.category, ConfigDeprecation):
-            print(f"rlstage: {warning.message}", file=sys.stderr, flush=True)
-        else:
-            warnings.showwarning(warning.message, warning.category, warning.filename, warning.lineno)
+    cfg = load_config(args.config, args.overrides)
     check_registered_names(cfg)  # names looked up in the engines' registries: part of loading the config
     return cfg
+
+
+@contextmanager
+def _deprecations_said():
+    """A setting read under its old name (``ConfigDeprecation``) is said in one line, ``rlstage: <message>``, once per
+    command, whichever step of it loads a config: a config file (train, demo, data-prep, reward-model) or a stored run's
+    config (nightly, replay, eval, and the flows they run in this process). Other warnings are shown as before."""
+    from rlstage.schemas.config import ConfigDeprecation
+
+    said: set[str] = set()
+    show = warnings.showwarning
+
+    def say(message, category, filename, lineno, file=None, line=None):
+        if not issubclass(category, ConfigDeprecation):
+            return show(message, category, filename, lineno, file, line)
+        if str(message) not in said:
+            said.add(str(message))
+            print(f"rlstage: {message}", file=sys.stderr, flush=True)
+
+    with warnings.catch_warnings():  # restores the filters and showwarning when the command returns
+        warnings.simplefilter("always", ConfigDeprecation)  # shown wherever raised (a DeprecationWarning is hidden by default)
+        warnings.showwarning = say
+        yield
 
 
 def _check_services() -> None:
@@ -648,7 +664,8 @@ def main(argv: list[str] | None = None) -> int:
         _hide_prefect_tracebacks()
         logging.raiseExceptions = False  # a log handler's failure (Prefect's, once its server is gone) is not the command's
     try:
-        return args.fn(args)
+        with _deprecations_said():
+            return args.fn(args)
     except Exception as err:
         if verbose:
             traceback.print_exc()

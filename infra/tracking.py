@@ -19,7 +19,7 @@ from rlstage.infra.env import apply_defaults
 from rlstage.infra.home import mlflow_uri
 from rlstage.infra.store import ArtifactStore, store_identity
 from rlstage.schemas.artifacts import PROMPTS
-from rlstage.schemas.config import RunConfig
+from rlstage.schemas.config import RunConfig, flat_loss_form, plain_entry_names
 from rlstage.schemas.manifest import Manifest
 
 # A new SQLite store announces its table creation at INFO on every first run: noise in the command's output.
@@ -76,6 +76,14 @@ def flatten(tree: Any, prefix: str = "") -> dict[str, str]:
     value = str(tree)
     out[prefix.rstrip(".")] = value if len(value) <= MAX_PARAM_CHARS else value[: MAX_PARAM_CHARS - 3] + "..."
     return out
+
+
+def config_params(cfg: RunConfig) -> dict[str, str]:
+    """The run's MLflow params: its config flattened, in the layout 0.1 logged (a policy loss by its name with its flat
+    settings beside it, an estimator without settings by its name), the one its cache keys hash. MLflow's params are
+    immutable and a continued run never logs them again, so a run started by 0.1 keeps its params, and a run started
+    now has the same keys and values for the same settings: the two compare side by side."""
+    return flatten(plain_entry_names(flat_loss_form(cfg.model_dump(mode="json"))))
 
 
 def source_tags(root: Path = REPO_ROOT) -> dict[str, str]:
@@ -219,7 +227,7 @@ class Tracker:
             self.run_id = run.info.run_id
             from mlflow.entities import Param
 
-            params = [Param(k, v) for k, v in sorted(flatten(cfg.model_dump(mode="json")).items())]
+            params = [Param(k, v) for k, v in sorted(config_params(cfg).items())]
             for i in range(0, len(params), 100):
                 self.client.log_batch(self.run_id, params=params[i : i + 100])
         # Each invocation (first or continuation) records the code it runs and its resolved config.

@@ -155,6 +155,25 @@ def legacy_callables(dump: dict) -> dict:
     return dump
 
 
+# Named entries that 0.1 stored as a plain name and 0.2 nests as {name, settings...}: hashed as that plain name when
+# given no settings, so a run stored before keeps its keys (actor.policy_loss: flat_loss_form).
+NAMED_ENTRY_PATHS = ("algorithm.adv_estimator",)
+
+
+def plain_entry_names(dump: dict) -> dict:
+    """``dump`` (a run config's json dump) with each ``NAMED_ENTRY_PATHS`` section that holds only a name as that name,
+    in place: ``{"name": "grpo"}`` hashes as ``"grpo"``, as 0.1 stored it."""
+    for path in NAMED_ENTRY_PATHS:
+        *parents, leaf = path.split(".")
+        node = dump
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        entry = node.get(leaf) if isinstance(node, dict) else None
+        if isinstance(entry, dict) and set(entry) == {"name"}:
+            node[leaf] = entry["name"]
+    return dump
+
+
 def flat_loss_form(dump: dict) -> dict:
     """``dump`` (a run config's json dump) with ``actor.policy_loss`` as 0.1 stored it, in place: the loss's name as a
     string and every flat loss setting beside it, given or at its default. Cache keys and run identities hash this
@@ -491,21 +510,42 @@ class RolloutCorrectionConfig(_Section):
         return self.rollout_is is not None or self.bypass_mode
 
 
-class PolicyLossConfig(BaseModel):
-    """``actor.policy_loss``: a registered loss's ``name`` and its own settings beside it (verl's PolicyLossConfig).
+class NamedEntryConfig(BaseModel):
+    """A registered entry named by the config: its ``name`` and its own settings beside it (verl's PolicyLossConfig);
+    a plain string is the name alone.
 
-    The settings are kept as given: engines/preflight.py validates them against the loss's registered settings
-    model (a plugin's too, which schemas cannot import) and the actor receives that typed model.
+    The settings are kept as given: engines/preflight.py validates them against the entry's registered settings
+    model (a plugin's too, which schemas cannot import) and the engine receives that typed model.
     """
 
     model_config = ConfigDict(extra="allow", validate_assignment=True)
 
-    name: str = "vanilla"  # a registered policy loss (vanilla: PPO's clip; gspo, sapo, a plugin's, ...); its settings sit beside it
+    name: str
+
+    @model_validator(mode="before")
+    @classmethod
+    def _plain_name(cls, data: Any) -> Any:
+        return {"name": data} if isinstance(data, str) else data
 
     @property
     def settings(self) -> dict[str, Any]:
         """The settings given beside the name."""
         return dict(self.model_extra or {})
+
+
+class PolicyLossConfig(NamedEntryConfig):
+    """``actor.policy_loss``: a registered loss's ``name`` and its own settings beside it (verl's PolicyLossConfig)."""
+
+    name: str = "vanilla"  # a registered policy loss (vanilla: PPO's clip; gspo, sapo, a plugin's, ...); its settings sit beside it
+
+
+class AdvEstimatorConfig(NamedEntryConfig):
+    """``algorithm.adv_estimator``: a registered estimator's ``name`` and its own settings beside it (a plugin's).
+
+    The built-in estimators take none: they read verl's flat ``algorithm.gamma``, ``lam`` and ``norm_adv_by_std_in_grpo``.
+    """
+
+    name: str = "grpo"  # a registered advantage estimator (grpo, rloo, gae, a plugin's, ...); its settings sit beside it
 
 
 class ActorConfig(_Section):
@@ -525,6 +565,9 @@ class ActorConfig(_Section):
     # A registered loss: its name (a string), or its name and settings ({name: gspo, clip_ratio_low: 0.2}).
     policy_loss: PolicyLossConfig = Field(default_factory=PolicyLossConfig)
     loss_agg_mode: str = "token-mean"  # a registered aggregation mode
+    # verl's loss_scale_factor: the constant seq-mean-token-sum-norm divides by (e.g. the longest possible response);
+    # None: the padded width of what it reduces (the mini-batch's, or with a fixed micro_batch_size each micro-batch's).
+    loss_scale_factor: int | None = Field(None, ge=1, json_schema_extra=HASHED_WHEN_SET)
     # Copied from algorithm.rollout_correction at load (verl hands it to the actor the same way): set it there.
     rollout_correction: RolloutCorrectionConfig = Field(default_factory=RolloutCorrectionConfig)
     entropy_coeff: float = 0.0  # weight of the entropy bonus (0: logged, not differentiated)
@@ -615,7 +658,12 @@ class FilterGroupsConfig(_Section):
 
 
 class AlgorithmConfig(_Section):
-    adv_estimator: str = "grpo"  # a registered advantage estimator
+    """verl's ``algorithm`` section. Its flat estimator settings (``gamma``, ``lam``, ``norm_adv_by_std_in_grpo``) are
+    read by the estimators whose registry entry declares them; another value than the default of one the chosen
+    estimator does not read is refused at load."""
+
+    # A registered estimator: its name (a string), or its name and its own settings ({name: my_est, foo: 1}).
+    adv_estimator: AdvEstimatorConfig = Field(default_factory=AdvEstimatorConfig)
     norm_adv_by_std_in_grpo: bool = True  # GRPO divides advantages by the group's std (false: Dr. GRPO)
     gamma: float = Field(1.0, ge=0, le=1)  # the discount of gae (and of REINFORCE++'s returns)
     lam: float = Field(1.0, ge=0, le=1)  # gae's lambda
@@ -624,6 +672,12 @@ class AlgorithmConfig(_Section):
     kl_ctrl: KLControlConfig = Field(default_factory=KLControlConfig)
     rollout_correction: RolloutCorrectionConfig = Field(default_factory=RolloutCorrectionConfig)
     filter_groups: FilterGroupsConfig = Field(default_factory=FilterGroupsConfig)
+
+
+# verl's estimator settings, flat under algorithm.: an estimator reads those its signature names (engines/algorithms).
+FLAT_ESTIMATOR_SETTINGS = ("norm_adv_by_std_in_grpo", "gamma", "lam")
+# verl's aggregation settings, flat under actor.: an aggregation mode's registry entry declares those it reads.
+FLAT_AGG_SETTINGS = ("loss_scale_factor",)
 
 
 class TrainerConfig(_Section):
@@ -813,17 +867,9 @@ class RunConfig(_Section):
                 f"ray.rollout_num_workers={workers}: agent.enable's multi-turn loop runs on one rollout actor; set "
                 "ray.rollout_num_workers=1"
             )
-        if self.ray.ref_critic_placement == "separate":
-            if not (self.needs_ref or self.critic.enable):
-                raise ValueError(
-                    "ray.ref_critic_placement=separate: this run has no reference policy (actor.use_kl_loss, "
-                    "algorithm.use_kl_in_reward) and no critic (critic.enable) to place"
-                )
-            if self.needs_ref and self.model.lora:
-                raise ValueError(
-                    "ray.ref_critic_placement=separate: with model.lora_rank > 0 the reference is the policy's own "
-                    "base (its adapters disabled), which lives on the trainer: keep it colocated"
-                )
+        # Whether ray.ref_critic_placement=separate has a reference or critic to place, whether rollout.share_prompts
+        # and model.lora_rank suit the rollout engine: what the registries declare (engines/preflight.py: check_placement,
+        # check_rollout_engine).
         world = self.ray.trainer_world_size
         if world > 1:
             samples = self.data.prompts_per_iteration * self.rollout.n
@@ -837,8 +883,6 @@ class RunConfig(_Section):
                 f"trainer.keep_checkpoint_every={self.trainer.keep_checkpoint_every} keeps extra checkpoints of a pruned "
                 "run, but nothing is pruned without trainer.max_actor_ckpt_to_keep (e.g. 2)"
             )
-        if self.model.lora_rank > 512 and self.rollout.engine == "vllm":
-            raise ValueError(f"model.lora_rank={self.model.lora_rank}: vLLM serves LoRA adapters of rank 512 at most")
         if self.model.lora and self.actor.engine == "deepspeed" and self.actor.zero_stage == 3:
             raise ValueError(
                 f"model.lora_rank={self.model.lora_rank} with actor.zero_stage=3: ZeRO-3 would shard the frozen base "
@@ -850,11 +894,6 @@ class RunConfig(_Section):
             raise ValueError(
                 f"actor.group_mini_batches: actor.ppo_mini_batch_size={self.actor.ppo_mini_batch_size} must be a multiple of "
                 f"rollout.n={self.rollout.n}, so that a mini-batch holds whole groups"
-            )
-        if self.rollout.share_prompts and self.rollout.engine != "hf":
-            raise ValueError(
-                f"rollout.share_prompts is the HF engine's; rollout.engine={self.rollout.engine} shares a prompt's prefill "
-                "through its own prefix cache"
             )
         # A remainder would be a short last mini-batch each epoch, a step on fewer samples than configured.
         samples = self.data.prompts_per_iteration * self.rollout.n
@@ -914,13 +953,16 @@ class RunConfig(_Section):
 
     @property
     def needs_ref(self) -> bool:
-        """A frozen reference policy is needed for KL in the reward or as a loss."""
+        """A frozen reference policy is needed for KL in the reward or as a loss (what schemas can answer alone; a policy
+        loss may need it too: rlstage.engines.algorithms.needs_reference asks its registry entry)."""
         return self.algorithm.use_kl_in_reward or self.actor.use_kl_loss
 
     def hashed_dump(self) -> dict:
         """The config as cache keys and run identities see it: late settings at their default left out, the policy
-        loss in its flat 0.1 form (flat_loss_form), moved modules by their old names (legacy_callables)."""
-        return legacy_callables(flat_loss_form(drop_unset_late_settings(type(self), self.model_dump(mode="json"))))
+        loss in its flat 0.1 form (flat_loss_form), an estimator without settings by its plain name (plain_entry_names),
+        moved modules by their old names (legacy_callables)."""
+        dump = drop_unset_late_settings(type(self), self.model_dump(mode="json"))
+        return legacy_callables(plain_entry_names(flat_loss_form(dump)))
 
     def stage_hash(self, *sections: str) -> str:
         """Hash of the named config sections (dotted paths): what a stage's output depends on."""

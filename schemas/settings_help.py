@@ -122,10 +122,15 @@ def is_execution(path: str) -> bool:
 
 
 def help_of(path: str) -> str:
-    """The help text of the dotted setting ``path``."""
+    """The help text of the dotted setting ``path``; of a section (a named entry, ``algorithm.adv_estimator``, which a
+    config may give as its plain name) the help beside the field that holds it."""
     for prefix, _, name, _, text in rows():
         if f"{prefix}{name}" == path:
             return text
+    parent, _, name = path.rpartition(".")
+    for prefix, model in sections(RunConfig):
+        if prefix.rstrip(".") == parent and name in model.model_fields:
+            return model.model_fields[name].description or comments(model).get(name, "")
     raise KeyError(path)
 
 

@@ -105,7 +105,7 @@ _REWARD = ("reward", "reward_model.enable")
 
 
 def _needs_sum_pi_squared(v: ConfigView) -> bool:
-    return "sum_pi_squared" in entry_needs("advantage estimator", v.algorithm.adv_estimator)
+    return "sum_pi_squared" in entry_needs("advantage estimator", v.algorithm.adv_estimator.name)
 
 
 def _eval_extra(v: ConfigView) -> tuple[str, ...]:

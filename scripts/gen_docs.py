@@ -7,6 +7,7 @@ help (the field's description, else the comment written beside or above it in sc
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import sys
 from pathlib import Path
@@ -39,7 +40,7 @@ def render() -> str:
         if prefix:
             lines += [f'<a id="{prefix.rstrip(".")}"></a>', ""]
         if doc and not doc.startswith(("Usage docs", "A base class")):
-            lines += [doc.splitlines()[0], ""]
+            lines += [" ".join(doc.split("\n\n")[0].split()), ""]  # its first paragraph, whole
         lines += ["| field | type | default | read by | help |", "| --- | --- | --- | --- | --- |"]
         for name, field, text in by_section.get(prefix, []):
             default = "required" if field.is_required() else repr(field.get_default(call_default_factory=True))
@@ -72,7 +73,9 @@ def render_registries() -> str:
         "Generated from the registries (`rlstage.engines.registry`) by `scripts/gen_docs.py`; do not edit by hand.",
         "A config names an entry by a plain string, checked when it loads; *needs* is what the run must then have",
         "(a critic, groups of `rollout.n >= 2`, a reference policy, the sum of pi squared); *settings* sit beside the",
-        "name in the config. Plugins add entries ([Registries and plugins](../algorithms.md#registries-and-plugins)).",
+        "name in the config, *(flat)* ones in the section that names it (verl's `algorithm.gamma`, `actor.loss_scale_factor`),",
+        "and *italics* are what a rollout engine declares about itself. Plugins add entries",
+        "([Registries and plugins](../algorithms.md#registries-and-plugins)).",
     ]
     for kind, registry in REGISTRIES.items():
         lines += ["", f"## {kind}", ""]
@@ -83,12 +86,21 @@ def render_registries() -> str:
             entry = registry.entry(name)
             if not entry.module.startswith("rlstage."):
                 continue  # a plugin's, present in this environment: not rlstage's documentation
-            settings = ""
+            cells = []
             if entry.settings is not None:
-                settings = "<br>".join(
+                cells += [
                     f"`{field}` = `{info.get_default(call_default_factory=True)!r}`" if not info.is_required() else f"`{field}` (required)"
                     for field, info in entry.settings.model_fields.items()
-                )
+                ]
+            cells += [f"`{read}` (flat)" for read in sorted(entry.reads)]
+            if dataclasses.is_dataclass(entry.traits):  # what the entry declares about itself, where not the default
+                default = type(entry.traits)()
+                cells += [
+                    f"*{f.name}*" if value is True else f"*{f.name}* = `{value}`"
+                    for f in dataclasses.fields(entry.traits)
+                    if (value := getattr(entry.traits, f.name)) != getattr(default, f.name) and f.name != "install"
+                ]
+            settings = "<br>".join(cells)
             doc = (inspect.getdoc(entry.obj) or "").split("\n\n")[0]
             lines.append(f"| `{name}` | {', '.join(sorted(entry.needs)) or ''} | {settings} | {_cell(doc)} |")
     return "\n".join(lines) + "\n"

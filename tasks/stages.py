@@ -284,7 +284,7 @@ def generate_round(
     group.acquire_rollout(policy, update_hash(cfg), ask_trainer=not ahead)
     comps, stats = _complete(cfg, group, policy.version, batch, _sampling(cfg, iteration, round_=round_))
     log = stats.pop("log", [])  # agent.function: its failures and refused requests, for the stage's log
-    if cfg.algorithm.adv_estimator == "remax":
+    if cfg.algorithm.adv_estimator.name == "remax":
         # ReMax's baseline: one greedy answer per prompt, scored like the samples (sample_index -1).
         greedy, _ = _complete(cfg, group, policy.version, batch, _sampling(cfg, iteration, n=1, greedy=True, round_=round_))
         comps += [{**c, "sample_index": -1} for c in greedy]

@@ -930,3 +930,50 @@ def test_micro_batches_with_the_global_counts_sum_to_the_whole_batch(mode, dp_si
             parts.append(A.agg_loss(loss[m, :w], mask[m, :w], mode, **norm.agg_kwargs()))
         per_rank.append(sum(parts))
     assert float(sum(per_rank) / dp_size) == pytest.approx(float(whole), rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.parametrize("dp_size", [1, 2])
+def test_seq_mean_token_sum_norm_divides_by_verls_loss_scale_factor(dp_size):
+    """verl's convention (core_algos.agg_loss): seq-mean-token-sum-norm divides by ``loss_scale_factor`` when it is
+    given, a constant whatever the padding, else by the padded width ``loss_mask.shape[-1]``. ``actor.loss_scale_factor``
+    (verl's name) is that constant: with it the trainer's micro-batches, each padded to its own width, on any number
+    of ranks, sum to the whole mini-batch's loss over the constant, which padding wider does not change."""
+    mode, constant = "seq-mean-token-sum-norm", 16
+    wide, wide_mask = torch.nn.functional.pad(LOSS, (0, 5)), torch.nn.functional.pad(LMASK, (0, 5))  # padded wider
+    close(A.agg_loss(LOSS, LMASK, mode), (3 + 24) / 2 / 3)  # unset: the padded width, 3
+    close(A.agg_loss(wide, wide_mask, mode), (3 + 24) / 2 / 8)  # ... which padding changes
+    for loss, mask in ((LOSS, LMASK), (wide, wide_mask)):
+        close(A.agg_loss(loss, mask, mode, loss_scale_factor=constant), (3 + 24) / 2 / constant)
+    g = torch.Generator().manual_seed(3)
+    lens = [5, 3, 0, 4, 1, 5, 2, 3]
+    loss = torch.randn(len(lens), max(lens), generator=g)
+    mask = torch.tensor([[1.0] * n + [0.0] * (max(lens) - n) for n in lens])
+    norm = A.agg_norm([row[:n].tolist() for row, n in zip(mask, lens, strict=True)], dp_size, scale_factor=constant)
+    assert norm.agg_kwargs()["loss_scale_factor"] == constant
+    parts = []
+    for r in range(dp_size):
+        rows = list(range(r, len(lens), dp_size))
+        for m in (rows[i : i + 2] for i in range(0, len(rows), 2)):
+            w = max(max(lens[i] for i in m), 1)  # each micro-batch padded to its own longest response
+            parts.append(A.agg_loss(loss[m, :w], mask[m, :w], mode, **norm.agg_kwargs()))
+    whole = (loss * mask).sum(-1).sum() / (mask.sum(-1) > 0).sum() / constant
+    assert float(sum(parts) / dp_size) == pytest.approx(float(whole), rel=1e-5, abs=1e-6)
+
+
+def test_the_trainer_hands_actor_loss_scale_factor_to_agg_loss():
+    """With ``actor.loss_scale_factor`` set, every micro-batch of the actor's update carries the constant in its global
+    counts (the fixed-count form would divide each micro-batch by its own width); unset, it keeps verl's fixed-count
+    scaling bit for bit."""
+    from rlstage.engines.models.tinykit import build_char_tokenizer, build_tiny_llama
+    from rlstage.engines.training.actor import TorchActor
+    from rlstage.schemas.config import ActorConfig, KitConfig
+
+    tok = build_char_tokenizer()
+    model = build_tiny_llama(KitConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64), tok)
+    batch = {"prompt_ids": [[5, 6]] * 4, "response_ids": [[7], [7, 8], [7, 8, 9], [7]], "response_mask": [[1], [1, 1], [1, 1, 1], [1]]}
+    base = {"ppo_mini_batch_size": 4, "micro_batch_size": 2, "loss_agg_mode": "seq-mean-token-sum-norm"}
+    fixed = TorchActor(model, ActorConfig(**base), tok.pad_token_id, 1)._micro_batches(batch, [0, 1, 2, 3], [0, 1, 2, 3])
+    assert [m.norm for m in fixed] == [None, None]
+    const = TorchActor(model, ActorConfig(**base, loss_scale_factor=32), tok.pad_token_id, 1)
+    micro = const._micro_batches(batch, [0, 1, 2, 3], [0, 1, 2, 3])
+    assert [m.norm.agg_kwargs()["loss_scale_factor"] for m in micro] == [32, 32]

@@ -148,6 +148,11 @@ def _world(w: Path) -> dict[str, str]:
     record_run_config(store, RunConfig(run_name="plugged"))
     doc = json.loads((w / "store" / "plugged" / "run.json").read_text())
     (w / "store" / "plugged" / "run.json").write_text(json.dumps({**doc, "plugins": {"rlstage-no-such-plugin": "0.1.0"}}))
+    # A run scored by a reward function given by import path, recorded with another version of its source.
+    (w / "scorer.py").write_text("def score(response_text, ground_truth, extra_info):\n    return 1.0\n")
+    record_run_config(store, RunConfig(run_name="scored", reward={"function": "scorer:score"}))
+    doc = json.loads((w / "store" / "scored" / "run.json").read_text())
+    (w / "store" / "scored" / "run.json").write_text(json.dumps({**doc, "callables": {"scorer": "sha256:000000000000"}}))
     return p
 
 
@@ -171,6 +176,10 @@ CASES: list[tuple[str, list[str], dict[str, str], str]] = [
     ("unknown key", ["train", "actor.optim.lrr=1"], {}, r"config error: actor\.optim\.lrr: Extra inputs are not permitted"),
     ("bad value", ["train", "actor.optim.lr=-1"], {}, r"config error: actor\.optim\.lr: Input should be greater than 0"),
     ("unknown estimator", ["demo", "algorithm.adv_estimator=ppo2"], {}, r"config error: algorithm\.adv_estimator: unknown advantage estimator 'ppo2'; registered: gae, grpo, "),
+    ("estimator setting it does not read", ["train", "algorithm.gamma=0.99"], {}, r"^rlstage: config error: algorithm\.gamma: grpo takes no gamma \(its settings: norm_adv_by_std_in_grpo\)"),
+    ("estimator setting it does not take", ["train", "algorithm.adv_estimator={{name: rloo, beta: 1}}"], {}, r"config error: algorithm\.adv_estimator\.beta: rloo takes no settings"),
+    ("loss_scale_factor the mode does not read", ["train", "actor.loss_scale_factor=64"], {}, r"config error: actor\.loss_scale_factor: token-mean takes no loss_scale_factor"),
+    ("ref placed apart with none to place", ["train", "ray.ref_critic_placement=separate"], {}, r"config error: ray\.ref_critic_placement: ray\.ref_critic_placement=separate: this run has no reference policy"),
     ("override value not YAML", ["train", "actor.optim.betas=[0.9,"], {}, r"config error: override actor\.optim\.betas: value is not YAML"),
     ("config file missing", ["train", "-c", "{w}/nope.yaml"], {}, r"config error: config file .*/nope\.yaml does not exist"),
     ("config file YAML syntax", ["train", "-c", "{bad_yaml}"], {}, r"config error: config file .*/bad\.yaml is not valid YAML \(expected .* at line 3, column 1\)"),
@@ -250,6 +259,8 @@ CASES: list[tuple[str, list[str], dict[str, str], str]] = [
     ("plugin setting unknown", ["train", "plugins=[strict_plugin]", "actor.policy_loss={{name: strict, gamma: 1}}"], NOPYC, r"config error: actor\.policy_loss\.gamma: strict takes no gamma \(its settings: beta\)"),
     ("stored run's plugin missing", ["nightly", "plugged", "--store", "{store}"], {}, r"config error: run 'plugged' was run with plugin rlstage-no-such-plugin==0\.1\.0, which is not installed here"),
     ("stored run's plugin missing: resume", ["train", "run_name=plugged", "store.root={store}"], {}, r"run 'plugged' was run with plugin rlstage-no-such-plugin==0\.1\.0"),
+    ("stored reward function changed: resume", ["train", "run_name=scored", "store.root={store}", "reward.function=scorer:score"], NOPYC, r"config error: run 'scored' was run with scorer sha256:000000000000 \(its reward function or tools\), this environment has sha256:\w{12}: its committed stages would be reused"),
+    ("stored reward function changed: eval", ["eval", "scored", "reward.function=scorer:score", "--store", "{store}"], NOPYC, r"config error: run 'scored' was run with scorer sha256:000000000000 \(its reward function or tools\)"),
     ("stored tool: replay", ["replay", "eviltool", "1", "rollout", "--store", "{store}"], {}, r"agent\.tools\.0\.callable: 'evil_tool:score' comes from the stored config"),
 ]  # fmt: skip
 

@@ -1,4 +1,5 @@
 import json
+from pathlib import Path
 
 import pytest
 
@@ -8,7 +9,7 @@ from rlstage.schemas.config import ConfigError, RunConfig, load_config, parse_ov
 def test_defaults_validate():
     cfg = load_config()
     assert isinstance(cfg, RunConfig)
-    assert cfg.algorithm.adv_estimator == "grpo"
+    assert cfg.algorithm.adv_estimator.name == "grpo"
 
 
 def test_yaml_and_dotted_overrides(tmp_path):
@@ -17,7 +18,7 @@ def test_yaml_and_dotted_overrides(tmp_path):
     cfg = load_config(p, ["actor.optim.lr=1e-5", "algorithm.adv_estimator=rloo", "rollout.n=4"])
     assert cfg.run_name == "x"
     assert cfg.actor.optim.lr == pytest.approx(1e-5)
-    assert cfg.algorithm.adv_estimator == "rloo"
+    assert cfg.algorithm.adv_estimator.name == "rloo"
     assert cfg.rollout.n == 4
 
 
@@ -219,3 +220,101 @@ def test_a_run_recorded_before_a_late_setting_continues_after_the_upgrade(tmp_pa
     assert late.rsplit(".", 1)[-1] not in json.dumps(_identity(cfg))
     with pytest.raises(ConfigError, match=rf"exists with another config \({late}: stored None, given True\)"):
         check_run_config(store, load_config(None, ["run_name=nightly", f"{late}=true"]))
+
+
+# ---------------------------------------------------------------- named entries' flat settings, shipped configs
+REPO = Path(__file__).resolve().parent.parent
+# a config whose run supplies a setting on the command line, as its header says
+NEEDS = {"rm_tiny.yaml": ["reward_model.model.path=rm-kit"]}
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (REPO / "configs").glob("*.yaml")))
+def test_every_shipped_config_loads(name):
+    """The configs of configs/ (the wheel's rlstage/configs are the same files): the config model, then the names
+    against the registries, their settings and what their entries read."""
+    from rlstage.engines.preflight import check_registered_names
+
+    check_registered_names(load_config(REPO / "configs" / name, NEEDS.get(name, [])))
+
+
+def test_each_estimator_declares_which_flat_settings_it_reads():
+    """verl keeps gamma, lam and norm_adv_by_std_in_grpo flat under algorithm.: an estimator's entry records which it
+    reads (those its signature names), and another value of one it does not read is refused in one line."""
+    from rlstage.engines import algorithms as algos
+
+    reads = {n: algos.ADV_ESTIMATORS.entry(n).reads for n in ("gae", "grpo", "reinforce_plus_plus", "rloo")}
+    assert reads == {
+        "gae": {"gamma", "lam"},
+        "grpo": {"norm_adv_by_std_in_grpo"},
+        "reinforce_plus_plus": {"gamma"},
+        "rloo": set(),
+    }
+    with pytest.raises(ConfigError) as err:
+        load(["algorithm.gamma=0.99"])
+    assert str(err.value) == "config error: algorithm.gamma: grpo takes no gamma (its settings: norm_adv_by_std_in_grpo)"
+    with pytest.raises(ConfigError, match=r"^config error: algorithm\.norm_adv_by_std_in_grpo: rloo takes no norm_adv_by_std_in_grpo \(its settings: none\)$"):
+        load(["algorithm.adv_estimator=rloo", "algorithm.norm_adv_by_std_in_grpo=false"])
+    with pytest.raises(ConfigError, match=r"^config error: algorithm\.lam: reinforce_plus_plus takes no lam \(its settings: gamma\)$"):
+        load(["algorithm.adv_estimator=reinforce_plus_plus", "algorithm.lam=0.95"])
+    load(["algorithm.adv_estimator=gae", "critic.enable=true", "algorithm.gamma=0.99", "algorithm.lam=0.95"])
+    load(["algorithm.adv_estimator=rloo", "algorithm.gamma=1.0"])  # at its default: nothing to ignore
+    with pytest.raises(ConfigError, match=r"^config error: algorithm\.adv_estimator\.beta: grpo takes no settings$"):
+        load(["algorithm.adv_estimator={name: grpo, beta: 1}"])
+
+
+def test_an_estimator_named_as_a_section_hashes_as_its_plain_name():
+    """``algorithm.adv_estimator: rloo`` and ``{name: rloo}`` are one config, hashed as 0.1 stored it (a string)."""
+    import hashlib
+
+    plain, nested = load(["algorithm.adv_estimator=rloo"]), load(["algorithm.adv_estimator={name: rloo}"])
+    assert plain.algorithm.adv_estimator == nested.algorithm.adv_estimator
+    assert plain.hashed_dump()["algorithm"]["adv_estimator"] == "rloo"
+    expected = hashlib.sha256(json.dumps({"algorithm.adv_estimator": "rloo"}).encode()).hexdigest()[:16]
+    assert nested.stage_hash("algorithm.adv_estimator") == expected
+
+
+def test_loss_scale_factor_is_verls_read_by_the_mode_that_reads_it_and_hashed_only_when_set():
+    cfg = load(["actor.loss_agg_mode=seq-mean-token-sum-norm", "actor.loss_scale_factor=64"])
+    assert cfg.actor.loss_scale_factor == 64
+    assert "loss_scale_factor" not in load([]).hashed_dump()["actor"]  # unset: stored runs keep their keys
+    assert cfg.stage_hash("actor") != load(["actor.loss_agg_mode=seq-mean-token-sum-norm"]).stage_hash("actor")
+    with pytest.raises(ConfigError) as err:
+        load(["actor.loss_scale_factor=64"])
+    assert str(err.value) == "config error: actor.loss_scale_factor: token-mean takes no loss_scale_factor (its settings: none)"
+
+
+def test_every_command_that_loads_a_config_says_a_deprecated_name_once(tmp_path):
+    """A 0.1 flat loss setting is one line, ``rlstage: actor.<name> is deprecated: ...``, whichever command loads the
+    config: a config file (train) or a stored run's (nightly, replay, eval); each command here then stops at a
+    missing input, after loading."""
+    import subprocess
+    import sys
+
+    from rlstage.flows.checks import record_run_config
+    from rlstage.infra.store import ArtifactStore
+    from tests_support import cli_env
+
+    store = ArtifactStore(str(tmp_path / "store"))
+    missing = ["data.source=gsm8k", f"data.train_path={tmp_path}/no.jsonl", f"data.test_path={tmp_path}/no2.jsonl"]
+    record_run_config(store, load_config(None, ["run_name=old", *missing]))
+    path = tmp_path / "store" / "old" / "run.json"
+    doc = json.loads(path.read_text())
+    doc["config"]["actor"] |= {"policy_loss": "vanilla", "clip_ratio_high": 0.28}  # as 0.1 stored a flat setting
+    path.write_text(json.dumps(doc))
+    line = (
+        "rlstage: actor.clip_ratio_high is deprecated: set actor.policy_loss.clip_ratio_high (the flat name is read "
+        "until 0.3)"
+    )
+    commands = {
+        "train": ["train", "run_name=new", "actor.clip_ratio_high=0.28", *missing],
+        "nightly": ["nightly", "old", "--store", str(tmp_path / "store")],
+        "replay": ["replay", "old", "1", "update", "--store", str(tmp_path / "store")],
+        "eval": ["eval", "old", "--store", str(tmp_path / "store")],
+    }
+    for name, args in commands.items():
+        done = subprocess.run(
+            [sys.executable, "-m", "rlstage.flows.cli", *args], cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == 2, (name, done.stderr[-2000:])
+        lines = done.stderr.strip().splitlines()
+        assert lines.count(line) == 1 and len(lines) == 2, (name, lines)  # the deprecation, then the command's error

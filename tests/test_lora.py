@@ -147,7 +147,7 @@ def test_fresh_adapters_are_drawn_from_the_run_seed(kit, tmp_path: Path) -> None
         (["model.lora_rank=-1"], r"config error: model\.lora_rank: Input should be greater than or equal to 0"),
         (["model.target_modules=[]"], r"config error: model\.target_modules: name at least one module"),
         (["actor.engine=deepspeed", "actor.zero_stage=3"], r"config error: <root>: model\.lora_rank=4 with actor\.zero_stage=3"),
-        (["model.lora_rank=1024", "rollout.engine=vllm"], r"config error: <root>: model\.lora_rank=1024: vLLM serves LoRA adapters of rank 512 at most"),
+        (["model.lora_rank=1024", "rollout.engine=vllm"], r"config error: model\.lora_rank: model\.lora_rank=1024: rollout\.engine=vllm serves LoRA adapters of rank 512 at most"),
     ],
 )
 def test_bad_lora_settings_are_one_line_naming_the_key(overrides: list[str], line: str) -> None:

@@ -354,3 +354,149 @@ def test_rollout_engines_registered_by_a_plugin_are_named_by_rollout_engine(plug
     )  # the worker builds the registered one
     assert stage_config_hash(cfg, "rollout") != view_hash(cfg, "rollout")
     assert stage_config_hash(cfg, "update") == view_hash(cfg, "update")  # the update does not generate
+
+
+# ---------------------------------------------------------------- estimators' settings, declared needs and traits
+ESTIMATOR = """
+from pydantic import BaseModel, Field
+
+from rlstage.engines.algorithms import register_adv_estimator
+
+
+class Settings(BaseModel):
+    model_config = {{"extra": "forbid"}}
+    scale: float = Field(1.0, gt=0)
+
+
+@register_adv_estimator({name!r}, settings=Settings)
+def scaled(*, token_level_rewards, response_mask, scale, **kw):
+    adv = token_level_rewards.sum(-1, keepdim=True) * scale * response_mask
+    return adv, adv
+"""
+
+
+def test_a_plugin_estimator_takes_its_own_settings_nested_under_its_name(plugin_dir):
+    import torch
+
+    mod = _module(plugin_dir, ESTIMATOR.format(name="scaled_est"))
+    cfg = _load(f"plugins=[{mod}]", "algorithm.adv_estimator={name: scaled_est, scale: 3.0}")
+    settings = algos.adv_estimator_settings(cfg.algorithm.adv_estimator)
+    assert settings.scale == 3.0 and algos.ADV_ESTIMATORS.entry("scaled_est").reads == frozenset()
+    rewards, mask = torch.tensor([[0.0, 2.0]]), torch.ones(1, 2)
+    adv, _ = algos.compute_advantage(
+        "scaled_est", token_level_rewards=rewards, response_mask=mask, settings=settings
+    )
+    assert torch.equal(adv, torch.full((1, 2), 6.0))  # its setting reached it as a keyword
+    assert _load(f"plugins=[{mod}]", "algorithm.adv_estimator=scaled_est").algorithm.adv_estimator.name == "scaled_est"
+    # the run's advantage stage is keyed by the plugin's version (the flat form of the section is 0.1's otherwise)
+    assert stage_config_hash(cfg, "advantage") != view_hash(cfg, "advantage")
+    refused = {  # overrides -> the one line
+        ("algorithm.adv_estimator={name: scaled_est, scale: -1}",): "algorithm.adv_estimator.scale: Input should be greater than 0",
+        ("algorithm.adv_estimator={name: scaled_est, scal: 2}",): "algorithm.adv_estimator.scal: scaled_est takes no scal (its settings: scale)",
+        ("algorithm.adv_estimator=scaled_est", "algorithm.gamma=0.9"): "algorithm.gamma: scaled_est takes no gamma (its settings: scale)",
+    }  # fmt: skip
+    for overrides, line in refused.items():
+        with pytest.raises(ConfigError) as err:
+            _load(f"plugins=[{mod}]", *overrides)
+        assert str(err.value) == f"config error: {line}"
+
+
+def test_a_loss_that_needs_the_reference_may_place_it_apart(plugin_dir):
+    """The reference/critic role placed apart holds the reference a policy loss declares it needs (``ref``), as it
+    holds the one KL needs; a run with neither reference nor critic to place is still refused."""
+    mod = _module(
+        plugin_dir,
+        "from rlstage.engines.algorithms import register_policy_loss\n\n\n"
+        "@register_policy_loss('anchored', needs=('ref',))\ndef anchored(*args, **kw):\n    raise AssertionError\n",
+    )
+    cfg = _load(f"plugins=[{mod}]", "actor.policy_loss=anchored", "ray.ref_critic_placement=separate")
+    assert algos.needs_reference(cfg) and not cfg.needs_ref and not cfg.critic.enable
+    with pytest.raises(
+        ConfigError,
+        match=r"^config error: ray\.ref_critic_placement: ray\.ref_critic_placement=separate: this run has no reference",
+    ):
+        _load(f"plugins=[{mod}]", "ray.ref_critic_placement=separate")
+    with pytest.raises(ConfigError, match=r"with model\.lora_rank > 0 the reference is the policy's own base"):
+        _load(f"plugins=[{mod}]", "actor.policy_loss=anchored", "ray.ref_critic_placement=separate", "model.lora_rank=4")
+
+
+def test_rollout_engine_facts_come_from_its_entry(plugin_dir):
+    """What the checks and workers know of a rollout engine (shares prompts, generates in memory, seeds per batch, its
+    largest LoRA rank) is what its entry declares, a plugin's too, not decided by its name."""
+    from rlstage.engines.rollout.engines import engine_traits
+    from rlstage.workers.policy import every_rank_generates
+
+    mod = _module(
+        plugin_dir,
+        "from rlstage.engines.rollout.engines import EngineTraits, register_rollout_engine\n\n\n"
+        "@register_rollout_engine('twin', traits=EngineTraits(in_memory=True, shares_prompts=True, max_lora_rank=8))\n"
+        "def twin(cfg, model, tokenizer, path, current=None):\n    return None\n\n\n"
+        "@register_rollout_engine('plain')\ndef plain(cfg, model, tokenizer, path, current=None):\n    return None\n",
+    )
+    assert engine_traits("hf").in_memory and engine_traits("hf").seeds_per_batch and not engine_traits("vllm").in_memory
+    twin = _load(f"plugins=[{mod}]", "rollout.engine=twin", "rollout.share_prompts=true")
+    assert every_rank_generates(twin)  # an engine in memory generates on every rank, as hf does
+    assert not every_rank_generates(_load(f"plugins=[{mod}]", "rollout.engine=plain"))
+    with pytest.raises(ConfigError) as err:
+        _load(f"plugins=[{mod}]", "rollout.engine=plain", "rollout.share_prompts=true")
+    assert str(err.value) == (
+        "config error: rollout.share_prompts: rollout.share_prompts is for rollout.engine hf, twin; "
+        "rollout.engine=plain shares a prompt's prefill through its own prefix cache"
+    )
+    with pytest.raises(
+        ConfigError, match=r"^config error: model\.lora_rank: model\.lora_rank=16: rollout\.engine=twin serves LoRA adapters of rank 8 at most$"
+    ):
+        _load(f"plugins=[{mod}]", "rollout.engine=twin", "model.lora_rank=16")
+
+
+# ---------------------------------------------------------------- code named by import path, recorded
+REWARD = "def score(response_text, ground_truth, extra_info):\n    return 1.0\n"
+
+
+def test_a_reward_function_given_by_import_path_is_recorded_and_checked(plugin_dir):
+    from rlstage.engines.plugins import callables_used
+
+    mod = _module(plugin_dir, REWARD)
+    cfg = _load(f"reward.function={mod}:score", "run_name=scored")
+    store = ArtifactStore(str(plugin_dir / "store"))
+    record_run_config(store, cfg)
+    doc = store.get_json("scored", "run.json")
+    assert doc["callables"] == callables_used(cfg) and doc["callables"][mod].startswith("sha256:")
+    assert "plugins" not in doc  # no registered plugin entry is named
+    # not in the keys: a run stored before code was recorded keeps them
+    assert all(stage_config_hash(cfg, s) == view_hash(cfg, s) for s in ("reward", "eval"))
+    assert check_run_config(store, cfg)
+    (plugin_dir / f"{mod}.py").write_text(REWARD + "# changed\n")
+    line = (
+        rf"^config error: run 'scored' was run with {mod} sha256:\w{{12}} \(its reward function or tools\), this "
+        rf"environment has sha256:\w{{12}}: its committed stages would be reused as they are; restore {mod} "
+        r"sha256:\w{12}, or start a new run_name$"
+    )
+    with pytest.raises(PluginError, match=line):
+        check_run_config(store, cfg)
+    with pytest.raises(PluginError, match=line):  # nightly, replay and eval load the stored config
+        stored_config(store, "scored", [f"reward.function={mod}:score"])
+
+
+def test_code_from_an_installed_distribution_is_recorded_by_its_version(plugin_dir):
+    """A tool's callable in an installed distribution (PyYAML here) is recorded as that distribution and version; a
+    run recorded with another version, or with a distribution this environment lacks, is refused in one line."""
+    from importlib import metadata
+
+    from rlstage.engines.plugins import callables_used
+
+    tools = "agent.tools=[{name: c, callable: calculator}, {name: y, callable: 'yaml:safe_dump'}]"
+    cfg = load_config(None, ["run_name=tooled", "agent.enable=true", "kit.task=multiply", tools])
+    assert callables_used(cfg) == {"PyYAML": metadata.version("PyYAML")}  # the built-in calculator is rlstage's
+    store = ArtifactStore(str(plugin_dir / "store"))
+    record_run_config(store, cfg)
+    path = plugin_dir / "store" / "tooled" / "run.json"
+    doc = json.loads(path.read_text())
+    path.write_text(json.dumps({**doc, "callables": {"PyYAML": "0.0.1"}}))
+    with pytest.raises(PluginError, match=r"was run with PyYAML 0\.0\.1 \(its reward function or tools\), this environment has "):
+        check_run_config(store, cfg)
+    path.write_text(json.dumps({**doc, "callables": {"rlstage-gone": "1.0"}}))
+    with pytest.raises(
+        PluginError, match=r"was run with rlstage-gone==1\.0 \(its reward function or tools\), which is not installed here"
+    ):
+        check_run_config(store, cfg)

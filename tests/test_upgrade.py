@@ -49,6 +49,16 @@ def _source_of(commit: str, dest: Path) -> Path:
     return dest
 
 
+def _late_setting(path: str) -> bool:
+    """Whether the dotted config ``path`` is a setting added after runs were stored (HASHED_WHEN_SET)."""
+    from rlstage.schemas.config import HASHED_WHEN_SET, RunConfig
+
+    model, *parents, leaf = [RunConfig, *path.split(".")]
+    for part in parents:
+        model = model.model_fields[part].annotation
+    return (model.model_fields[leaf].json_schema_extra or {}) == HASHED_WHEN_SET
+
+
 def test_a_run_of_the_previous_release_continues_replays_and_evaluates(prefect_api, tmp_path):
     from mlflow import MlflowClient
 
@@ -74,6 +84,9 @@ def test_a_run_of_the_previous_release_continues_replays_and_evaluates(prefect_a
     store = ArtifactStore(str(store_root))
     before = {s: store.manifest(RUN, 1, s) for s in ("rollout", "reward", "advantage", "update")}
     assert all(before.values()), before
+    client = MlflowClient(f"sqlite:///{db}")
+    (old_run,) = [r for r in client.search_runs([e.experiment_id for e in client.search_experiments()]) if r.info.run_name == RUN]
+    old_params = dict(old_run.data.params)
 
     # nightly: one more iteration with the stored config; iteration 1's committed stages are reused, not retrained
     result = nightly(run_name=RUN, iterations=1, store_root=str(store_root))
@@ -88,8 +101,17 @@ def test_a_run_of_the_previous_release_continues_replays_and_evaluates(prefect_a
     evaluated = evaluate_run(run_name=RUN, iteration=1, store_root=str(store_root))
     assert 0.0 <= evaluated["metrics"]["val/accuracy"] <= 1.0, evaluated
 
-    # MLflow: the old and the new process logged into one run, each step of a metric once
-    client = MlflowClient(f"sqlite:///{db}")
+    # MLflow: the old and the new process logged into one run, each step of a metric once; its params are the old
+    # release's, untouched, and a run started now with the same config logs them under the same keys and values
+    # (plus the settings added since, HASHED_WHEN_SET)
+    from rlstage.flows.checks import stored_config
+    from rlstage.infra.tracking import config_params
+
+    assert dict(client.get_run(old_run.info.run_id).data.params) == old_params
+    now = config_params(stored_config(store, RUN))
+    assert {k: now[k] for k in old_params} == old_params
+    late = {k for k in set(now) - set(old_params) if not _late_setting(k)}
+    assert not late, late
     runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
     trained = [r for r in runs if "val/accuracy" in r.data.metrics]
     assert trained, [r.info.run_name for r in runs]

@@ -110,13 +110,17 @@ def test_a_placement_the_cluster_cannot_hold_is_refused_before_any_stage(prefect
 
 
 def test_a_world_size_that_does_not_split_the_mini_batch_is_one_line():
+    # what a reference needs, and whether a role placed apart has one to hold: the registries know
+    from rlstage.engines.preflight import check_registered_names
+
     with pytest.raises(ConfigError, match="ray.trainer_world_size=3 must divide actor.ppo_mini_batch_size=16"):
         load_config(None, [*tiny_overrides(), "ray.trainer_world_size=3", "actor.engine=deepspeed"])
     load_config(None, [*tiny_overrides(), "ray.trainer_world_size=2"])  # the torch engine: an all-reduce per step
     with pytest.raises(ConfigError, match="ray.ref_critic_placement=separate: this run has no reference policy"):
-        load_config(None, [*tiny_overrides(), "ray.ref_critic_placement=separate"])
+        check_registered_names(load_config(None, [*tiny_overrides(), "ray.ref_critic_placement=separate"]))
     with pytest.raises(ConfigError, match="ray.ref_critic_placement=separate: with model.lora_rank > 0 the reference"):
-        load_config(None, [*tiny_overrides(), "ray.ref_critic_placement=separate", "actor.use_kl_loss=true", "model.lora_rank=4"])
+        lora = ["ray.ref_critic_placement=separate", "actor.use_kl_loss=true", "model.lora_rank=4"]
+        check_registered_names(load_config(None, [*tiny_overrides(), *lora]))
 
 
 def _checksums(store, run: str, iterations: int, extra: tuple[str, ...] = ()) -> dict[str, str]:

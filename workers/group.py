@@ -25,6 +25,7 @@ from ray.exceptions import ActorUnavailableError
 from ray.util.placement_group import get_placement_group, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from rlstage.engines.rollout.engines import engine_traits
 from rlstage.infra.ray_runtime import CLUSTER_LOST, RAY_NAMESPACE
 from rlstage.infra.store import store_identity
 from rlstage.schemas.config import ConfigError, RunConfig
@@ -72,7 +73,7 @@ class PolicyGroup:
     rollouts: list[Any] = field(default_factory=list)
     drills: bool = False  # drill.kill_worker_at names points: stages arm the actors
     ref_critic: Any = None  # the reference's and critic's actor when placed apart (ray.ref_critic_placement)
-    hf_batch: int = 0  # the HF engine's batch in samples (0: vLLM): a split of a generation lands on its bounds
+    hf_batch: int = 0  # the HF engine's batch in samples (0: an engine seeding each prompt): a split lands on its bounds
     # role -> its placement group ("trainer", "rollout", "ref_critic": the roles that ask for GPUs), removed on release
     placements: dict[str, Any] = field(default_factory=dict)
     ranks_generate: bool = False  # colocated generation split over every rank (workers.policy.every_rank_generates)
@@ -341,7 +342,7 @@ def open_group(cfg: RunConfig | ConfigView, version: str = "main") -> PolicyGrou
     # a hold point naming a role ("rollout@rollout:2") is announced from the worker too, as kill points are
     drills = bool(cfg.drill.kill_worker_at) or any("@" in p for p in cfg.drill.hold_worker_at)
     # vLLM seeds each prompt: any split samples alike; HF seeds each batch of rollout.batch_size samples
-    hf_batch = cfg.rollout.batch_size if cfg.rollout.engine == "hf" else 0
+    hf_batch = cfg.rollout.batch_size if engine_traits(cfg.rollout.engine).seeds_per_batch else 0
     name = actor_name(cfg.run_name, cfg.store.root, version)
     return PolicyGroup(ranks, name, rollouts, drills, ref_critic, hf_batch, placements, every_rank_generates(cfg) and len(ranks) > 1)
 

@@ -33,7 +33,7 @@ from rlstage.engines.models.lora import (
     with_adapters,
 )
 from rlstage.engines.plugins import load_plugins
-from rlstage.engines.rollout.engines import IN_MEMORY, ROLLOUT_ENGINES
+from rlstage.engines.rollout.engines import ROLLOUT_ENGINES, engine_traits
 from rlstage.engines.rollout.hf import SamplingParams
 from rlstage.engines.training.actor import DataParallelTorchActor, TorchActor
 from rlstage.engines.training.checkpoint import load_trainer_state, save_trainer_state
@@ -143,7 +143,7 @@ def every_rank_generates(cfg: RunConfig) -> bool:
     is data parallel too): the HF engine over a rank's whole policy (ZeRO 0-2). Under ZeRO-3 the other ranks keep
     a partition only, and a vLLM engine is started once, on rank 0."""
     zero3 = cfg.actor.engine == "deepspeed" and cfg.actor.zero_stage == 3
-    return cfg.ray.rollout_placement == "colocated" and cfg.rollout.engine == IN_MEMORY and not zero3
+    return cfg.ray.rollout_placement == "colocated" and engine_traits(cfg.rollout.engine).in_memory and not zero3
 
 
 def scratch_dir(kind: str, run: str) -> Path:
@@ -410,7 +410,7 @@ class PolicyWorker:
     def _engine_dir(self, path: Path) -> str:
         """The folder a vLLM engine starts from: a LoRA policy's base weights, its adapter pushed after (HF
         shares the model)."""
-        if self.base is None or self.cfg.rollout.engine == "hf":
+        if self.base is None or engine_traits(self.cfg.rollout.engine).in_memory:
             return str(path)
         folder = self.scratch / "base"
         shutil.rmtree(folder, ignore_errors=True)

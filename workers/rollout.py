@@ -18,7 +18,7 @@ import torch
 
 from rlstage.engines.models.lora import save_hf
 from rlstage.engines.plugins import load_plugins
-from rlstage.engines.rollout.engines import IN_MEMORY
+from rlstage.engines.rollout.engines import engine_traits
 from rlstage.engines.rollout.hf import SamplingParams
 from rlstage.infra.drill import WorkerDrill
 from rlstage.infra.store import ArtifactStore
@@ -90,14 +90,15 @@ class RolloutWorker:
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.tokenizer.padding_side = "left"
         model, base = load_policy_model(self.cfg, self.store, ref, path, self.scratch, trainable=False)
+        in_memory = engine_traits(self.cfg.rollout.engine).in_memory
         if base is not None:  # a LoRA checkpoint from the store: its adapter merged into its base
             model = model.merge_and_unload()
-            if self.cfg.rollout.engine != IN_MEMORY:  # vLLM (any other engine) starts from a folder of plain weights
+            if not in_memory:  # vLLM (any engine not in memory) starts from a folder of plain weights
                 path = self.scratch / "merged"
                 shutil.rmtree(path, ignore_errors=True)
                 save_hf(model, self.tokenizer, path)
         # the HF engine generates on the actor's GPU; vLLM loads its own copy from the folder
-        self.model = model.requires_grad_(False).to(compute_device() if self.cfg.rollout.engine == IN_MEMORY else "cpu")
+        self.model = model.requires_grad_(False).to(compute_device() if in_memory else "cpu")
         self.rollout = rollout_engine(self.cfg, self.model, self.tokenizer, str(path), self.rollout)
         self.held = ref.version
         return ref.version

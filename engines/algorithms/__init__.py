@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from rlstage.engines.algorithms.advantages import (
     ADV_ESTIMATORS,
+    adv_estimator_settings,
+    check_estimator_reads,
     compute_advantage,
     gae_advantage,
     gdpo_advantage,
@@ -118,6 +120,8 @@ __all__ = [
     "ROLLOUT_IS_LEVELS",
     "SAFETY_BOUND",
     "actor_needs_ref",
+    "adv_estimator_settings",
+    "check_estimator_reads",
     "agg_loss",
     "agg_norm",
     "apply_kl_penalty",

@@ -8,9 +8,11 @@ from typing import Any
 
 import numpy as np
 import torch
+from pydantic import BaseModel
 
 from rlstage.engines.algorithms.masked import _group_ids, _group_stats, _group_sum, _safe_den, masked_whiten
-from rlstage.engines.registry import Registry
+from rlstage.engines.registry import Registry, check_flat_reads, settings_for
+from rlstage.schemas.config import FLAT_ESTIMATOR_SETTINGS
 
 Tensor = torch.Tensor
 GroupIndex = Sequence[Hashable] | np.ndarray
@@ -23,23 +25,46 @@ AdvEstimatorFn = Callable[..., tuple[Tensor, Tensor]]
 ADV_ESTIMATORS: Registry[AdvEstimatorFn] = Registry("advantage estimator")
 
 
+def _flat_reads(fn: AdvEstimatorFn) -> frozenset[str]:
+    # compute_advantage passes an estimator exactly the arguments its signature names: so does it read verl's flat
+    # algorithm.gamma, lam, norm_adv_by_std_in_grpo
+    return frozenset(FLAT_ESTIMATOR_SETTINGS) & set(inspect.signature(fn).parameters)
+
+
 def register_adv_estimator(
-    name: str, *, needs: Iterable[str] = ()
+    name: str, *, needs: Iterable[str] = (), settings: type[BaseModel] | None = None
 ) -> Callable[[AdvEstimatorFn], AdvEstimatorFn]:
-    """Decorator: register an advantage estimator under ``name``, declaring what it ``needs``.
+    """Decorator: register an advantage estimator under ``name``, declaring what it ``needs`` and the model of its own
+    ``settings`` (a pydantic model the config's ``algorithm.adv_estimator: {name: ..., <setting>: ...}`` is validated
+    against; None: it takes none). The entry records which of verl's flat settings (``algorithm.gamma``, ``lam``,
+    ``norm_adv_by_std_in_grpo``) it reads: those its signature names.
 
     An estimator is called with keyword arguments only, taking the subset of
     ``token_level_rewards, response_mask, index, values, reward_baselines, gamma, lam,
     norm_adv_by_std_in_grpo, epsilon, old_log_probs, sum_pi_squared, rollout_is_weights`` that its
-    signature names; parameters without a default are required. It returns ``(advantages, returns)``,
-    both ``[batch, response_len]``.
+    signature names, plus its own settings as keywords named as in its settings model; parameters without
+    a default are required. It returns ``(advantages, returns)``, both ``[batch, response_len]``.
     """
-    return ADV_ESTIMATORS.register(name, needs=needs)
+    return ADV_ESTIMATORS.register(name, needs=needs, settings=settings, reads=_flat_reads)
 
 
 def get_adv_estimator(name: str) -> AdvEstimatorFn:
     """The registered estimator called ``name``; ValueError naming the registered ones otherwise."""
     return ADV_ESTIMATORS.entry(name).obj
+
+
+def adv_estimator_settings(section: Any) -> BaseModel | None:
+    """The typed settings of ``algorithm.adv_estimator`` (an ``AdvEstimatorConfig``: a name and the settings given
+    beside it), validated against the estimator's registered model; ValueError with one line naming the setting
+    otherwise."""
+    return settings_for(ADV_ESTIMATORS.entry(section.name), section.settings, "algorithm.adv_estimator")
+
+
+def check_estimator_reads(algorithm: Any) -> None:
+    """ValueError (one line) when ``algorithm`` (the config's section) gives another value than the default to one of
+    verl's flat estimator settings that its estimator does not read (``Entry.reads``)."""
+    entry = ADV_ESTIMATORS.entry(algorithm.adv_estimator.name)
+    check_flat_reads(entry, algorithm, FLAT_ESTIMATOR_SETTINGS, "algorithm")
 
 
 def _float_mask(response_mask: Tensor, like: Tensor) -> Tensor:
@@ -467,12 +492,13 @@ def compute_advantage(
     old_log_probs: Tensor | None = None,
     sum_pi_squared: Tensor | None = None,
     rollout_is_weights: Tensor | None = None,
+    settings: BaseModel | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Run the estimator ``name`` and return ``(advantages, returns)``.
 
-    Each estimator receives only the arguments its signature names; a required one (no default) that
-    is None here raises ValueError (``gae`` needs ``values``, ``remax`` ``reward_baselines``, the group
-    estimators ``index``).
+    Each estimator receives only the arguments its signature names, and its own ``settings`` (its typed settings
+    model: ``adv_estimator_settings``) as keywords; a required one (no default) that is None here raises ValueError
+    (``gae`` needs ``values``, ``remax`` ``reward_baselines``, the group estimators ``index``).
     """
     fn = get_adv_estimator(name)
     if token_level_rewards.shape != response_mask.shape:
@@ -494,9 +520,9 @@ def compute_advantage(
         "sum_pi_squared": sum_pi_squared,
         "rollout_is_weights": rollout_is_weights,
     }
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Any] = dict(settings) if settings is not None else {}
     for pname, p in inspect.signature(fn).parameters.items():
-        if p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL):
+        if p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL) or pname in kwargs:
             continue
         value = available.get(pname)
         if value is None:

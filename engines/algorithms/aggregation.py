@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +31,7 @@ class AggNorm:
     width: int  # the padded response width (the mini-batch's longest response): seq-mean-token-sum-norm's divisor
     rows: float = 0.0  # all rows, empty ones included (geo_mean's mean over rows)
     dp_size: int = 1  # ranks sharing the mini-batch; their gradients are averaged
+    scale_factor: int | None = None  # actor.loss_scale_factor (verl's): seq-mean-token-sum-norm's constant instead of width
 
     def agg_kwargs(self) -> dict[str, Any]:
         """``agg_loss``'s global-normalisation arguments."""
@@ -38,12 +39,13 @@ class AggNorm:
             "dp_size": self.dp_size,
             "batch_num_tokens": self.tokens,
             "global_batch_size": self.seqs,
-            "loss_scale_factor": max(1, self.width),
+            "loss_scale_factor": self.scale_factor if self.scale_factor is not None else max(1, self.width),
         }
 
 
-def agg_norm(masks: Sequence[Sequence[float]], dp_size: int = 1) -> AggNorm:
-    """The global counts of a mini-batch given every row's response mask."""
+def agg_norm(masks: Sequence[Sequence[float]], dp_size: int = 1, scale_factor: int | None = None) -> AggNorm:
+    """The global counts of a mini-batch given every row's response mask (and the configured constant of
+    seq-mean-token-sum-norm, if any)."""
     sums = [float(sum(m)) for m in masks]
     return AggNorm(
         tokens=sum(sums),
@@ -51,6 +53,7 @@ def agg_norm(masks: Sequence[Sequence[float]], dp_size: int = 1) -> AggNorm:
         width=max((len(m) for m in masks), default=0),
         rows=float(len(masks)),
         dp_size=dp_size,
+        scale_factor=scale_factor,
     )
 
 
@@ -68,9 +71,11 @@ LOSS_AGG_MODES: Registry[AggModeFn] = Registry("loss aggregation mode")
 _NEEDS_TOKENS = {"token-mean"}
 
 
-def register_loss_agg_mode(name: str) -> Callable[[AggModeFn], AggModeFn]:
-    """Decorator: register an aggregation mode under ``name`` (its signature: ``AggModeFn`` above)."""
-    return LOSS_AGG_MODES.register(name)
+def register_loss_agg_mode(name: str, *, reads: Iterable[str] = ()) -> Callable[[AggModeFn], AggModeFn]:
+    """Decorator: register an aggregation mode under ``name`` (its signature: ``AggModeFn`` above), declaring which of
+    the actor's flat aggregation settings it ``reads`` (``FLAT_AGG_SETTINGS``: ``loss_scale_factor``); another value of
+    one it does not read is refused at load."""
+    return LOSS_AGG_MODES.register(name, reads=reads)
 
 
 def _seqs(seq_mask: Tensor, global_batch_size: float | Tensor | None, like: Tensor) -> Tensor:
@@ -110,9 +115,9 @@ def _seq_mean_token_mean(loss_mat, mask, tokens, seq_mask, *, dp_size, global_ba
     )
 
 
-@register_loss_agg_mode("seq-mean-token-sum-norm")
+@register_loss_agg_mode("seq-mean-token-sum-norm", reads=("loss_scale_factor",))
 def _seq_mean_token_sum_norm(loss_mat, mask, tokens, seq_mask, *, loss_scale_factor, **kw) -> Tensor:
-    """Token sums over a constant (the longest response, or ``loss_scale_factor``): no length bias (Dr. GRPO)."""
+    """Token sums over a constant (``actor.loss_scale_factor``, else the longest response): no length bias (Dr. GRPO)."""
     width = mask.shape[-1] if loss_scale_factor is None else loss_scale_factor
     return _seq_mean_token_sum(loss_mat, mask, tokens, seq_mask, **kw) / width
 
@@ -135,7 +140,8 @@ def agg_loss(
     - ``seq-mean-token-mean``: per row ``sum_t L * m / (sum_t m + 1e-8)``, summed over non-empty rows,
       ``/ N_seq * dp_size``.
     - ``seq-mean-token-sum-norm``: ``seq-mean-token-sum`` divided by ``loss_scale_factor`` (default: the
-      padded width ``loss_mask.shape[-1]``), the constant normaliser of Dr. GRPO.
+      padded width ``loss_mask.shape[-1]``, as verl's), the constant normaliser of Dr. GRPO. verl sums the rows'
+      token sums where this averages them over the non-empty rows (``* dp_size``), as the other seq-mean modes.
 
     Data-parallel global normalisation: a rank that holds only its shard of a mini-batch passes the
     mini-batch's GLOBAL policy-token count ``batch_num_tokens`` (token-mean) or non-empty-row count

