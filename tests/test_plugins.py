@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import sqlite3
 import subprocess
 import sys
 import uuid
@@ -239,9 +241,15 @@ def test_an_installed_plugin_trains_with_its_loss_and_reward_and_replays_identic
         assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-3000:])
         return proc.stdout
 
-    cli("train", *run)
+    trained = cli("train", *run)
     store = ArtifactStore(str(store_root))
     assert store.get_json("plugged", "run.json")["plugins"] == {"rlstage-testplugin": "0.1.0"}
+    # the run's MLflow params name the plugin's loss and reward ("mlflow: sqlite:///<db> (experiment e, run <id>)")
+    db, run_id = re.search(r"^mlflow: sqlite:///(\S+) \(experiment \S+, run (\w+)\)", trained, re.M).groups()
+    with sqlite3.connect(db) as conn:
+        params = dict(conn.execute("select key, value from params where run_uuid = ?", (run_id,)).fetchall())
+    assert params["actor.policy_loss.name"] == "scaled_pg" and params["actor.policy_loss.scale"] == "4.0", params
+    assert params["reward.function"] == "even_last_digit"
     update = store.manifest("plugged", 1, "update")
     assert update.meta["metrics"]["scaled_pg/scale"] == pytest.approx(4.0)  # the plugin's loss trained it
     rewarded = store.read_table(store.manifest("plugged", 1, "reward"), "rewards.parquet")
