@@ -184,7 +184,7 @@ def check_recorded_plugins(recorded: Mapping[str, str], where: str) -> None:
                     f"config error: {where} was run with plugin module {name} ({version}), which is not loaded here: "
                     "name it in plugins (or install the distribution that registers it)"
                 )
-            here = plugin_of(Entry(name, None, module=name))
+            here = module_provenance(name)
         else:
             try:
                 here = Plugin(name, metadata.version(name))
