@@ -19,7 +19,7 @@ from rlstage.infra.story import publish_eval
 from rlstage.schemas.config import RunConfig
 from rlstage.schemas.stages import STAGE_FILES, view_hash
 from rlstage.tasks import stages
-from rlstage.workers.group import check_placement, open_group
+from rlstage.workers.group import check_placement, held_groups
 
 
 def eval_version(cfg: RunConfig) -> str:
@@ -40,12 +40,9 @@ def evaluate_run(
     version = eval_version(cfg)
     ensure_ray(cfg)
     check_placement(cfg)
-    group = open_group(cfg, version)  # its own worker (never a training run's), held for the stage task
-    try:
+    with held_groups(cfg, version):  # its own worker (never a training run's), started if the eval computes
         meta = {"eval_of": policy.version, "overrides": overrides}
         result = stages.result_of(stages.TASKS["eval"](cfg, iteration, prompts, policy, version=version, meta=meta))
-    finally:
-        group.release()
     out = {
         "run": run_name,
         "iteration": iteration,

@@ -25,7 +25,7 @@ from rlstage.schemas.stages import SPECS, STAGE_FILES, spec
 from rlstage.tasks import stages
 from rlstage.tasks.kit import initial_policy, kit_run_name
 from rlstage.tasks.runtime import policy_ref_from, store_for
-from rlstage.workers.group import check_placement, open_group
+from rlstage.workers.group import check_placement, held_groups
 
 
 def policy_before(cfg: RunConfig, store: ArtifactStore, iteration: int) -> PolicyRef:
@@ -92,11 +92,8 @@ def replay(
             _check(original, name, value.artifact_id if isinstance(value, Manifest) else value.version)
     ensure_ray(cfg)
     check_placement(cfg)
-    group = open_group(cfg, version)  # its own worker (never a training run's), held for the stage tasks
-    try:
+    with held_groups(cfg, version):  # its own worker (never a training run's), started if the stage needs one
         result = stages.result_of(stages.TASKS[stage](cfg, iteration, *inputs, version=version, meta=lineage))
-    finally:
-        group.release()
     summary = summarize(store_for(cfg), original, result.manifest)
     return {**summary, **publish_replay(cfg, summary, overrides, original.artifact_id)}
 

@@ -151,7 +151,21 @@ def prefect_env(home: Path, ui_port: int | None = None) -> dict[str, str]:
     env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_UI_ENABLED": "false", "PREFECT_LOGGING_LEVEL": "WARNING"}
     if ui_port:
         env.update(PREFECT_UI_ENABLED="true", PREFECT_UI_API_URL=f"http://127.0.0.1:{ui_port}/api")
+    else:  # a command's own server, gone with the command: only the services a flow run needs
+        for service in UNUSED_SERVICES:
+            env.setdefault(f"PREFECT_SERVER_SERVICES_{service}_ENABLED", "false")
+        env.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     return env
+
+
+# Services of a long-lived server (schedules, workers, automations, pauses, cancellations, leases) that a server
+# living as long as one command never uses; each polls the database every few seconds: an idle server here took
+# 4.0-5.5 CPU-s a minute with them, 2.2-2.5 without. Kept: the event persister and task-run recorder (a flow's
+# task runs are recorded from its events). A setting in the environment wins (tests/test_schedule.py).
+UNUSED_SERVICES = (
+    "SCHEDULER", "LATE_RUNS", "FOREMAN", "TRIGGERS", "PAUSE_EXPIRATIONS", "CANCELLATION_CLEANUP", "REPOSSESSOR",
+    "CLEANUP_RECONCILER",
+)  # fmt: skip
 
 
 def die_with_parent() -> None:

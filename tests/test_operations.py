@@ -85,12 +85,16 @@ def test_nightly_refuses_a_conflicting_config(ops_run):
 
 @pytest.mark.parametrize("stage", ["rollout", "reward", "advantage", "update", "eval"])
 def test_replay_with_stored_config_reproduces_checksums(ops_run, stage):
-    from rlstage.flows.replay import replay
+    from rlstage.flows.replay import replay, replay_version
+    from rlstage.workers.group import actor_name
 
     _, root, _ = ops_run
+    workers = _actors_named(name := actor_name("ops", root, replay_version([])))  # the replays' workers, so far
     summary = replay(run_name="ops", iteration=1, stage=stage, store_root=root)
-    assert summary["version"].startswith("replay-")
+    assert summary["version"] == replay_version([])
     assert summary["identical"], summary["files_identical"]
+    # scoring needs no policy: the reward's replay started no worker; the policy's stages one each
+    assert _actors_named(name) == workers + (stage != "reward")
 
 
 def test_replay_with_changed_settings_writes_a_sibling_version(ops_run):
@@ -175,6 +179,13 @@ def test_second_flow_on_the_same_run_is_refused(ops_run):
     assert store.get_json("ops", "lease") is None
 
 
+def _actors_named(name: str) -> int:
+    """Actors of that name this cluster has started, alive or dead (Ray's GCS keeps the dead ones' records)."""
+    import ray
+
+    return sum(a["Name"] == name for a in ray._private.state.actors().values())
+
+
 def test_eval_flow_scores_a_stored_policy_into_a_sibling_version(ops_run):
     from mlflow.tracking import MlflowClient
     from prefect.artifacts import Artifact
@@ -182,6 +193,7 @@ def test_eval_flow_scores_a_stored_policy_into_a_sibling_version(ops_run):
     from rlstage.flows.evaluate import evaluate_run
     from rlstage.infra.store import ArtifactStore
     from rlstage.infra.tracking import tracking_uri_for
+    from rlstage.workers.group import actor_name
 
     cfg, root, first = ops_run
     store = ArtifactStore(root)
@@ -193,8 +205,11 @@ def test_eval_flow_scores_a_stored_policy_into_a_sibling_version(ops_run):
     assert store.manifest("ops", 1, "eval").artifact_id == logged.artifact_id  # the original is untouched
     more = evaluate_run(run_name="ops", iteration=0, store_root=root, overrides=["trainer.eval_n=3"])
     assert more["iteration"] == 0 and "val-core/synthetic/addition/reward/mean@3" in more["metrics"]
+    workers = _actors_named(actor_name("ops", root, more["version"]))
+    assert workers == 1  # the eval that computed started its policy worker
     same = evaluate_run(run_name="ops", iteration=0, store_root=root, overrides=["trainer.eval_n=3"])
     assert not same["executed"]
+    assert _actors_named(actor_name("ops", root, more["version"])) == workers  # a committed eval starts none
     # published: a table artifact of the run (the latest evaluation) and a nested MLflow run, recorded once
     assert same["prefect_artifact"] == "ops-eval" and same["mlflow_run_id"] == more["mlflow_run_id"]
     text = str(Artifact.get("ops-eval").data)

@@ -8,15 +8,18 @@ actors that load and train the policy in the same DeepSpeed process group. The r
 (``ray.rollout_placement``) and the reference with the critic (``ray.ref_critic_placement``) may each have
 an actor of their own instead of rank 0. A flow owns the actors for its
 lifetime (``open_group`` ... ``release``); a replay or eval gets actors of its own (its ``version`` is in
-their names), so it never relabels the weights of a run that is training.
+their names), so it never relabels the weights of a run that is training, started only when its stage computes
+(``held_groups``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -301,12 +304,48 @@ def check_placement(cfg: RunConfig) -> None:
                 raise ConfigError(f"config error: ray.{a.custom_key}.{name}={amount:g}: the Ray cluster has {cluster.get(name, 0.0):g} of it")
 
 
+# The groups ``held_groups`` holds in this process, by name: None until a stage body opens it.
+_HELD: dict[str, PolicyGroup | None] = {}
+_HELD_LOCK = threading.Lock()
+
+
+@contextmanager
+def held_groups(cfg: RunConfig | ConfigView, version: str) -> Iterator[None]:
+    """For a flow whose stage bodies run in this process (replay, eval): the groups they open under ``version``
+    are started on first use, kept for the rest of the block (later stages find the same actors) and released at
+    its end. A stage already committed, or one that needs no policy (reward), starts no worker (~6 s of imports
+    each)."""
+    cfg = whole_config(cfg)
+    name = actor_name(cfg.run_name, cfg.store.root, version)
+    with _HELD_LOCK:
+        if name in _HELD:
+            raise RuntimeError(f"{name}: its group is held already")
+        _HELD[name] = None
+    try:
+        yield
+    finally:
+        with _HELD_LOCK:
+            group = _HELD.pop(name)
+        if group is not None:
+            group.release()
+
+
 def open_group(cfg: RunConfig | ConfigView, version: str = "main") -> PolicyGroup:
     """The run's policy workers, created on first use (the flow keeps the handles: the actors live as long).
 
     Started from the whole config: what a worker reads for each stage is declared in that stage's view.
     """
     cfg = whole_config(cfg)
+    name = actor_name(cfg.run_name, cfg.store.root, version)
+    with _HELD_LOCK:
+        if (group := _HELD.get(name)) is None:
+            group = _open_group(cfg, version)
+            if name in _HELD:
+                _HELD[name] = group
+    return group
+
+
+def _open_group(cfg: RunConfig, version: str) -> PolicyGroup:
     common = {"namespace": RAY_NAMESPACE, "get_if_exists": True, "max_restarts": -1, "max_task_retries": 0}
     cfg_json = cfg.model_dump(mode="json")
     asks = role_asks(cfg)
