@@ -339,13 +339,14 @@ def open_group(cfg: RunConfig | ConfigView, version: str = "main") -> PolicyGrou
     name = actor_name(cfg.run_name, cfg.store.root, version)
     with _HELD_LOCK:
         if (group := _HELD.get(name)) is None:
-            group = _open_group(cfg, version)
+            group = _open_group(cfg, version, name)
             if name in _HELD:
                 _HELD[name] = group
     return group
 
 
-def _open_group(cfg: RunConfig, version: str) -> PolicyGroup:
+def _open_group(cfg: RunConfig, version: str, name: str) -> PolicyGroup:
+    """The actors of group ``name`` (``actor_name``: rank 0's), created unless they run already."""
     common = {"namespace": RAY_NAMESPACE, "get_if_exists": True, "max_restarts": -1, "max_task_retries": 0}
     cfg_json = cfg.model_dump(mode="json")
     asks = role_asks(cfg)
@@ -369,20 +370,18 @@ def _open_group(cfg: RunConfig, version: str) -> PolicyGroup:
     ]
     rollouts = [
         ray.remote(RolloutWorker)
-        .options(name=actor_name(cfg.run_name, cfg.store.root, version) + "-rollout" + (f"{i}" if i else ""), **options("rollout", i))
+        .options(name=name + "-rollout" + (f"{i}" if i else ""), **options("rollout", i))
         .remote(cfg_json)
         for i in range(asks["rollout"].count)
     ]
     ref_critic = None
     if asks["ref_critic"].count:
         # A worker of the trainer's kind that never acquires the policy: it holds only the reference and critic.
-        name = actor_name(cfg.run_name, cfg.store.root, version) + "-ref-critic"
-        ref_critic = ray.remote(PolicyWorker).options(name=name, **options("ref_critic", 0)).remote(cfg_json, total_update_steps(cfg))
+        ref_critic = ray.remote(PolicyWorker).options(name=name + "-ref-critic", **options("ref_critic", 0)).remote(cfg_json, total_update_steps(cfg))
     # a hold point naming a role ("rollout@rollout:2") is announced from the worker too, as kill points are
     drills = bool(cfg.drill.kill_worker_at) or any("@" in p for p in cfg.drill.hold_worker_at)
     # vLLM seeds each prompt: any split samples alike; HF seeds each batch of rollout.batch_size samples
     hf_batch = cfg.rollout.batch_size if engine_traits(cfg.rollout.engine).seeds_per_batch else 0
-    name = actor_name(cfg.run_name, cfg.store.root, version)
     return PolicyGroup(ranks, name, rollouts, drills, ref_critic, hf_batch, placements, every_rank_generates(cfg) and len(ranks) > 1)
 
 
