@@ -80,7 +80,7 @@ class ConfigDeprecation(DeprecationWarning):
 # those runs committed keep their keys (a nightly after an upgrade continues them instead of redoing them).
 HASHED_WHEN_SET = {"hashed_when_set": True}
 # Built-in data sources that generate their prompts instead of reading train_path/test_path (engines/datasets.py).
-GENERATED_SOURCES = frozenset({"synthetic", "reasoning_gym", "openenv"})
+GENERATED_SOURCES = frozenset({"synthetic", "reasoning_gym", "openenv", "verifiers"})
 
 
 def _default(field: Any) -> Any:
@@ -1054,10 +1054,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     return build_config(merge_dicts(data, parse_overrides(overrides)))
 
 
+# rlstage's own agents (the example, OpenEnv's and verifiers' players): a stored config may name them.
+EXAMPLE_AGENT_PATHS = (
+    "rlstage.engines.agents.examples:calculator_agent",
+    "rlstage.engines.agents.openenv:episode",
+    "rlstage.engines.agents.verifiers_env:episode",
+)
 # The built-in calculator tool (rlstage.engines.agents.tools), by its registered name, its import path and its import
 # paths before engines/ had sub-packages and before 0.2.0 (engines/modpath.py resolves both).
-# rlstage's own example agents (engines/agents/examples.py): a stored config may name them.
-EXAMPLE_AGENT_PATHS = ("rlstage.engines.agents.examples:calculator_agent",)
 CALCULATOR_PATHS = (
     "calculator",
     "rlstage.engines.agents.tools:calculator",
@@ -1109,6 +1113,14 @@ def code_settings(data: Any) -> list[tuple[str, str]]:
     plugins = data.get("plugins")
     for i, module in enumerate(plugins if isinstance(plugins, list) else []):
         out.append((f"plugins.{i}", str(module)))
+    section = data.get("data")
+    # A verifiers taskset's module is imported, and an interpreter run (overrides may name them without the source).
+    verifiers = isinstance(section, dict) and section.get("source", "verifiers") == "verifiers"
+    source_settings = section.get("source_settings") if verifiers else None
+    for key in ("taskset", "python"):
+        value = source_settings.get(key) if isinstance(source_settings, dict) else None
+        if value:
+            out.append((f"data.source_settings.{key}", str(value)))
     return out
 
 

@@ -37,6 +37,7 @@ MODULE_SECONDS = {  # a fresh-clone CI of a864b89 (stage bodies on Ray); the vLL
     "test_upgrade": 80, "test_wheel": 70,  # measured alone on this machine (2026-11-27)
     "test_prefect_lost": 160, "test_plugins": 100, "test_gpu_check": 30, "test_docs": 15, "test_prefect_server": 5,  # 2026-11-27 fresh clone, loaded
     "test_agent_function_pipeline": 170, "test_agent_endpoint": 85, "test_openenv": 45,  # alone on a loaded 2-core machine (2026-11-27)
+    "test_verifiers": 130,  # beside another module, 2026-11-28
 }  # fmt: skip
 
 

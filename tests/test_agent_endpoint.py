@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from rlstage.engines.agents.endpoint import SAMPLE_HEADER, run_function_batch
-from rlstage.engines.agents.examples import CALCULATOR_TOOL, calculator_agent
+from rlstage.engines.agents.examples import CALCULATOR_TOOL, calculator_agent, run_calculator
 from rlstage.engines.agents.loop import AgentLimits, ChatFormat, agent_metrics, run_agent_batch
 from rlstage.engines.agents.tools import ToolSpec, calculator
 from rlstage.engines.models.tinykit import build_char_tokenizer, build_tiny_llama
@@ -119,6 +119,38 @@ def test_the_function_agent_and_the_built_in_loop_store_the_same_trajectories(li
     )  # fmt: skip
     assert [{k: r[k] for k in keys} for r in fn_rows] == [{k: r[k] for k in keys} for r in loop_rows]
     assert {r["finish_reason"] for r in fn_rows} == {finish}
+
+
+async def streaming_calculator_agent(client, sample) -> float | None:
+    """calculator_agent through ``stream=True``: the reply assembled from its chunks, as streaming SDKs do."""
+    messages, usage = list(sample.messages), []
+    while True:
+        chunks = await client.chat.completions.create(
+            model=sample.model, messages=messages, tools=[CALCULATOR_TOOL], stream=True, stream_options={"include_usage": True}
+        )
+        content, calls, finish = "", {}, None
+        async for chunk in chunks:
+            if chunk.usage is not None:
+                usage.append(chunk.usage.completion_tokens)
+            for choice in chunk.choices:
+                content += choice.delta.content or ""
+                finish = choice.finish_reason or finish
+                for call in choice.delta.tool_calls or []:
+                    calls[call.index] = call
+        assert finish is not None and len(usage) == sum(m["role"] == "assistant" for m in messages) + 1
+        if not calls:
+            return None
+        messages.append({"role": "assistant", "content": content, "tool_calls": [c.model_dump(exclude_none=True, exclude={"index"}) for c in calls.values()]})
+        for call in calls.values():
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": run_calculator(call.function.name, call.function.arguments)})
+
+
+def test_a_streaming_agent_stores_the_trajectories_of_a_plain_one():
+    streamed, _ = run_fn(streaming_calculator_agent)
+    plain, _ = run_fn(calculator_agent)
+    assert all(o["agent_status"] == "ok" for o in streamed) and any(o["tool_calls"] for o in streamed)
+    keys = ("prompt_ids", "response_ids", "response_mask", "log_probs", "turn_bounds", "messages", "finish_reason", "tool_calls")
+    assert [{k: r[k] for k in keys} for r in streamed] == [{k: r[k] for k in keys} for r in plain]
 
 
 def test_on_the_hf_engine_the_endpoint_samples_as_the_built_in_loop(tiny_engine):

@@ -9,7 +9,14 @@ import logging
 import pytest
 
 from rlstage.schemas.config import load_config
-from tests_support import agent_overrides, moving_overrides, tiny_overrides, update_weights, weights_moved
+from tests_support import (
+    agent_overrides,
+    moving_overrides,
+    stage_rows,
+    tiny_overrides,
+    update_weights,
+    weights_moved,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -34,13 +41,6 @@ def runs(prefect_api, tmp_path_factory):
     return out
 
 
-def _table(cfg, run: str, it: int, stage: str, name: str) -> list[dict]:
-    from rlstage.tasks.runtime import store_for
-
-    store = store_for(cfg)
-    return store.read_table(store.manifest(run, it, stage), name).to_pylist()
-
-
 def test_the_openai_client_agent_trains_to_the_built_in_loops_tokens_rewards_and_weights(runs):
     from rlstage.tasks.runtime import store_for
 
@@ -49,13 +49,13 @@ def test_the_openai_client_agent_trains_to_the_built_in_loops_tokens_rewards_and
     same = ("prompt_ids", "response_ids", "response_mask", "rollout_log_probs", "messages_json", "turn_bounds", "finish_reason", "num_turns", "tool_calls", "tool_errors")
     multi_turn = 0
     for it in (1, 2):
-        built = _table(cfg, "builtin", it, "rollout", "rollouts.parquet")
-        fn = _table(cfg, "function", it, "rollout", "rollouts.parquet")
+        built = stage_rows(cfg, "builtin", it, "rollout", "rollouts.parquet")
+        fn = stage_rows(cfg, "function", it, "rollout", "rollouts.parquet")
         assert len(fn) == len(built) == 32
         assert [{k: r[k] for k in same} for r in fn] == [{k: r[k] for k in same} for r in built]
         assert all(r["agent_reward"] is None for r in fn)  # the agent returns None: the rule scores its answer
         multi_turn += sum(r["num_turns"] > 1 and 0 in r["response_mask"] for r in fn)
-        scores = [[r["score"] for r in _table(cfg, run, it, "reward", "rewards.parquet")] for run in ("builtin", "function")]
+        scores = [[r["score"] for r in stage_rows(cfg, run, it, "reward", "rewards.parquet")] for run in ("builtin", "function")]
         assert scores[0] == scores[1]
     assert multi_turn > 0  # the SFT'd policy calls the calculator: masked tool turns are compared too
     w = {run: [update_weights(store, run, it) for it in (1, 2)] for run in ("builtin", "function")}
@@ -72,7 +72,7 @@ def test_the_agent_function_runs_are_counted_by_status(runs):
     cfg, result = runs["function"]
     metrics = MlflowClient(tracking_uri_for(cfg)).get_run(result["mlflow_run_id"]).data.metrics
     assert metrics["agent/status/ok"] == 32 and "agent/status/raised" not in metrics
-    msgs = json.loads(_table(cfg, "function", 1, "rollout", "rollouts.parquet")[0]["messages_json"])
+    msgs = json.loads(stage_rows(cfg, "function", 1, "rollout", "rollouts.parquet")[0]["messages_json"])
     assert msgs[0]["role"] == "user"
 
 
@@ -145,9 +145,9 @@ def test_failed_agents_are_samples_the_stage_trains_past_and_logs(mixed_run):
     from rlstage.infra.tracking import tracking_uri_for
 
     cfg, result, records = mixed_run
-    rows = _table(cfg, "mixed", 1, "rollout", "rollouts.parquet")
-    scores = _table(cfg, "mixed", 1, "reward", "rewards.parquet")
-    assert _table(cfg, "mixed", 1, "update", "metrics.parquet")  # the update trained past the failed samples
+    rows = stage_rows(cfg, "mixed", 1, "rollout", "rollouts.parquet")
+    scores = stage_rows(cfg, "mixed", 1, "reward", "rewards.parquet")
+    assert stage_rows(cfg, "mixed", 1, "update", "metrics.parquet")  # the update trained past the failed samples
     for r, s in zip(rows, scores, strict=True):
         k = r["sample_index"]
         if k in (1, 2):  # failed: reward 0, no trained token

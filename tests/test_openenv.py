@@ -20,7 +20,7 @@ from openenv.core.env_server.types import Action, Observation, State
 
 from rlstage.engines.data import datasets
 from rlstage.schemas.config import load_config
-from tests_support import moving_overrides, tiny_overrides, update_weights, weights_moved
+from tests_support import assert_agents_trained, moving_overrides, prepared_rows, stage_rows, tiny_overrides
 
 pytestmark = pytest.mark.slow
 STEPS = 2  # questions an episode
@@ -104,25 +104,17 @@ def run(prefect_api, env_url, tmp_path_factory):
     return cfg, train(config=cfg)
 
 
-def _table(cfg, it: int | None, stage: str, name: str) -> list[dict]:
-    from rlstage.tasks.runtime import store_for
-
-    store = store_for(cfg)
-    return store.read_table(store.manifest("openenv", it, stage), name).to_pylist()
-
-
 def test_the_environments_episodes_are_the_prompts_and_its_rewards_the_scores(run):
     cfg, result = run
-    train_rows = _table(cfg, None, "data_prep", "train.parquet")
-    test_rows = _table(cfg, None, "data_prep", "test.parquet")
+    train_rows, test_rows = prepared_rows(cfg, "openenv")
     for row in train_rows + test_rows:  # each prompt is the first observation of its episode's seed
         seed = json.loads(row["extra_info"])["seed"]
         assert row["prompt"] == question(seed, 0)[0] and row["data_source"] == "openenv"
     assert {json.loads(r["extra_info"])["seed"] for r in test_rows} == set(range(8))
     two_questions = nonzero = 0
     for it in (1, 2):
-        rollouts = _table(cfg, it, "rollout", "rollouts.parquet")
-        scores = [r["score"] for r in _table(cfg, it, "reward", "rewards.parquet")]
+        rollouts = stage_rows(cfg, "openenv", it, "rollout", "rollouts.parquet")
+        scores = [r["score"] for r in stage_rows(cfg, "openenv", it, "reward", "rewards.parquet")]
         assert len(rollouts) == 8 * 4
         for r, score in zip(rollouts, scores, strict=True):
             seed = json.loads(r["extra_info"])["seed"]
@@ -138,16 +130,7 @@ def test_the_environments_episodes_are_the_prompts_and_its_rewards_the_scores(ru
     assert nonzero > 0
     assert two_questions > 0  # multi-turn: the environment's second question came back as a user turn
     assert AddEnv.resets >= len(train_rows) + len(test_rows) + 2 * 8 * 4
-    from rlstage.tasks.runtime import store_for
-
-    store = store_for(cfg)
-    assert weights_moved(update_weights(store, "openenv", 1), update_weights(store, "openenv", 2))
-    from mlflow.tracking import MlflowClient
-
-    from rlstage.infra.tracking import tracking_uri_for
-
-    metrics = MlflowClient(tracking_uri_for(cfg)).get_run(result["mlflow_run_id"]).data.metrics
-    assert metrics["agent/status/ok"] == 8 * 4 and not any(k.startswith("agent/status/") and k != "agent/status/ok" for k in metrics)
+    assert_agents_trained(cfg, result, "openenv", 8 * 4)
 
 
 def test_an_unreachable_server_or_a_wrong_field_is_one_line(env_url):

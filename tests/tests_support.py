@@ -58,6 +58,33 @@ def update_weights(store, run: str, iteration: int) -> dict:
     return load(store.read_bytes(manifest, name))
 
 
+def stage_rows(cfg, run: str, iteration: int | None, stage: str, name: str) -> list[dict]:
+    """The rows of one table a stage committed (``iteration`` None: the run's data prep and SFT)."""
+    from rlstage.tasks.runtime import store_for
+
+    store = store_for(cfg)
+    return store.read_table(store.manifest(run, iteration, stage), name).to_pylist()
+
+
+def prepared_rows(cfg, run: str) -> tuple[list[dict], list[dict]]:
+    """The training and held-out prompts the run's data prep committed."""
+    return tuple(stage_rows(cfg, run, None, "data_prep", f"{split}.parquet") for split in ("train", "test"))
+
+
+def assert_agents_trained(cfg, result: dict, run: str, samples: int) -> None:
+    """A two-iteration agent run moved its weights, and its MLflow run counts each iteration's ``samples`` agent
+    samples ok (the last iteration's count) and no failed one."""
+    from mlflow.tracking import MlflowClient
+
+    from rlstage.infra.tracking import tracking_uri_for
+    from rlstage.tasks.runtime import store_for
+
+    store = store_for(cfg)
+    assert weights_moved(update_weights(store, run, 1), update_weights(store, run, 2))
+    metrics = MlflowClient(tracking_uri_for(cfg)).get_run(result["mlflow_run_id"]).data.metrics
+    assert metrics["agent/status/ok"] == samples and not any(k.startswith("agent/status/") and k != "agent/status/ok" for k in metrics)
+
+
 def weights_moved(a: dict, b: dict) -> bool:
     return any((a[k] - b[k]).abs().max() > 0 for k in a)
 

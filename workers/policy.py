@@ -481,7 +481,7 @@ class PolicyWorker:
         self.drill.point("rollout")
         from rlstage.engines.agents.endpoint import run_agents
 
-        return run_agents(self.rollout, self.cfg.agent, rows, SamplingParams(**params))
+        return run_agents(self.rollout, self.cfg.agent, rows, SamplingParams(**params), self.cfg.data.source_settings)
 
     def _scorer(self) -> TorchActor:
         """What computes the policy's log-probs: the train engine, or under ZeRO-3 a bare actor over rank 0's

@@ -31,8 +31,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from rlstage.engines.agents.loop import AgentLimits, ChatFormat, Trajectory, row_messages, run_agent_config
 from rlstage.engines.agents.policies import BatchingPolicy, RolloutEngine
@@ -75,6 +75,7 @@ class AgentSample:
     messages: list[dict]  # the prompts row's first messages
     row: dict  # the prompts-table row: prompt, ground_truth, data_source, extra_info, ...
     tools: list[dict]  # the configured tools offered to this sample, as OpenAI function tools
+    settings: dict = field(default_factory=dict)  # the run's data.source_settings (from its config, never a stored row)
 
 
 def resolve_agent_function(path: str) -> Callable[..., Any]:
@@ -169,8 +170,6 @@ class ChatEndpoint:
             raise RequestError(400, "invalid_body", "the body must be a JSON object")
         if body.get("model") != MODEL_NAME:
             raise RequestError(404, "model_not_found", f"model {body.get('model')!r} is not served here (use {MODEL_NAME!r})")
-        if body.get("stream"):
-            raise RequestError(400, "unsupported", "streaming is not supported")
         if body.get("n", 1) != 1:
             raise RequestError(400, "unsupported", "n must be 1 (each sample is one trajectory)")
         messages, tools = body.get("messages"), body.get("tools")
@@ -327,6 +326,24 @@ def _response(msg: dict, reason: str, prompt_tokens: int, completion_tokens: int
     }
 
 
+def _stream(response: dict, include_usage: bool) -> list[bytes]:
+    """A completed response as OpenAI's server-sent chunks: the whole message in one delta, the finish reason,
+    the usage if asked for, ``[DONE]`` (the batch generates a turn whole, so nothing arrives earlier)."""
+    msg, reason = response["choices"][0]["message"], response["choices"][0]["finish_reason"]
+    delta = {"role": "assistant", "content": msg.get("content")}
+    if "tool_calls" in msg:
+        delta["tool_calls"] = [{"index": j, **call} for j, call in enumerate(msg["tool_calls"])]
+    head = {key: response[key] for key in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
+    usage = {"usage": None} if include_usage else {}
+    chunks = [
+        {**head, "choices": [{"index": 0, "delta": delta, "finish_reason": None, "logprobs": None}], **usage},
+        {**head, "choices": [{"index": 0, "delta": {}, "finish_reason": reason, "logprobs": None}], **usage},
+    ]
+    if include_usage:
+        chunks.append({**head, "choices": [], "usage": response["usage"]})
+    return [f"data: {json.dumps(c)}\n\n".encode() for c in chunks] + [b"data: [DONE]\n\n"]
+
+
 class EndpointServer:
     """The process's endpoint: uvicorn on 127.0.0.1 (an ephemeral port) in a daemon thread of its own.
 
@@ -402,7 +419,7 @@ class EndpointServer:
         app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
 
         @app.post("/v1/chat/completions")
-        async def chat_completions(request: Request) -> JSONResponse:
+        async def chat_completions(request: Request) -> Response:
             sample_id = request.headers.get(SAMPLE_HEADER)
             try:
                 endpoint = self._route(sample_id)
@@ -410,7 +427,15 @@ class EndpointServer:
                     body = await request.json()
                 except ValueError:
                     raise RequestError(400, "invalid_body", "the body is not JSON") from None
-                return JSONResponse(await self._forward(endpoint, body, sample_id or ""))
+                stream = isinstance(body, dict) and bool(body.get("stream"))
+                if stream:  # answered as chunks of the whole turn (agents' SDKs that always stream, e.g. verifiers')
+                    options = body.get("stream_options")
+                    include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
+                    body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+                response = await self._forward(endpoint, body, sample_id or "")
+                if stream:
+                    return StreamingResponse(iter(_stream(response, include_usage)), media_type="text/event-stream")
+                return JSONResponse(response)
             except RequestError as err:
                 return self.reject(err, sample_id)
             except Exception as err:  # a failed generation (the stage fails after the batch) or a bug here
@@ -482,6 +507,7 @@ def run_function_batch(
     timeout_s: float = 300.0,
     max_concurrency: int = 1024,
     window_s: float = 0.05,
+    settings: dict | None = None,
 ) -> tuple[list[dict], dict[str, Any]]:
     """``params.n`` runs of the agent ``function`` on every row against the endpoint; completion dicts and stats.
 
@@ -503,7 +529,7 @@ def run_function_batch(
     async def one(sid: str, base_url: str, http: Any, gate: asyncio.Semaphore) -> None:
         i, k = samples[sid]
         row = rows[i]
-        sample = AgentSample(sid, MODEL_NAME, row_messages(row), dict(row), tool_schemas(row))
+        sample = AgentSample(sid, MODEL_NAME, row_messages(row), dict(row), tool_schemas(row), dict(settings or {}))
         client = openai.AsyncOpenAI(
             base_url=base_url, api_key="rlstage", http_client=http, max_retries=0, timeout=timeout_s,
             default_headers={SAMPLE_HEADER: sid},
@@ -574,8 +600,11 @@ def run_function_batch(
     return out, stats
 
 
-def run_agents(engine: RolloutEngine, agent: Any, rows: Sequence[dict], params: SamplingParams) -> tuple[list[dict], dict[str, Any]]:
-    """The ``agent`` config section's rollouts: ``agent.function`` against the endpoint, else the built-in loop."""
+def run_agents(
+    engine: RolloutEngine, agent: Any, rows: Sequence[dict], params: SamplingParams, source_settings: dict | None = None
+) -> tuple[list[dict], dict[str, Any]]:
+    """The ``agent`` config section's rollouts: ``agent.function`` against the endpoint (its samples carry the run's
+    ``data.source_settings``), else the built-in loop."""
     if agent.function is None:
         return run_agent_config(engine, agent, rows, params)
     fmt = ChatFormat(engine.tokenizer, resolve_template(agent.chat_template))
@@ -585,4 +614,5 @@ def run_agents(engine: RolloutEngine, agent: Any, rows: Sequence[dict], params: 
         engine, fmt, resolve_agent_function(agent.function), rows, params, limits,
         tool_schemas=lambda row: sample_tools(tools, row.get("extra_info")).schemas(),
         timeout_s=agent.function_timeout_s, max_concurrency=agent.max_concurrency, window_s=agent.batch_window_ms / 1000,
+        settings=source_settings,
     )  # fmt: skip

@@ -18,6 +18,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field
 
+from rlstage.engines.data.verifiers_env import SOURCE as VERIFIERS_SOURCE
+from rlstage.engines.data.verifiers_env import VerifiersError, VerifiersSettings, list_tasks
 from rlstage.engines.registry import Registry
 from rlstage.schemas.artifacts import PROMPTS, conform
 from rlstage.schemas.config import GENERATED_SOURCES, KitConfig
@@ -591,6 +593,54 @@ def load_openenv(path: str | None = None, split: str = "train", **settings: Any)
     train = [r for r in _openenv_rows(s, "train", list(range(first, first + s.train_size))) if r["prompt"] not in held_out]
     if not train:
         raise DatasetError(f"OpenEnv server {s.url}: every training episode starts as a held-out one does (too few distinct starts)")
+    return _to_table(train)
+
+
+# ---------------------------------------------------------------- verifiers
+
+
+def _verifiers_rows(split: str, tasks: list[dict[str, Any]], first: int) -> list[dict[str, Any]]:
+    rows = []
+    for index, task in enumerate(tasks, start=first):
+        prompt = task["prompt"]
+        messages = [{"role": "system", "content": task["system_prompt"]}] if task.get("system_prompt") else []
+        messages += [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt or [])
+        users = [m.get("content") for m in messages if m.get("role") == "user" and isinstance(m.get("content"), str)]
+        if not users:
+            raise DatasetError(f"verifiers task {task['key']}: its prompt has no text user message (only text prompts are supported)")
+        rows.append(
+            {
+                "prompt_id": f"{VERIFIERS_SOURCE}-{split}-{index}",
+                "prompt": users[-1],
+                "messages": messages,
+                "data_source": VERIFIERS_SOURCE,
+                "ground_truth": "",  # the taskset scores its own episodes
+                "extra_info": _json({"split": split, "index": index, "verifiers": {"key": task["key"], "data": task["data"]}}),
+            }
+        )
+    return rows
+
+
+@register_data_source(VERIFIERS_SOURCE, settings=VerifiersSettings)
+def load_verifiers(path: str | None = None, split: str = "train", **settings: Any) -> pa.Table:
+    """A verifiers taskset's tasks, in its order: "test" (the first ``test_size``) or "train" (the next
+    ``train_size``, without tasks whose prompt is a held-out one's)."""
+    if path:
+        raise DatasetError(f"data source {VERIFIERS_SOURCE!r} asks its taskset for prompts: it reads no file ({path})")
+    if split not in ("train", "test"):
+        raise DatasetError(f"verifiers split must be 'train' or 'test', got {split!r}")
+    s = VerifiersSettings.model_validate(settings)
+    try:
+        tasks = list_tasks(s, s.test_size + s.train_size)  # one listing for both splits
+    except VerifiersError as err:
+        raise DatasetError(str(err)) from None
+    test = _verifiers_rows("test", tasks[: s.test_size], 0)
+    if split == "test":
+        return _to_table(test)
+    held_out = {row["prompt"] for row in test}
+    train = [r for r in _verifiers_rows("train", tasks[s.test_size :], s.test_size) if r["prompt"] not in held_out]
+    if not train:
+        raise DatasetError(f"verifiers taskset {s.taskset!r}: no training task after the {len(test)} held-out ones (every one is held out)")
     return _to_table(train)
 
 
