@@ -39,6 +39,7 @@ class AddData(vf.TaskData):
 class AddTask(vf.Task[AddData]):
     @vf.reward
     async def exact(self, trace: vf.Trace) -> float:
+        print("scored", self.data.idx)  # a taskset's prints must not reach the sidecar's protocol
         return reward(trace.last_reply or "", self.data.answer)
 
 
@@ -48,6 +49,7 @@ class AddConfig(vf.TasksetConfig):
 
 class AddTaskset(vf.Taskset[AddTask, AddConfig]):
     def load(self):
+        print("listing", self.config.num_tasks, "tasks")
         for i in range(self.config.num_tasks):
             prompt, answer = question(i)
             yield AddTask(AddData(idx=i, prompt=prompt, answer=answer), self.config.task)

@@ -35,7 +35,7 @@ class VerifiersError(RuntimeError):
 class VerifiersSettings(BaseModel):
     """``data.source_settings`` of ``data.source: verifiers``: a verifiers taskset's tasks as prompts, its reward
     as the samples' reward. The taskset runs in its own Python environment (``scripts/verifiers-env.sh`` makes one)
-    with verifiers' tool-less chat harness (``null``; a taskset's MCP tools are offered to it), played by the agent
+    with verifiers' tool-less chat harness (``null``), played by the agent
     ``rlstage.engines.agents.verifiers_env:episode``."""
 
     model_config = ConfigDict(extra="forbid")
@@ -84,7 +84,7 @@ def list_tasks(s: VerifiersSettings, count: int) -> list[dict[str, Any]]:
     return [json.loads(line) for line in lines]
 
 
-@functools.lru_cache(maxsize=4)  # data prep asks for both splits: importing verifiers alone takes seconds
+@functools.lru_cache(maxsize=4)  # data prep asks for both splits (a process lists a taskset once): importing verifiers takes seconds
 def _task_lines(python: str, spec: str, timeout_s: float) -> tuple[str, ...]:
     where = f"verifiers taskset {json.loads(spec)['taskset']!r} ({python})"
     try:
@@ -130,7 +130,12 @@ class Sidecar:
 
     def _read(self, ready: concurrent.futures.Future) -> None:
         for line in self.proc.stdout:
-            message = json.loads(line)
+            try:
+                message = json.loads(line)
+            except ValueError:
+                message = None
+            if not isinstance(message, dict):
+                continue  # not the protocol's: the sidecar sends only JSON objects
             if message.get("ready"):
                 ready.set_result(True)
                 continue

@@ -19,6 +19,8 @@ import logging
 import os
 import sys
 
+_out = sys.stdout  # the protocol's channel (main() keeps it for the protocol alone)
+
 
 def _config(spec: dict, agent: bool):
     import verifiers.v1 as vf
@@ -42,8 +44,8 @@ def _tasks(spec: dict) -> None:
             "system_prompt": data.system_prompt,
             "data": data.model_dump(mode="json"),
         }
-        sys.stdout.write(json.dumps(out) + "\n")
-    sys.stdout.flush()
+        _out.write(json.dumps(out) + "\n")
+    _out.flush()
 
 
 async def _serve(spec: dict) -> None:
@@ -60,8 +62,8 @@ async def _serve(spec: dict) -> None:
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
 
     def reply(message: dict) -> None:
-        sys.stdout.write(json.dumps(message) + "\n")
-        sys.stdout.flush()
+        _out.write(json.dumps(message) + "\n")
+        _out.flush()
 
     async def episode(request: dict) -> None:
         try:
@@ -101,6 +103,11 @@ async def _serve(spec: dict) -> None:
 
 def main() -> None:
     command, spec = sys.argv[1], json.loads(sys.argv[2])
+    # stdout carries the protocol alone: what a taskset or verifiers prints goes to stderr, the stage's log.
+    global _out
+    _out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     # The harness's chat program is set up with uv: the one installed beside this interpreter, if any.
     os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
