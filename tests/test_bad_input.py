@@ -277,6 +277,8 @@ FORKS = r"""
 import json, os, sys, traceback
 import rlstage.flows.cli as cli
 import rlstage.engines.preflight, rlstage.schemas.config
+# what a train command's checks import lazily (the registries and torch): otherwise ~1.3 s in each of ~60 children
+import rlstage.engines.algorithms, rlstage.engines.rollout, rlstage.infra.explore, rlstage.schemas.settings_help
 cli._user_errors()
 for line in sys.stdin:
     case = json.loads(line)

@@ -162,7 +162,7 @@ def test_a_segment_nobody_holds_is_left_behind_and_a_held_one_is_not():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", [int(os.environ.get("RLSTAGE_CHAOS_SEED", "0"))])
-def test_a_run_killed_at_random_is_the_run_undisturbed(seed, migrated_prefect_home, tmp_path):
+def test_a_run_killed_at_random_is_the_run_undisturbed(seed, migrated_home, tmp_path):
     from rlstage.infra.store import ArtifactStore
 
     kills = schedule(seed, int(os.environ.get("RLSTAGE_CHAOS_KILLS", "3")))  # CI: three kills of three kinds (bench/chaos.py: more)
@@ -171,11 +171,11 @@ def test_a_run_killed_at_random_is_the_run_undisturbed(seed, migrated_prefect_ho
     cli = [sys.executable, "-m", "rlstage.flows.cli", "train"]
     # the undisturbed run, in a home of its own
     quiet = tmp_path / "quiet"
-    migrated_prefect_home(quiet / ".rlstage" / "prefect")
+    migrated_home(quiet / ".rlstage")
     done = subprocess.run([*cli, *settings, f"store.root={quiet / 'store'}"], cwd=quiet, env=cli_env(), capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     wild = tmp_path / "wild"
-    prefect_home = migrated_prefect_home(wild / ".rlstage" / "prefect")
+    prefect_home = migrated_home(wild / ".rlstage")
     markers = wild / "markers"
     markers.mkdir()
     shm_before = set(os.listdir("/dev/shm"))

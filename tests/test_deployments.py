@@ -110,9 +110,16 @@ def _signal_group(group: int, sig: int) -> None:
 def _group_alive(group: int) -> bool:
     try:
         os.killpg(group, 0)
-        return True
     except ProcessLookupError:
         return False
+    # an exited member not yet reaped (the worker, our child) still answers killpg: alive is a member that runs
+    for p in psutil.process_iter(["status"]):
+        try:
+            if p.info["status"] != psutil.STATUS_ZOMBIE and os.getpgid(p.pid) == group:
+                return True
+        except (ProcessLookupError, psutil.Error):
+            continue
+    return False
 
 
 def _stop_groups(groups: list[int], grace_s: float) -> None:
@@ -156,7 +163,7 @@ def kill_leftovers(marker: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory, migrated_prefect_home) -> Iterator[Stack]:
+def stack(tmp_path_factory, migrated_prefect_home, migrated_mlflow_db) -> Iterator[Stack]:
     from rlstage.infra.prefect_server import start_prefect_server
 
     tmp = tmp_path_factory.mktemp("deployments")
@@ -184,7 +191,7 @@ def stack(tmp_path_factory, migrated_prefect_home) -> Iterator[Stack]:
                 start_new_session=True,
             )
         store = tmp / "store"
-        yield Stack(server.url, env, store, f"sqlite:///{tmp / 'mlflow.db'}", ray_tmp, worker_log)
+        yield Stack(server.url, env, store, f"sqlite:///{migrated_mlflow_db(tmp / 'mlflow.db')}", ray_tmp, worker_log)
     finally:
         if worker is not None:
             stop_worker(worker)

@@ -48,7 +48,7 @@ def _vllm_processes() -> list[str]:
     return names
 
 
-def test_vllm_rollouts_sigterm_stops_all_it_started_and_the_rerun_continues(prefect_api, migrated_prefect_home, tmp_path):
+def test_vllm_rollouts_sigterm_stops_all_it_started_and_the_rerun_continues(prefect_api, migrated_home, tmp_path):
     before = set(_vllm_processes())
     markers = tmp_path / "markers"
     markers.mkdir()
@@ -73,7 +73,7 @@ def test_vllm_rollouts_sigterm_stops_all_it_started_and_the_rerun_continues(pref
         f"drill.markers={markers}",
     ]
     cmd = [sys.executable, "-m", "rlstage.flows.cli", "train", *overrides]
-    migrated_prefect_home(tmp_path / ".rlstage" / "prefect")  # the command's own home: it starts its server there
+    migrated_home(tmp_path / ".rlstage")  # the command's own home: it starts its server there
     env = cli_env()
     # until iteration 1 is committed (vLLM generated with the SFT weights, then the policy trained) and the trainer
     # holds inside update 2

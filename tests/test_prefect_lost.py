@@ -68,7 +68,7 @@ def _servers_of(prefect_home: Path) -> dict[int, bytes]:
 
 
 @pytest.mark.slow
-def test_a_lost_server_is_one_line_and_the_rerun_heals_its_own(migrated_prefect_home, tmp_path):
+def test_a_lost_server_is_one_line_and_the_rerun_heals_its_own(migrated_prefect_home, migrated_home, tmp_path):
     """A server the command did not start (PREFECT_API_URL), SIGKILLed once the SFT is committed: the command
     stops with one line (exit 3, no traceback, nothing half-written). The same command again, now on a server it
     starts itself: SIGKILL that one too; within seconds the command starts it again on the same home and port
@@ -81,8 +81,7 @@ def test_a_lost_server_is_one_line_and_the_rerun_heals_its_own(migrated_prefect_
     from rlstage.schemas.stages import kit_run_name
 
     theirs = migrated_prefect_home(tmp_path / "their-prefect")
-    ours = tmp_path / ".rlstage" / "prefect"  # the command's own home
-    migrated_prefect_home(ours)
+    ours = migrated_home(tmp_path / ".rlstage")  # the command's own home
     server = start_prefect_server(theirs)
     env = cli_env(PREFECT_API_URL=server.url, PREFECT_CLIENT_MAX_RETRIES="1")
     overrides = [
@@ -146,7 +145,7 @@ def _rays_of(prefect_home: Path) -> dict[int, bytes]:
 
 
 @pytest.mark.slow
-def test_a_dead_local_ray_is_started_again_and_the_run_goes_on(migrated_prefect_home, tmp_path):
+def test_a_dead_local_ray_is_started_again_and_the_run_goes_on(migrated_home, tmp_path):
     """The raylet of the Ray the command started, SIGKILLed once the SFT is committed and evaluated: the command
     says so in one line, starts Ray again and trains on from the committed stages to the end (exit 0), with the
     weights moving; no Ray process outlives it."""
@@ -156,7 +155,7 @@ def test_a_dead_local_ray_is_started_again_and_the_run_goes_on(migrated_prefect_
     from rlstage.schemas.config import load_config
     from rlstage.schemas.stages import kit_run_name
 
-    ours = migrated_prefect_home(tmp_path / ".rlstage" / "prefect")
+    ours = migrated_home(tmp_path / ".rlstage")
     overrides = [
         *tiny_overrides(), *moving_overrides(), "run_name=raylost", f"store.root={tmp_path / 'store'}", "trainer.iterations=1",
     ]  # fmt: skip
@@ -194,7 +193,7 @@ def test_a_dead_local_ray_is_started_again_and_the_run_goes_on(migrated_prefect_
 
 
 @pytest.mark.slow
-def test_a_lost_cluster_it_joined_is_one_line_within_seconds(migrated_prefect_home, tmp_path):
+def test_a_lost_cluster_it_joined_is_one_line_within_seconds(migrated_home, tmp_path):
     """A Ray cluster the command did not start (`ray start` elsewhere, token authentication as Ray's default,
     joined with ``ray.address`` and a relative ``store.root``), SIGKILLed while the trainer holds in update 2:
     the command stops with one line (exit 3) long before Ray's driver would give up on its GCS (60 s, then an
@@ -219,7 +218,7 @@ def test_a_lost_cluster_it_joined_is_one_line_within_seconds(migrated_prefect_ho
     env = {**cli_env(), **auth, "RLSTAGE_TEST_CLUSTER": ray_tmp}
     started = subprocess.run(head, cwd=cluster_dir, env=env, capture_output=True, text=True, timeout=120)
     assert started.returncode == 0, started.stderr[-2000:]
-    migrated_prefect_home(user_dir / ".rlstage" / "prefect")
+    migrated_home(user_dir / ".rlstage")
     overrides = [
         *tiny_overrides(), *moving_overrides(), "run_name=joined", "store.root=./store", f"ray.address=127.0.0.1:{port}",
         "drill.hold_worker_at=['update:2']", f"drill.markers={markers}",

@@ -91,7 +91,7 @@ def _wait_final(client, run_id, stack: Stack):
     assert state.type.value == "COMPLETED", f"{state}\nworker log:\n{_tail(stack.worker_log)}"
 
 
-def test_nightly_schedule_fires_and_continues_the_run(tmp_path, monkeypatch, migrated_prefect_home):
+def test_nightly_schedule_fires_and_continues_the_run(tmp_path, monkeypatch, migrated_prefect_home, migrated_mlflow_db):
     from prefect.client.orchestration import SyncPrefectClient
 
     from rlstage.infra.prefect_server import start_prefect_server
@@ -105,7 +105,7 @@ def test_nightly_schedule_fires_and_continues_the_run(tmp_path, monkeypatch, mig
     worker = None
     try:
         env = {**_stack_env(server.url, server.home, ray_tmp), "PREFECT_WORKER_PREFETCH_SECONDS": "2"}
-        stack = Stack(server.url, env, tmp_path / "store", f"sqlite:///{tmp_path / 'mlflow.db'}", ray_tmp, tmp_path / "worker.log")
+        stack = Stack(server.url, env, tmp_path / "store", f"sqlite:///{migrated_mlflow_db(tmp_path / 'mlflow.db')}", ray_tmp, tmp_path / "worker.log")
         _ok(_cli(env, "work-pool", "create", POOL, "--type", "process"), "prefect work-pool create")
         with open(stack.worker_log, "ab") as log:
             worker = subprocess.Popen(

@@ -28,9 +28,9 @@ RUN = "seen"
 
 
 @pytest.fixture(scope="module")
-def ui(tmp_path_factory, migrated_prefect_home):
+def ui(tmp_path_factory, migrated_home):
     tmp = tmp_path_factory.mktemp("ui")
-    migrated_prefect_home(tmp / "home" / "prefect")
+    migrated_home(tmp / "home")
     drop = ("PREFECT_API_URL", "PREFECT_HOME", "MLFLOW_TRACKING_URI", "RLSTAGE_", "PREFECT_LOGGING_TO_API")
     env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
     env.update(RLSTAGE_HOME=str(tmp / "home"), PYTHONPATH=str(REPO))
