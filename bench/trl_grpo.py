@@ -37,6 +37,15 @@ MAX_NEW_TOKENS = 8
 CPU_RUN = dict(use_cpu=True, report_to="none", save_strategy="no", disable_tqdm=True)
 
 
+def bench_trainer(model, tok, reward, train: list[dict], callback, *, work: str, seed: int, **settings) -> GRPOTrainer:
+    """TRL's GRPOTrainer as the benches run it: beta 0 (no reference model, as rlstage's side), on the CPU."""
+    config = GRPOConfig(output_dir=work, seed=seed, beta=0.0, **CPU_RUN, **settings)
+    return GRPOTrainer(
+        model=model, reward_funcs=reward, args=config, train_dataset=Dataset.from_list(train), processing_class=tok,
+        callbacks=[callback],
+    )  # fmt: skip
+
+
 def exact_match_reward(completions: list[str], ground_truth: list[str], **_: object) -> list[float]:
     return [exact_match(c, gt, {}) for c, gt in zip(completions, ground_truth, strict=True)]
 
@@ -103,29 +112,13 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     curve = Curve(args.model, [r["prompt"] for r in test], [r["ground_truth"] for r in test], args.eval_every)
-    config = GRPOConfig(
-        output_dir=args.work,
+    trainer = bench_trainer(
+        model, tok, exact_match_reward, train, curve, work=args.work, seed=args.seed,
         per_device_train_batch_size=64,  # completions: 8 prompts x num_generations
-        num_generations=8,
-        max_completion_length=MAX_NEW_TOKENS,
-        temperature=1.0,
-        learning_rate=1e-4,
-        lr_scheduler_type="linear",
-        max_steps=args.steps,
-        beta=0.0,
-        seed=args.seed,
-        logging_steps=100,
-        **CPU_RUN,
+        num_generations=8, max_completion_length=MAX_NEW_TOKENS, temperature=1.0, learning_rate=1e-4,
+        lr_scheduler_type="linear", max_steps=args.steps, logging_steps=100,
         **({"bf16": False} if args.precision == "fp32" else {}),
-    )
-    trainer = GRPOTrainer(
-        model=model,
-        reward_funcs=exact_match_reward,
-        args=config,
-        train_dataset=Dataset.from_list(train),
-        processing_class=tok,
-        callbacks=[curve],
-    )
+    )  # fmt: skip
     t0 = time.perf_counter()
     trainer.train()
     result = {

@@ -192,9 +192,10 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
 
 
-def is_correct(score: float) -> bool:
-    """Whether a rule score counts as a correct answer: above 0.5, so a format credit (GSM8K's 0.1) is not one."""
-    return score > 0.5
+def is_correct(score: float, correct_at: float | None = None) -> bool:
+    """Whether a rule score counts as a correct answer: at ``correct_at`` where the rule declares it (full credit,
+    for a rule whose partial credit passes one half), else above 0.5, so a format credit (GSM8K's 0.1) is not one."""
+    return score >= correct_at if correct_at is not None else score > 0.5
 
 
 def pass_at_k_metrics(

@@ -12,6 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from rlstage.engines.data import datasets as D
+from rlstage.engines.metrics import is_correct
 from rlstage.engines.rewards import rules as R
 from rlstage.schemas.artifacts import PROMPTS
 
@@ -325,6 +326,15 @@ def test_reasoning_gym_splits_share_no_question_and_score_with_the_tasks_checker
     assert R.reasoning_gym_score(f"First multiply the tens. So the product is {truth}.", truth, info) == 1.0
     assert R.reasoning_gym_score(f"{truth} is not it, the answer is {int(truth) + 1}", truth, info) == 0.0
     assert R.reasoning_gym_score("I don't know", truth, info) == 0.0
+    # the checker's partial credit (the truth inside a longer number) can pass one half: the eval's count of correct
+    # answers takes full credit only, as the rule registers
+    row = next(r for r in test.to_pylist() if len(r["ground_truth"]) > 1)
+    truth, info = row["ground_truth"], json.loads(row["extra_info"])
+    assert 0.5 < R.reasoning_gym_score(truth + "0", truth, info) < 1.0  # 645 answered 6450: 0.75
+    assert R.correct_at("reasoning_gym") == 1.0 and R.correct_at("gsm8k") is None
+    assert not is_correct(R.reasoning_gym_score(truth + "0", truth, info), R.correct_at("reasoning_gym"))
+    assert is_correct(R.reasoning_gym_score(truth, truth, info), R.correct_at("reasoning_gym"))
+    assert is_correct(0.75) and not is_correct(0.1)  # the default rule: above one half
 
 
 def test_reasoning_gym_bad_settings_are_one_line() -> None:

@@ -41,9 +41,25 @@ DATA_SOURCE_FNS: dict[str, str] = {
 GSM8K_METHODS = ("strict", "flexible")
 
 
-def register_reward_fn(name: str) -> Callable[[RewardFn], RewardFn]:
-    """Decorator: register ``fn`` under ``name``. It must be a module-level function so the scorer can import it."""
-    return REWARD_FNS.register(name)
+@dataclass(frozen=True)
+class RewardTraits:
+    """What the eval reads of a reward function besides its scores."""
+
+    # the score from which an answer counts correct; None: above 0.5 (GSM8K's 0.1 format credit is not correct)
+    correct_at: float | None = None
+
+
+def register_reward_fn(name: str, *, correct_at: float | None = None) -> Callable[[RewardFn], RewardFn]:
+    """Decorator: register ``fn`` under ``name``. It must be a module-level function so the scorer can import it.
+    ``correct_at``: the score from which the eval counts an answer correct, for a rule whose partial credit can
+    pass one half (default: above 0.5)."""
+    return REWARD_FNS.register(name, traits=RewardTraits(correct_at))
+
+
+def correct_at(reward_fn: str | None) -> float | None:
+    """The registered ``correct_at`` of a reward function (None: the default rule, or no rule scored the answer)."""
+    traits = REWARD_FNS.entry(reward_fn).traits if reward_fn in REWARD_FNS else None
+    return traits.correct_at if isinstance(traits, RewardTraits) else None
 
 
 def default_reward_fn(data_source: str) -> str:
@@ -164,7 +180,9 @@ def reasoning_gym_answer(response_text: str, answer_from: str = "last_number") -
     return found[-1].replace(",", "") if found else text
 
 
-@register_reward_fn("reasoning_gym")
+# correct only at full credit: the checkers give partial credit to an answer that contains the truth (products:
+# 645 answered 6450 scores 0.75)
+@register_reward_fn("reasoning_gym", correct_at=1.0)
 def reasoning_gym_score(response_text: str, ground_truth: str, extra_info: dict) -> float:
     """The reasoning-gym task's own checker (``score_answer``) on the extracted answer, with the entry as
     generated (``extra_info["entry"]``, written by the data source)."""
