@@ -66,7 +66,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from vs_trl import ROOT, overrides_tag, rlstage_cores, side, trl_python
+from vs_trl import ROOT, first_at, overrides_tag, rlstage_cores, side, trl_python
 
 CONFIG = "configs/reasoning-smollm2.yaml"
 # before the user's: an eval every 2 optimizer steps, as TRL's; 8 iterations, since every seed of the shipped runs
@@ -144,7 +144,7 @@ class SideRun:
 
     def to_target(self, target: float, cap: float) -> Outcome:
         """The first evaluated point at or above ``target`` within ``cap`` training seconds, else censored there."""
-        hit = next((t for t, acc, _ in self.curve if acc >= target and t <= cap), None)
+        hit = first_at([p for p in self.curve if p[0] <= cap], target)
         return (
             Outcome(hit, True) if hit is not None else Outcome(round(min(cap, self.curve[-1][0]), 1), False)
         )
@@ -234,8 +234,8 @@ class Prepared:
     sha256: dict[str, str]
 
 
-def split_digest(store, run: str) -> dict[str, str]:
-    m = store.manifest(run, None, "data_prep")
+def split_digest(store, run: str, m=None) -> dict[str, str]:
+    m = m or store.manifest(run, None, "data_prep")
     return {name: m.files[name].sha256 for name in ("train.parquet", "test.parquet")}
 
 
@@ -250,7 +250,7 @@ def prepare_data(args: argparse.Namespace, model: str) -> Prepared:
     subprocess.run([str(c) for c in cmd], cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL)
     store = ArtifactStore(args.store)
     m = store.manifest(run, None, "data_prep")
-    return Prepared(store.uri(m, "train.parquet"), store.uri(m, "test.parquet"), split_digest(store, run))
+    return Prepared(store.uri(m, "train.parquet"), store.uri(m, "test.parquet"), split_digest(store, run, m))
 
 
 def edge_cases(cfg, test_path: str, questions: int = 20) -> list[RewardCase]:

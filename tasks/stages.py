@@ -700,6 +700,7 @@ def evaluate(
         correct_at: list[float | None] = [None] * len(comps)  # each rule's own bar for a correct answer
         for i, r in rule_results(cfg, rows, [sc is None for sc in scores]).items():
             scores[i], correct_at[i] = r.score, rewards.correct_at(r.reward_fn)
+        correct = [eval_metrics.is_correct(s, c) for s, c in zip(scores, correct_at, strict=True)]
         greedy_n = len(batch)
         table = pa.table(
             {
@@ -731,11 +732,9 @@ def evaluate(
                 )
             nested = eval_metrics.validation_metrics(sources[greedy_n:], uids, infos)
             metrics.update(eval_metrics.flatten_validation_metrics(nested))
-            correct = [eval_metrics.is_correct(s, c) for s, c in zip(scores, correct_at, strict=True)][greedy_n:]
-            metrics.update(eval_metrics.pass_at_k_metrics(sources[greedy_n:], uids, correct))
+            metrics.update(eval_metrics.pass_at_k_metrics(sources[greedy_n:], uids, correct[greedy_n:]))
         # the share of greedy answers scored correct; with a partial-credit rule the mean score differs
-        greedy = zip(scores[:greedy_n], correct_at[:greedy_n], strict=True)
-        metrics["val/accuracy"] = float(np.mean([eval_metrics.is_correct(s, c) for s, c in greedy]))
+        metrics["val/accuracy"] = float(np.mean(correct[:greedy_n]))
         metrics["val/reward_mean"] = float(np.mean(scores[:greedy_n]))
         return StageOutput(tables={"eval.parquet": table}, metrics=metrics, meta={LOG_META: log} if log else {})
 
