@@ -43,7 +43,8 @@ def run_rlstage(args: argparse.Namespace, out: Path) -> dict:
         from rlstage.flows.training import train
         from rlstage.schemas.config import load_config
 
-        overrides = [f"trainer.iterations={args.iterations}", f"store.root={args.store}",
+        # beta 0 on both sides: the config's KL loss (a reference forward a step) is left out of this race
+        overrides = [f"trainer.iterations={args.iterations}", f"store.root={args.store}", "actor.use_kl_loss=false",
                      f"run_name=vs-trl-real-{int(time.time())}", *args.overrides]  # fmt: skip
         cfg = load_config(ROOT / CONFIG, overrides)
         result = train(config=cfg)
