@@ -234,8 +234,8 @@ class Prepared:
     sha256: dict[str, str]
 
 
-def split_digest(store, run: str, m=None) -> dict[str, str]:
-    m = m or store.manifest(run, None, "data_prep")
+def split_digest(m) -> dict[str, str]:
+    """The sha256 of the train and test splits a data_prep manifest committed."""
     return {name: m.files[name].sha256 for name in ("train.parquet", "test.parquet")}
 
 
@@ -250,7 +250,7 @@ def prepare_data(args: argparse.Namespace, model: str) -> Prepared:
     subprocess.run([str(c) for c in cmd], cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL)
     store = ArtifactStore(args.store)
     m = store.manifest(run, None, "data_prep")
-    return Prepared(store.uri(m, "train.parquet"), store.uri(m, "test.parquet"), split_digest(store, run, m))
+    return Prepared(store.uri(m, "train.parquet"), store.uri(m, "test.parquet"), split_digest(m))
 
 
 def edge_cases(cfg, test_path: str, questions: int = 20) -> list[RewardCase]:
@@ -372,7 +372,7 @@ def main() -> None:
             cmd = [sys.executable, __file__, "--side", "rlstage", "--seeds", seed, "--store", args.store, "--model", model]  # fmt: skip
             got["rlstage"] = SideRun(**side([*cmd, "--out", out, *args.overrides], out))
         ran = run_name(args, seed) in store.runs()
-        if ran and split_digest(store, run_name(args, seed)) != data.sha256:
+        if ran and split_digest(store.manifest(run_name(args, seed), None, "data_prep")) != data.sha256:
             sys.exit(
                 f"seed {seed}: rlstage's data prep committed other splits than {data.train} / {data.test}"
             )
