@@ -60,7 +60,8 @@ _WORKER = ("model",)
 # The rollout engine the worker builds (batching and engine settings can change sampled tokens).
 _ENGINE = (
     "rollout.engine", "rollout.batch_size", "rollout.share_prompts", "rollout.seed", "rollout.vllm_kv_cache_bytes",
-    "rollout.vllm_enforce_eager", "rollout.vllm_max_num_seqs", "rollout.vllm_cpu_threads_bind",
+    "rollout.vllm_enforce_eager", "rollout.vllm_max_num_seqs", "rollout.vllm_block_size",
+    "rollout.vllm_cpu_threads_bind",
     "rollout.vllm_quiet_waits",  # not the tokens: read by the rollout and eval stages when they start the engine
 )  # fmt: skip
 _SAMPLING = ("rollout.top_p", "rollout.top_k", "rollout.max_new_tokens", "rollout.seed")

@@ -103,6 +103,27 @@ def test_seeded_and_independent_of_batching(engine):
 
 
 @needs_vllm
+def test_block_size_reaches_vllm_and_keeps_the_samples(engine, kit):
+    """``rollout.vllm_block_size``: smaller KV blocks let a group's samples share a short prompt's prefill
+    (prefix caching shares whole blocks); the engine runs with it and samples what the default engine samples."""
+    from rlstage.engines.rollout.vllm_engine import VLLMRolloutEngine
+
+    tok, _, path = kit
+    params = SamplingParams(n=4, temperature=1.0, max_new_tokens=8, seed=3)
+    prompts = [*PROMPTS, *LONG]
+    default = engine.generate(prompts, params)
+    small = VLLMRolloutEngine(path, tok, seed=0, kv_cache_bytes=256 << 20, max_num_seqs=128, block_size=32)
+    try:
+        assert engine.llm.llm_engine.vllm_config.cache_config.block_size != 32
+        assert small.llm.llm_engine.vllm_config.cache_config.block_size == 32
+        got = small.generate(prompts, params)
+    finally:
+        small.close()
+    assert [c.response_ids for c in got] == [c.response_ids for c in default]
+    assert _max_gap(got, [c.log_probs for c in default]) < 1e-4
+
+
+@needs_vllm
 def test_stop_tokens_and_max_tokens(engine, kit):
     tok, _, _ = kit
     stops = tok.convert_tokens_to_ids(list("0123456789"))

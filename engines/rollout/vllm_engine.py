@@ -175,6 +175,7 @@ class VLLMRolloutEngine:
         kv_cache_bytes: int = 1 << 30,
         enforce_eager: bool = True,
         max_num_seqs: int = 256,
+        block_size: int | None = None,
         max_model_len: int | None = None,
         cpu_threads_bind: str | None = None,
         quiet_waits: bool = False,
@@ -204,6 +205,8 @@ class VLLMRolloutEngine:
             "logprobs_mode": "processed_logprobs",
             "worker_extension_cls": f"{__name__}.WeightSyncExtension",
         }
+        if block_size is not None:  # prefix caching shares whole blocks: smaller ones let short prompts share
+            args["block_size"] = block_size
         if current_platform.is_cpu():
             # A partly prefilled seeded request rewinds its generator's offset, which CPU generators lack
             # ("CPU Generator does not use offset", the engine dies): prefill every prompt whole.
