@@ -37,12 +37,17 @@ def kit(tmp_path_factory):
     return tok, model, path
 
 
-@pytest.fixture(scope="module")
-def engine(kit):
+def _kit_engine(kit, **settings):
+    """A vLLM engine on the kit's model, with the settings every engine of this module shares."""
     from rlstage.engines.rollout.vllm_engine import VLLMRolloutEngine
 
     tok, _, path = kit
-    eng = VLLMRolloutEngine(path, tok, seed=0, kv_cache_bytes=256 << 20, max_num_seqs=128)
+    return VLLMRolloutEngine(path, tok, seed=0, kv_cache_bytes=256 << 20, max_num_seqs=128, **settings)
+
+
+@pytest.fixture(scope="module")
+def engine(kit):
+    eng = _kit_engine(kit)
     yield eng
     eng.close()
 
@@ -106,13 +111,10 @@ def test_seeded_and_independent_of_batching(engine):
 def test_block_size_reaches_vllm_and_keeps_the_samples(engine, kit):
     """``rollout.vllm_block_size``: smaller KV blocks let a group's samples share a short prompt's prefill
     (prefix caching shares whole blocks); the engine runs with it and samples what the default engine samples."""
-    from rlstage.engines.rollout.vllm_engine import VLLMRolloutEngine
-
-    tok, _, path = kit
     params = SamplingParams(n=4, temperature=1.0, max_new_tokens=8, seed=3)
     prompts = [*PROMPTS, *LONG]
     default = engine.generate(prompts, params)
-    small = VLLMRolloutEngine(path, tok, seed=0, kv_cache_bytes=256 << 20, max_num_seqs=128, block_size=32)
+    small = _kit_engine(kit, block_size=32)
     try:
         assert engine.llm.llm_engine.vllm_config.cache_config.block_size != 32
         assert small.llm.llm_engine.vllm_config.cache_config.block_size == 32
