@@ -741,6 +741,9 @@ class RayConfig(_Section):
     rollout_resources: dict[str, float] = Field(default_factory=dict)  # custom Ray resources the rollout actors require
     ref_critic_resources: dict[str, float] = Field(default_factory=dict)  # those the reference/critic actor requires
     stages: dict[str, StageResources] = Field(default_factory=dict)  # per stage (rollout, reward, ...): CPUs, GPUs, retries and retry delay of its Ray task
+    # Seconds a released role worker stays idle for the next run of the same model and engines in this process
+    # (the tests, a library user's loop), which then skips the worker's start; 0 stops workers with their run.
+    warm_worker_idle_s: float = Field(300.0, ge=0)
 
     @field_validator("stages")
     @classmethod

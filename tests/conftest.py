@@ -20,6 +20,10 @@ os.environ.setdefault("PREFECT_LOGGING_TO_API_ENABLED", "false")
 # user's: runs are told apart there by their store (a tmp folder per test), as in a real home.
 os.environ["RLSTAGE_HOME"] = tempfile.mkdtemp(prefix="rlstage-home-")
 atexit.register(shutil.rmtree, os.environ["RLSTAGE_HOME"], ignore_errors=True)  # one per process: none left in /tmp
+# The role workers this process starts (its Ray's, and its commands') keep their scratch folders apart from every
+# other process's: a test checks what its own workers left, never the whole machine's /tmp.
+os.environ["RLSTAGE_SCRATCH_DIR"] = tempfile.mkdtemp(prefix="rlstage-scratch-")
+atexit.register(shutil.rmtree, os.environ["RLSTAGE_SCRATCH_DIR"], ignore_errors=True)
 REPO = Path(__file__).resolve().parent.parent
 GSM8K = REPO.parent / "shared" / "data" / "gsm8k"
 _PREFECT_DB = Path(os.environ["RLSTAGE_HOME"]) / "prefect-template.db"  # filled by the session's server
@@ -41,10 +45,22 @@ MODULE_SECONDS = {  # a fresh-clone CI of a864b89 (stage bodies on Ray); the vLL
 }  # fmt: skip
 
 
+# Modules that start a vLLM engine, a model of the real-model extra or the pages' commands without a server fixture:
+# integration tests as well (the developer tier, `-m "not integration"`, starts no server, Ray nor engine).
+INTEGRATION_MODULES = {"test_docs_commands", "test_rollout_vllm", "test_real_model", "test_gpu_check"}
+# Fixtures that start the session's Prefect server and Ray, or seed a command's home for a server of its own.
+INTEGRATION_FIXTURES = {"prefect_api", "migrated_home", "migrated_prefect_home", "migrated_mlflow_db", "smollm2_path"}
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Under `pytest -n N --dist loadfile --no-loadscope-reorder` (scripts/test.sh) a module runs on one
-    worker (its module fixtures start once) and modules are handed out in this order: longest first."""
+    """Marks the integration tests (``integration``: those that start a server, Ray or an engine), then, under
+    `pytest -n N --dist loadfile --no-loadscope-reorder` (scripts/test.sh), where a module runs on one worker (its
+    module fixtures start once), hands modules out longest first."""
+    for item in items:
+        module = item.module.__name__.rsplit(".", 1)[-1]
+        if module in INTEGRATION_MODULES or INTEGRATION_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.integration)
     items.sort(key=lambda i: -MODULE_SECONDS.get(i.module.__name__.rsplit(".", 1)[-1], 0))
 
 

@@ -15,7 +15,7 @@ from rlstage.engines.models.tinykit import build_char_tokenizer, build_tiny_llam
 from rlstage.engines.training.actor import DataParallelTorchActor, TorchActor
 from rlstage.schemas.config import ActorConfig, KitConfig, OptimConfig
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.integration
 
 deepspeed = pytest.importorskip("deepspeed")
 from rlstage.engines.training.actor_deepspeed import DeepSpeedActor  # noqa: E402

@@ -185,7 +185,7 @@ class FirstTurnScripted:
         return [out[j] for j in range(len(encoded))]
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 @pytest.mark.skipif(not __import__("rlstage.engines.rollout.vllm_engine", fromlist=["x"]).vllm_available(), reason="vllm is not installed")
 def test_on_the_vllm_engine_the_endpoint_records_vllms_tokens_and_matches_the_built_in_loop(tmp_path):
     from rlstage.engines.models.tinykit import save_model_dir

@@ -18,7 +18,7 @@ from tests_support import (
     weights_moved,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.integration
 
 AGENT = [
     *agent_overrides(),

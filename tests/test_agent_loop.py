@@ -493,7 +493,7 @@ class FirstTurnScripted:
         return await self.inner.generate(prompt_ids, params, key)
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 @pytest.mark.skipif(not __import__("rlstage.engines.rollout.vllm_engine", fromlist=["x"]).vllm_available(), reason="vllm is not installed")
 def test_async_vllm_policy_continues_multi_turn_trajectories(tmp_path):
     from rlstage.engines.agents.policies import AsyncVLLMPolicy, start_async_vllm

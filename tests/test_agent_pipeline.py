@@ -9,7 +9,7 @@ import pytest
 from rlstage.schemas.config import load_config
 from tests_support import agent_overrides, tiny_overrides
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.integration
 
 AGENT = agent_overrides()
 

@@ -160,7 +160,7 @@ def test_a_segment_nobody_holds_is_left_behind_and_a_held_one_is_not():
         held.unlink()
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 @pytest.mark.parametrize("seed", [int(os.environ.get("RLSTAGE_CHAOS_SEED", "0"))])
 def test_a_run_killed_at_random_is_the_run_undisturbed(seed, migrated_home, tmp_path):
     from rlstage.infra.store import ArtifactStore

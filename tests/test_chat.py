@@ -111,7 +111,7 @@ def test_hf_engine_stops_at_end_of_turn_and_marks_truncation(smol_tok, smol_mode
     assert alone.log_probs == pytest.approx(short.log_probs, abs=1e-4)
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_vllm_engine_stops_at_end_of_turn_like_hf(smollm2_path, smol_tok, smol_model, tmp_path) -> None:
     from rlstage.engines.rollout.vllm_engine import VLLMRolloutEngine, vllm_available
 

@@ -7,7 +7,7 @@ import pytest
 from rlstage.schemas.config import ConfigError, load_config
 from tests_support import tiny_overrides
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.integration
 STAGES = ("rollout", "reward", "advantage", "update", "eval")
 
 

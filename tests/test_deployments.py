@@ -28,7 +28,7 @@ import pytest
 from rlstage.infra.env import LOOPBACK_DEFAULTS
 from rlstage.schemas.stages import STAGE_FILES, spec
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent

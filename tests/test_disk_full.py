@@ -15,7 +15,7 @@ from rlstage.schemas.config import RunConfig, load_config
 from rlstage.schemas.stages import SPECS
 from tests_support import moving_overrides, tiny_overrides, update_weights, weights_moved
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parent.parent
 STAGES = tuple(
     s.name for s in SPECS if s.per_iteration and s.active(RunConfig()) and "critic" not in set(s.inputs) - set(s.optional)

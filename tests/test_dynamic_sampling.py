@@ -133,7 +133,7 @@ def test_the_dapo_recipe_enables_dynamic_sampling():
     assert cfg.algorithm.filter_groups.enable and cfg.algorithm.filter_groups.max_num_gen_batches >= 2
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_a_run_drops_flat_groups_generates_again_and_a_resumed_iteration_commits_the_same_bytes(prefect_api, tmp_path):
     """The tiny kit's rewards are all 0, so the overlong shaping (responses past 6 of 8 tokens lose up to 1) is
     the signal: groups whose samples all have the same length penalty are dropped and more prompts generated."""

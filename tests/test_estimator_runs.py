@@ -10,7 +10,7 @@ import pytest
 from rlstage.schemas.config import load_config
 from tests_support import tiny_overrides
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.integration
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
 

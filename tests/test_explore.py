@@ -16,7 +16,7 @@ from test_store_s3 import BUCKET, CREDS, endpoint  # noqa: F401 - moto's S3 serv
 from rlstage.infra.explore import QUERIES, Experience, NotCommitted, run_query
 from rlstage.infra.store import ArtifactStore
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.integration
 
 RUN = "explore"
 

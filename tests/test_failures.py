@@ -13,7 +13,7 @@ from rlstage.schemas.config import RunConfig, load_config
 from rlstage.schemas.stages import SPECS
 from tests_support import moving_overrides, tiny_overrides, update_weights, weights_moved
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.integration
 # Every registry stage of a default iteration without a critic (the critic stage needs a critic input). They run
 # on Ray; data prep and SFT run in the flow's process, which the flow drill below kills instead.
 STAGES = tuple(

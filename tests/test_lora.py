@@ -169,7 +169,7 @@ LEARNS = [
 ]  # fmt: skip
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_lora_grpo_run_learns_and_stores_only_adapters(prefect_api, tmp_path: Path) -> None:
     import json
 

@@ -22,7 +22,7 @@ from rlstage.engines.data import datasets
 from rlstage.schemas.config import load_config
 from tests_support import assert_agents_trained, moving_overrides, prepared_rows, stage_rows, tiny_overrides
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.integration
 STEPS = 2  # questions an episode
 
 

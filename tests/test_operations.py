@@ -12,7 +12,7 @@ from tests_support import moving_overrides, tiny_overrides, update_weights, weig
 
 TINY = tiny_overrides() + moving_overrides()  # replays of runs whose weights move
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.integration
 
 
 def flow_run_names(prefix: str) -> set[str]:
@@ -180,10 +180,10 @@ def test_second_flow_on_the_same_run_is_refused(ops_run):
 
 
 def _actors_named(name: str) -> int:
-    """Actors of that name this cluster has started, alive or dead (Ray's GCS keeps the dead ones' records)."""
-    import ray
+    """Workers groups of that name were given in this process, fresh or warm ones (workers/pool.py)."""
+    from rlstage.workers.pool import bound_count
 
-    return sum(a["Name"] == name for a in ray._private.state.actors().values())
+    return bound_count(name)
 
 
 def test_eval_flow_scores_a_stored_policy_into_a_sibling_version(ops_run):

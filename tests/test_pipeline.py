@@ -8,7 +8,7 @@ from rlstage.schemas.config import ConfigError, PolicyLossConfig, load_config
 from rlstage.schemas.stages import STAGE_FILES, spec
 from tests_support import flow_graph, stage_states, tiny_overrides
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.integration
 
 
 

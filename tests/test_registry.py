@@ -311,7 +311,7 @@ def test_the_train_engines_read_only_their_stages_views(tiny):
 # ---------------------------------------------------------------- the pipeline
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_eval_reexecutes_for_a_reward_change_and_not_for_an_actor_change(prefect_api, tmp_path):
     from rlstage.flows.evaluate import evaluate_run
     from rlstage.flows.training import train

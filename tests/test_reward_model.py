@@ -226,7 +226,7 @@ def test_tiny_reward_model_fits_labelled_pairs():
     assert after >= 0.65 > before - 0.1
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_pipeline_scores_with_the_reward_model_worker(prefect_api, tmp_path):
     """One tiny iteration with an RM-only reward: the worker scores on Ray, both sources are recorded."""
     from rlstage.flows.training import train
@@ -275,7 +275,7 @@ RM_LEARNS = [
 ]  # fmt: skip
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_a_run_on_the_reward_model_alone_learns_the_task(prefect_api, tmp_path, capsys):
     """``rlstage reward-model`` builds the kit's RM; GRPO on its score alone raises the rule's reward.
 

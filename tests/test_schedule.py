@@ -36,7 +36,7 @@ from test_deployments import (  # the deployment test's process helpers, not cop
     stop_worker,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.integration
 
 INTERVAL_S = 10
 RUN_TIMEOUT_S = 600  # for one flow run: generous, a loaded 2-core machine is several times slower

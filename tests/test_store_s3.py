@@ -258,7 +258,7 @@ def test_unnamed_precondition_failure_is_a_conflict(
         store.put_json(RUN, "run.json", {}, exclusive=True)
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_pipeline_runs_against_s3(endpoint: str, prefect_api, tmp_path: Path) -> None:
     """Two iterations with every artifact in S3 (moto on loopback), then a rerun that executes nothing."""
     from rlstage.flows.training import train
@@ -284,7 +284,7 @@ def test_pipeline_runs_against_s3(endpoint: str, prefect_api, tmp_path: Path) ->
     assert train(config=cfg)["executed"] == []
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_unreachable_endpoints_are_one_clear_error(prefect_api, tmp_path: Path) -> None:
     from rlstage.flows.training import train
     from rlstage.infra.store import StoreError

@@ -14,7 +14,7 @@ import pytest
 from rlstage.schemas.config import load_config
 from tests_support import moving_overrides, tiny_overrides
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.integration
 
 
 class MlflowServer:

@@ -22,7 +22,7 @@ from rlstage.infra.env import free_port, pid_alive
 from rlstage.infra.prefect_server import stop_process_group, wait_up
 from tests_support import tiny_overrides
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parent.parent
 RUN = "seen"
 

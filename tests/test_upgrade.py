@@ -27,7 +27,7 @@ from tests_support import (
     weights_moved,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parent.parent
 RUN = "upgraded"
 

@@ -17,7 +17,7 @@ from rlstage.engines.data import datasets
 from rlstage.schemas.config import ConfigError, load_config, stored_config_from
 from tests_support import assert_agents_trained, moving_overrides, prepared_rows, stage_rows, tiny_overrides
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[1]
 TASKSET = """
 import verifiers.v1 as vf

@@ -17,7 +17,7 @@ import pytest
 
 from tests_support import build_wheel, env_with_wheel, tiny_overrides
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parent.parent
 LEGACY = ("schemas", "engines", "workers", "tasks", "flows", "infra")  # our top-level names before 0.2.0
 

@@ -5,17 +5,17 @@ from __future__ import annotations
 
 import glob
 import os
-import tempfile
 import time
 
 import pytest
 from safetensors.torch import load as load_safetensors
 
 from rlstage.schemas.config import ConfigError, load_config
+from rlstage.workers.policy import scratch_root
 from rlstage.workers.roles import Trainer
 from tests_support import moving_overrides, source_path, tiny_overrides, update_weights, weights_moved
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.integration
 
 
 def _cfg(root, run: str, *extra: str):
@@ -82,7 +82,7 @@ def test_a_checkpoint_larger_than_the_object_store_never_crosses_it(prefect_api,
 
     wide = ["kit.hidden_size=512", "kit.num_layers=4", "kit.num_heads=8", "kit.intermediate_size=1536", "sft.steps=4"]
     cfg = _cfg(tmp_path, "wide", *wide, "trainer.checkpoint_every=1")
-    before = set(glob.glob(os.path.join(tempfile.gettempdir(), "rlstage-worker-p*-wide-*")))
+    before = set(glob.glob(os.path.join(scratch_root(), "rlstage-worker-p*-wide-*")))
     train(config=cfg)
     store = store_for(cfg)
     m = store.manifest("wide", 2, "update")
@@ -92,7 +92,7 @@ def test_a_checkpoint_larger_than_the_object_store_never_crosses_it(prefect_api,
     assert weights_moved(w2, w1)
     # Iteration 2's rollout started from iteration 1's committed update: the worker held it, nothing reloaded.
     assert store.manifest("wide", 2, "rollout").inputs["policy"] == store.manifest("wide", 1, "update").artifact_id
-    leftover = set(glob.glob(os.path.join(tempfile.gettempdir(), "rlstage-worker-p*-wide-*"))) - before
+    leftover = set(glob.glob(os.path.join(scratch_root(), "rlstage-worker-p*-wide-*"))) - before
     assert not leftover  # fetched and staged checkpoints are removed with the workers
 
 
@@ -149,8 +149,9 @@ def test_killed_trainer_ranks_are_rebuilt_to_identical_artifacts(prefect_api, tm
     killed = _cfg(tmp_path / "killed", "k", *world2, *drill)
     result = train(config=killed)
     assert sorted(p.name for p in markers.iterdir()) == ["kill_worker_at-update-2", "kill_worker_at-update@rank1-1"]
-    # A killed worker's temporary folder is removed by the next worker started on the node.
-    assert not glob.glob(os.path.join(tempfile.gettempdir(), "rlstage-worker-p*-k-*"))
+    # A killed worker's temporary folder is removed by the next worker started on the node (this test process's
+    # workers keep theirs in a folder of their own: another process's are not this test's business).
+    assert not glob.glob(os.path.join(scratch_root(), "rlstage-worker-p*-k-*"))
     assert [h["iteration"] for h in result["history"]] == [0, 1, 2]
     ref_store, store = store_for(reference), store_for(killed)
     sums = _checksums(store, "k", 2)
@@ -359,6 +360,7 @@ import ray
 from ray.cluster_utils import Cluster
 from ray.util.placement_group import placement_group_table
 from rlstage.schemas.config import ConfigError, load_config
+from rlstage.workers.policy import scratch_root
 from rlstage.workers.roles import Trainer
 from rlstage.workers.group import check_placement, open_group
 

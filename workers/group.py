@@ -15,6 +15,7 @@ their names), so it never relabels the weights of a run that is training, starte
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import threading
 import time
@@ -34,10 +35,12 @@ from rlstage.infra.store import store_identity
 from rlstage.schemas.config import ConfigError, RunConfig
 from rlstage.schemas.manifest import Manifest, PolicyRef
 from rlstage.schemas.stages import ConfigView, whole_config
+from rlstage.workers import pool
 from rlstage.workers.policy import CRITIC_INIT, PolicyWorker, every_rank_generates
-from rlstage.workers.roles import Trainer, method_name
+from rlstage.workers.roles import Trainer, Worker, method_name
 from rlstage.workers.rollout import RolloutWorker
 
+log = logging.getLogger("rlstage")
 RESTART_WAIT_S = 120.0  # how long a call waits for Ray to restart a killed worker (7-19 s seen on 2 cores)
 
 
@@ -80,6 +83,10 @@ class PolicyGroup:
     # role -> its placement group ("trainer", "rollout", "ref_critic": the roles that ask for GPUs), removed on release
     placements: dict[str, Any] = field(default_factory=dict)
     ranks_generate: bool = False  # colocated generation split over every rank (workers.policy.every_rank_generates)
+    # warm actors (workers/pool.py): their own Ray names by role (None: actors named after this group)
+    warm_names: dict[str, list[str]] | None = None
+    warm_keys: dict[str, str] = field(default_factory=dict)  # each warm actor's build (pool.worker_key)
+    idle_s: float = 0.0  # how long released warm actors wait for the next run (ray.warm_worker_idle_s)
 
     @property
     def actors(self) -> list[Any]:
@@ -226,6 +233,10 @@ class PolicyGroup:
 
         if CLUSTER_LOST.is_set():  # each call would wait 60 s for a GCS that is gone, and its workers went with it
             return
+        if self.warm_names is not None:
+            pool.forget_group(self.name)
+            if not busy and self._park():
+                return
         pids = [pid for r in self.actors if (pid := _actor_pid(r)) is not None]
         for r in self.actors:
             if not busy:
@@ -237,6 +248,18 @@ class PolicyGroup:
         for group in self.placements.values():
             remove_placement_group(group)
         reap_owned_files(pids, wait_s=30)
+
+
+    def _park(self) -> bool:
+        """Reset each warm actor and leave it idle in this process's pool (False: one failed; all are stopped)."""
+        try:
+            _wait_restart(lambda: ray.get([getattr(a, method_name(Worker.reset)).remote() for a in self.actors], timeout=60))
+        except Exception:  # a dead or hung worker: the group is stopped as a cold one is
+            return False
+        names = [own for role in ("trainer", "rollout", "ref_critic") for own in self.warm_names[role]]
+        for own, handle in zip(names, self.actors, strict=True):
+            pool.park(self.warm_keys[own], own, handle, self.idle_s)
+        return True
 
 
 def _actor_pid(actor) -> int | None:
@@ -286,6 +309,8 @@ def check_placement(cfg: RunConfig) -> None:
         # so both are reserved up front (else Ray would start the rollout only once the update ended)
         stage = cfg.ray.resources("rollout").num_cpus + max(cfg.ray.resources(s).num_cpus for s in ("reward", "advantage", "update"))
         tasks = "the pipelined rollout's task beside another stage task's"
+    # idle warm workers hold resources: only those this run will take stay (workers/pool.py)
+    pool.make_room(set(_warm_keys(cfg).values()) if pool.poolable(cfg) else set())
     need = sum(a.cpus * a.count for a in [trainer, *apart]) + stage
     if need > have:
         roles = "".join(f" + {f'{a.count} x ' if a.count > 1 else ''}ray.{a.prefix}_num_cpus={a.cpus:g}" for a in apart)
@@ -346,10 +371,21 @@ def open_group(cfg: RunConfig | ConfigView, version: str = "main") -> PolicyGrou
 
 
 def _open_group(cfg: RunConfig, version: str, name: str) -> PolicyGroup:
-    """The actors of group ``name`` (``actor_name``: rank 0's), created unless they run already."""
-    common = {"namespace": RAY_NAMESPACE, "get_if_exists": True, "max_restarts": -1, "max_task_retries": 0}
+    """The actors of group ``name`` (``actor_name``: rank 0's): found when they run already (under the group's
+    own names, or as warm actors whose names the pool recorded), else warm ones taken from this process's pool,
+    else started."""
+    common = {"namespace": RAY_NAMESPACE, "max_restarts": -1, "max_task_retries": 0}
     cfg_json = cfg.model_dump(mode="json")
     asks = role_asks(cfg)
+    # a hold point naming a role ("rollout@rollout:2") is announced from the worker too, as kill points are
+    drills = bool(cfg.drill.kill_worker_at) or any("@" in p for p in cfg.drill.hold_worker_at)
+    # vLLM seeds each prompt: any split samples alike; HF seeds each batch of rollout.batch_size samples
+    hf_batch = cfg.rollout.batch_size if engine_traits(cfg.rollout.engine).seeds_per_batch else 0
+    ranks_generate = every_rank_generates(cfg) and asks["trainer"].count > 1
+    if (warm := pool.group_names(name)) is not None:  # a stage task finding the warm actors its flow bound
+        found = {role: [pool.get_actor(n) for n in names] for role, names in warm.items()}
+        ref_critic = found["ref_critic"][0] if found["ref_critic"] else None
+        return PolicyGroup(found["trainer"], name, found["rollout"], drills, ref_critic, hf_batch, {}, ranks_generate, warm)
     placements = {
         role: _role_bundles(cfg, version, role, {"CPU": a.cpus, "GPU": a.gpus, **a.custom}, a.count)
         for role, a in asks.items()
@@ -362,27 +398,55 @@ def _open_group(cfg: RunConfig, version: str, name: str) -> PolicyGroup:
         placed = {"scheduling_strategy": PlacementGroupSchedulingStrategy(group, index)} if group else {}
         return {"num_cpus": a.cpus, "num_gpus": a.gpus, "resources": dict(a.custom), **placed, **common}
 
-    ranks = [
-        ray.remote(PolicyWorker)
-        .options(name=actor_name(cfg.run_name, cfg.store.root, version, rank), **options("trainer", rank))
-        .remote(cfg_json, total_update_steps(cfg), rank, asks["trainer"].count)
-        for rank in range(asks["trainer"].count)
-    ]
-    rollouts = [
-        ray.remote(RolloutWorker)
-        .options(name=name + "-rollout" + (f"{i}" if i else ""), **options("rollout", i))
-        .remote(cfg_json)
-        for i in range(asks["rollout"].count)
-    ]
-    ref_critic = None
-    if asks["ref_critic"].count:
-        # A worker of the trainer's kind that never acquires the policy: it holds only the reference and critic.
-        ref_critic = ray.remote(PolicyWorker).options(name=name + "-ref-critic", **options("ref_critic", 0)).remote(cfg_json, total_update_steps(cfg))
-    # a hold point naming a role ("rollout@rollout:2") is announced from the worker too, as kill points are
-    drills = bool(cfg.drill.kill_worker_at) or any("@" in p for p in cfg.drill.hold_worker_at)
-    # vLLM seeds each prompt: any split samples alike; HF seeds each batch of rollout.batch_size samples
-    hf_batch = cfg.rollout.batch_size if engine_traits(cfg.rollout.engine).seeds_per_batch else 0
-    return PolicyGroup(ranks, name, rollouts, drills, ref_critic, hf_batch, placements, every_rank_generates(cfg) and len(ranks) > 1)
+    steps = total_update_steps(cfg)
+    # (role, index, worker class, its constructor's arguments, the name it has when started for this group)
+    wanted = [
+        *[("trainer", r, PolicyWorker, (cfg_json, steps, r, asks["trainer"].count), actor_name(cfg.run_name, cfg.store.root, version, r)) for r in range(asks["trainer"].count)],
+        *[("rollout", i, RolloutWorker, (cfg_json,), name + "-rollout" + (f"{i}" if i else "")) for i in range(asks["rollout"].count)],
+        # a worker of the trainer's kind that never acquires the policy: it holds only the reference and critic
+        *[("ref_critic", 0, PolicyWorker, (cfg_json, steps), name + "-ref-critic") for _ in range(asks["ref_critic"].count)],
+    ]  # fmt: skip
+    actors: dict[str, list] = {"trainer": [], "rollout": [], "ref_critic": []}
+    if not pool.poolable(cfg):
+        pool.make_room()  # idle workers hold resources these need
+        for role, i, cls, args, own in wanted:
+            actors[role].append(ray.remote(cls).options(name=own, get_if_exists=True, **options(role, i)).remote(*args))
+        pool.count_bound(name, len(wanted))
+        return PolicyGroup(actors["trainer"], name, actors["rollout"], drills, actors["ref_critic"][0] if actors["ref_critic"] else None, hf_batch, placements, ranks_generate)
+    names: dict[str, list[str]] = {"trainer": [], "rollout": [], "ref_critic": []}
+    keys: dict[str, str] = {}
+    keys_by_role = _warm_keys(cfg)
+    taken = [(spec, pool.take(keys_by_role[spec[0]])) for spec in wanted]
+    if any(w is None for _, w in taken):
+        pool.make_room()  # idle workers of other builds hold resources the fresh ones need
+    for (role, i, cls, args, _), w in taken:
+        key = keys_by_role[role]
+        if w is None:
+            own = pool.fresh_name()
+            handle = ray.remote(cls).options(name=own, **options(role, i)).remote(*args)
+            pool.bind_record(own, args)
+        else:
+            own, handle = w.name, w.handle
+            pool.bind_record(own, args)  # before the call: a restart while binding comes back bound to this run
+            _wait_restart(lambda h=handle, a=args: ray.get(h.bind.remote(*a)))
+            log.debug("rlstage: %s reuses warm worker %s", name, own)
+        actors[role].append(handle)
+        names[role].append(own)
+        keys[own] = key
+    pool.record_group(name, names)
+    pool.count_bound(name, len(wanted))
+    ref_critic = actors["ref_critic"][0] if actors["ref_critic"] else None
+    group = PolicyGroup(actors["trainer"], name, actors["rollout"], drills, ref_critic, hf_batch, placements, ranks_generate, names)
+    group.warm_keys, group.idle_s = keys, cfg.ray.warm_worker_idle_s
+    return group
+
+
+def _warm_keys(cfg: RunConfig) -> dict[str, str]:
+    """Each role's warm-worker build (``pool.worker_key``): what an idle worker must have been built for."""
+    return {
+        role: pool.worker_key(cfg, role, {"num_cpus": a.cpus, "num_gpus": a.gpus, "resources": a.custom})
+        for role, a in role_asks(cfg).items()
+    }
 
 
 def _role_bundles(cfg: RunConfig, version: str, role: str, bundle: dict[str, float], count: int):

@@ -135,6 +135,15 @@ def rollout_engine(cfg: RunConfig, model, tokenizer, path: str, current=None):
     return ROLLOUT_ENGINES.entry(cfg.rollout.engine).obj(cfg, model, tokenizer, path, current)
 
 
+def warm_binding() -> tuple | None:
+    """The run a warm actor (workers/pool.py) was bound to last, as its constructor's arguments (None: a cold one)."""
+    import ray
+
+    from rlstage.workers.pool import binding
+
+    return binding(ray.get_runtime_context().get_actor_name())
+
+
 SCRATCH = re.compile(r"^rlstage-(?:worker|rollout)-p(\d+)-")
 
 
@@ -146,14 +155,22 @@ def every_rank_generates(cfg: RunConfig) -> bool:
     return cfg.ray.rollout_placement == "colocated" and engine_traits(cfg.rollout.engine).in_memory and not zero3
 
 
+def scratch_root() -> Path:
+    """Where workers keep their temporary folders: ``RLSTAGE_SCRATCH_DIR`` (a test process gives its own workers
+    one of their own, so it sees only what they left), else the system's temporary folder."""
+    return Path(os.environ.get("RLSTAGE_SCRATCH_DIR") or tempfile.gettempdir())
+
+
 def scratch_dir(kind: str, run: str) -> Path:
     """A worker's temporary folder, named with its pid. A SIGKILLed worker never removes its own, so each
     new worker removes those of workers no longer alive on this node."""
-    for old in Path(tempfile.gettempdir()).glob("rlstage-*-p*-*"):
+    root = scratch_root()
+    root.mkdir(parents=True, exist_ok=True)
+    for old in root.glob("rlstage-*-p*-*"):
         found = SCRATCH.match(old.name)
         if found and old.is_dir() and not pid_alive(int(found.group(1))):
             shutil.rmtree(old, ignore_errors=True)
-    return Path(tempfile.mkdtemp(prefix=f"rlstage-{kind}-p{os.getpid()}-{run}-"))
+    return Path(tempfile.mkdtemp(prefix=f"rlstage-{kind}-p{os.getpid()}-{run}-", dir=root))
 
 
 def node_id() -> str:
@@ -174,6 +191,11 @@ class PolicyWorker:
     """Rank 0 holds every colocated role; ranks 1..N-1 (``ray.trainer_world_size``) only train the policy."""
 
     def __init__(self, cfg_json: dict, total_steps: int, rank: int = 0, world_size: int = 1) -> None:
+        # a warm worker restarted by Ray comes back with its creation's arguments: it serves the run bound last
+        self.bind(*(warm_binding() or (cfg_json, total_steps, rank, world_size)))
+
+    def bind(self, cfg_json: dict, total_steps: int, rank: int = 0, world_size: int = 1) -> None:
+        """Serve this run: a fresh worker's state, in a process that may have served another (workers/pool.py)."""
         self.cfg = RunConfig.model_validate(cfg_json)
         load_plugins(self.cfg.plugins)  # the entries the run's plugins register, in this process too
         self.rank, self.world_size = rank, world_size
@@ -195,6 +217,16 @@ class PolicyWorker:
         self.busy: list[tuple[float, float]] = []  # (start, end) of each update, for overlap checks
         self.drill = WorkerDrill(self.cfg)
         preload_model_libraries(self.cfg)
+
+    def reset(self) -> None:
+        """Drop everything the run gave this worker (weights, engines, optimizer, scratch): it waits for another."""
+        actor = self.actor
+        self.close()
+        if actor is not None:
+            actor.close()
+        self.tokenizer = self.model = self.actor = self.rollout = self.ref_model = self.critic = self.base = None
+        self.versions = dict.fromkeys(ROLES)
+        self.staged, self.busy, self.pending = {}, [], False
 
     def pid(self) -> int:
         return os.getpid()
@@ -225,7 +257,7 @@ class PolicyWorker:
     def join(self, addr: str, port: int) -> None:
         """Start over in a new process group (all ranks at once): the policy is loaded again after this."""
         if torch.distributed.is_initialized():
-            if self.actor is not None and hasattr(self.actor, "close"):
+            if self.actor is not None:
                 self.actor.close()
             if self.cfg.actor.engine == "deepspeed":
                 import deepspeed  # its group holds DeepSpeed's own state too

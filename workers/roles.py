@@ -29,6 +29,8 @@ class Worker(Protocol):
 
     def close(self) -> None: ...
 
+    def reset(self) -> None: ...  # drop the run's weights, engines and scratch: a warm worker waits for another run
+
 
 class Generator(Worker, Protocol):
     """A role that samples completions with the policy version it holds (the rollout role, or rank 0)."""

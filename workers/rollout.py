@@ -34,11 +34,17 @@ from rlstage.workers.policy import (
     preload_model_libraries,
     rollout_engine,
     scratch_dir,
+    warm_binding,
 )
 
 
 class RolloutWorker:
     def __init__(self, cfg_json: dict) -> None:
+        # a warm worker restarted by Ray comes back with its creation's arguments: it serves the run bound last
+        self.bind(*(warm_binding() or (cfg_json,)))
+
+    def bind(self, cfg_json: dict) -> None:
+        """Serve this run: a fresh worker's state, in a process that may have served another (workers/pool.py)."""
         self.cfg = RunConfig.model_validate(cfg_json)
         load_plugins(self.cfg.plugins)  # the entries the run's plugins register, in this process too
         torch.set_num_threads(self.cfg.model.torch_threads)
@@ -52,6 +58,12 @@ class RolloutWorker:
         self.busy: list[tuple[float, float]] = []  # (start, end) of each generate call, for overlap checks
         self.drill = WorkerDrill(self.cfg)
         preload_model_libraries(self.cfg)
+
+    def reset(self) -> None:
+        """Drop everything the run gave this worker (weights, engine, scratch): it waits for another."""
+        self.close()
+        self.tokenizer = self.model = self.rollout = self.held = self.source = None
+        self.busy = []
 
     def pid(self) -> int:
         return os.getpid()

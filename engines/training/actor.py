@@ -141,6 +141,9 @@ class TorchActor(MiniBatchTrainer):
             metrics[k if "/" in k else f"actor/{k}"] = float(v) * w_tok
         return metrics
 
+    def close(self) -> None:
+        """Nothing to release (a data-parallel rank's process group stays: ``destroy_process_group()`` ends it)."""
+
 
 class DataParallelTorchActor(TorchActor):
     """``TorchActor`` on N ranks of a ``torch.distributed`` group (gloo on CPU, NCCL on CUDA), no DeepSpeed.
@@ -181,8 +184,6 @@ class DataParallelTorchActor(TorchActor):
         check_equal_shards(batch, self.dp_size, self.device)  # NCCL reduces tensors on the GPU
         return rank_mean(super().update(batch, temperature, seed), self.dp_size, self.device)
 
-    def close(self) -> None:
-        """Nothing to release: the process group stays (``torch.distributed.destroy_process_group()`` ends it)."""
 
 
 def check_equal_shards(batch: dict[str, list], world_size: int, device: str = "cpu") -> None:

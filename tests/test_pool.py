@@ -1,0 +1,106 @@
+"""Warm role workers (workers/pool.py): a released run's worker serves the next compatible run of this process,
+with artifacts equal to a fresh worker's; another build gets a fresh worker; idle workers are stopped."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import ray
+
+from rlstage.schemas.config import load_config
+from rlstage.workers import pool
+from tests_support import moving_overrides, tiny_overrides, update_weights, weights_moved
+
+pytestmark = pytest.mark.integration
+
+
+def _cfg(root, run: str, *extra: str):
+    return load_config(None, [f"store.root={root}", f"run_name={run}", *tiny_overrides(), *moving_overrides(), *extra])
+
+
+def _trained_on(cfg, run: str, iteration: int = 1) -> int:
+    from rlstage.tasks.runtime import store_for
+
+    return store_for(cfg).manifest(run, iteration, "update").meta["trained_on"][0]["pid"]
+
+
+def _checksums(cfg, run: str) -> dict[str, str]:
+    from rlstage.tasks.runtime import store_for
+
+    store = store_for(cfg)
+    out = {}
+    for it in (1, 2):
+        for stage in ("rollout", "reward", "advantage", "update"):
+            out.update({f"{it}/{stage}/{n}": e.sha256 for n, e in store.manifest(run, it, stage).files.items()})
+    return out
+
+
+def test_a_released_worker_serves_the_next_run_with_a_fresh_workers_artifacts(prefect_api, tmp_path):
+    from rlstage.flows.training import train
+    from rlstage.tasks.runtime import store_for
+
+    pool.make_room()  # nothing idle from other tests: the first run starts a fresh worker
+    fresh = _cfg(tmp_path / "fresh", "w")
+    train(config=fresh)
+    assert pool.idle_count() == 1  # released into the pool, not stopped
+    warm = _cfg(tmp_path / "warm", "w")
+    train(config=warm)
+    pid = _trained_on(fresh, "w")
+    assert _trained_on(warm, "w") == pid  # the same process served the second run
+    store = store_for(warm)
+    assert weights_moved(update_weights(store, "w", 2), update_weights(store, "w", 1))
+    assert _checksums(warm, "w") == _checksums(fresh, "w")  # byte for byte a fresh worker's
+    # a run of another engine build gets a fresh worker, and the idle one is stopped for its resources
+    other = _cfg(tmp_path / "other", "w", "rollout.batch_size=32")
+    train(config=other)
+    assert _trained_on(other, "w") != pid
+    assert pool.idle_count() == 1
+
+
+def test_other_code_gets_a_fresh_worker(prefect_api, tmp_path, monkeypatch):
+    from rlstage.flows.training import train
+
+    first = _cfg(tmp_path / "a", "c", "trainer.iterations=1")
+    train(config=first)
+    monkeypatch.setattr(pool, "code_version", lambda: "edited")
+    second = _cfg(tmp_path / "b", "c", "trainer.iterations=1")
+    train(config=second)
+    assert _trained_on(second, "c") != _trained_on(first, "c")
+
+
+def test_the_key_holds_the_model_the_engines_and_the_resources():
+    base = load_config(None, ["run_name=k"])
+    key = pool.worker_key(base, "trainer", {"num_cpus": 1})
+    assert pool.worker_key(load_config(None, ["run_name=other", "store.root=/elsewhere"]), "trainer", {"num_cpus": 1}) == key
+    for change in ("model.path=/some/model", "model.dtype=bfloat16", "rollout.engine=vllm", "actor.engine=deepspeed", "rollout.vllm_max_num_seqs=8"):
+        assert pool.worker_key(load_config(None, ["run_name=k", change]), "trainer", {"num_cpus": 1}) != key, change
+    assert pool.worker_key(base, "trainer", {"num_cpus": 2}) != key
+    assert pool.worker_key(base, "rollout", {"num_cpus": 1}) != key
+
+
+def test_drills_and_data_parallel_groups_keep_cold_workers():
+    assert pool.poolable(load_config(None, ["run_name=k"]))
+    assert not pool.poolable(load_config(None, ["run_name=k", "ray.warm_worker_idle_s=0"]))
+    assert not pool.poolable(load_config(None, ["run_name=k", "drill.kill_worker_at=['update:1']"]))
+    assert not pool.poolable(load_config(None, ["run_name=k", "ray.trainer_world_size=2"]))
+
+
+def test_a_worker_busy_in_a_run_is_never_taken_and_idle_ones_are_stopped(prefect_api, tmp_path):
+    from rlstage.infra.ray_runtime import ensure_ray
+    from rlstage.workers.group import open_group
+
+    a, b = _cfg(tmp_path, "busy-a", "ray.warm_worker_idle_s=1"), _cfg(tmp_path, "busy-b", "ray.warm_worker_idle_s=1")
+    ensure_ray(a)
+    pool.make_room()
+    first = open_group(a)
+    second = open_group(b)  # while the first is held: a worker of its own
+    pids = {ray.get(first.ranks[0].pid.remote()), ray.get(second.ranks[0].pid.remote())}
+    assert len(pids) == 2
+    first.release()
+    second.release()
+    assert pool.idle_count() == 2
+    deadline = time.monotonic() + 60
+    while pool.idle_count() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert pool.idle_count() == 0  # ray.warm_worker_idle_s after their release
