@@ -13,6 +13,7 @@ What the engines hold, per trainer rank (P parameters, N ranks, AdamW):
   logits go through five fp32 ``[tokens, V]`` tensors in ``engines/training/forward.response_log_probs`` (the upcast, the
   division by the temperature, the log-softmax, and for the logged entropy its probabilities and their product):
   per response token V x (dtype + 5 x 4) bytes. (Counting three of them under-predicted the H200's peak by 27 %.)
+  Chunked (``actor.logits_chunk_tokens``, engines/training/lm_head.py): one chunk's V x (dtype + 4 x 4) bytes.
 - Generation (HF engine): the weights, the KV cache (2 x layers x kv_heads x head_dim x dtype bytes per token,
   prompt and response) and one step's fp32 logits and log-softmax (B x V x 12 bytes).
 Throughput: an update costs 6 x P_matmul + 6 x layers x hidden x S FLOPs per token (causal attention, forward
@@ -92,9 +93,16 @@ def state_bytes_per_param(engine: str, dtype_bytes: int, zero_stage: int = 0, ra
     return {0: w + g + o, 1: w + g + o / n, 2: w + (g + o) / n, 3: (w + g + o) / n}[zero_stage]
 
 
-def activation_bytes(shape: Shape, tokens: int, response_tokens: int, dtype_bytes: int) -> int:
-    """One micro-batch's activations kept for the backward: the layers' and the response logits'."""
+def activation_bytes(
+    shape: Shape, tokens: int, response_tokens: int, dtype_bytes: int, chunk_tokens: int | None = None
+) -> int:
+    """One micro-batch's activations kept for the backward: the layers' and the response logits'. With chunked
+    log-probs (``actor.logits_chunk_tokens``) over more response tokens than a chunk, the logits of one chunk live
+    at a time: its logits in the model's dtype and four fp32 ``[chunk, V]`` tensors (the upcast, the log-softmax,
+    its probabilities and, in the backward, the logits' gradient), and the response's last hidden states stay."""
     layers = shape.layers * 34 * shape.hidden * tokens * dtype_bytes // 2
+    if chunk_tokens is not None and response_tokens > chunk_tokens:
+        return layers + chunk_tokens * shape.vocab * (dtype_bytes + 16) + response_tokens * shape.hidden * dtype_bytes
     logits = response_tokens * shape.vocab * (dtype_bytes + 20)
     return layers + logits
 

@@ -104,10 +104,11 @@ def _prefect_settings(url: str, prefect_home: Path):
 
 
 @contextmanager
-def prefect_api():
+def prefect_api(cfg=None):
     """The Prefect API of this command: ``PREFECT_API_URL`` if set, else the server that runs on the local
     home (``infra/home.py``: ``rlstage ui``, ``infra/stack.sh``), else a server on that home started for the
-    duration. The home's MLflow server, when one runs, is the default tracking URI meanwhile."""
+    duration. The home's MLflow server, when one runs, is the default tracking URI meanwhile. Given the run's
+    config, a local Ray for it starts while that server boots (its workers inherit the server's URL)."""
     from rlstage.flows import terminal
     from rlstage.infra import home
 
@@ -136,7 +137,9 @@ def prefect_api():
     from rlstage.infra.prefect_server import ServerKeeper, retry_refused_connections, start_prefect_server
 
     print(f"starting a local Prefect server on 127.0.0.1 (home {home.prefect_home()}) ...", file=sys.stderr, flush=True)
-    server = start_prefect_server(home.prefect_home())
+    server = start_prefect_server(home.prefect_home(), meanwhile=_ray_beside(cfg))
+    if os.environ.get("PREFECT_API_URL") != server.url:  # its port was taken meanwhile: Ray's workers name the old one
+        _stop_ray()
     os.environ["PREFECT_API_URL"] = server.url
     # what this command started, it heals: a server that dies mid-run is started again on the same home and port
     keeper = ServerKeeper(server, lambda line: print(f"rlstage: {line}", file=sys.stderr, flush=True))
@@ -152,6 +155,26 @@ def prefect_api():
         keeper.stop()
         APILogHandler().flush()  # the run's logs reach the server before it stops
         server.stop()
+
+
+def _ray_beside(cfg) -> Callable[[str], None] | None:
+    """What starts a run's local Ray while the command's Prefect server boots (None: Ray starts with the flow)."""
+    if cfg is None or cfg.ray.address:
+        return None
+
+    def start(url: str) -> None:
+        from rlstage.infra.ray_runtime import ensure_ray
+
+        os.environ["PREFECT_API_URL"] = url  # before Ray starts: its workers report to this server
+        ensure_ray(cfg)
+
+    return start
+
+
+def _stop_ray() -> None:
+    import ray
+
+    ray.shutdown()
 
 
 def _load(args) -> object:
@@ -219,7 +242,7 @@ def cmd_train(args) -> int:
     cfg = _load(args)
     store = _check_new_run(cfg)
     check_policy(store, cfg, last_completed_iteration(store, cfg.run_name))  # what the run would start from
-    with prefect_api():
+    with prefect_api(cfg):
         from rlstage.flows.training import train
 
         result = healing_ray(lambda: train(config=cfg), cfg.ray.address)
@@ -255,7 +278,7 @@ def cmd_nightly(args) -> int:
     continuation_end(cfg, done, args.iterations)
     check_policy(store, cfg, done)
     _check_services()
-    with prefect_api():
+    with prefect_api(cfg):
         from rlstage.flows.nightly import nightly
 
         result = healing_ray(lambda: nightly(run_name=args.run, iterations=args.iterations, store_root=args.store), cfg.ray.address)
@@ -266,10 +289,10 @@ def cmd_nightly(args) -> int:
 def cmd_replay(args) -> int:
     from rlstage.flows.checks import check_replay, stored_config_with
 
-    store, _ = stored_config_with(args.store, args.run, args.overrides, "a replay")
+    store, cfg = stored_config_with(args.store, args.run, args.overrides, "a replay")
     check_replay(store, args.run, args.iteration, args.stage)
     _check_services()
-    with prefect_api():
+    with prefect_api(cfg):
         from rlstage.flows.replay import format_summary, replay
 
         summary = replay(
@@ -285,7 +308,7 @@ def cmd_eval(args) -> int:
     store, cfg = stored_config_with(args.store, args.run, args.overrides, "an evaluation")
     check_policy(store, cfg, check_eval(store, args.run, args.iteration))
     _check_services()
-    with prefect_api():
+    with prefect_api(cfg):
         from rlstage.flows.evaluate import evaluate_run
         from rlstage.infra.story import published
 

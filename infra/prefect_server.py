@@ -235,14 +235,27 @@ def prefect_health(port: int) -> str:
 
 
 def start_prefect_server(
-    home: str | Path, port: int | None = None, timeout_s: float = 90.0, ui: bool = False
+    home: str | Path,
+    port: int | None = None,
+    timeout_s: float = 90.0,
+    ui: bool = False,
+    meanwhile: Callable[[str], None] | None = None,
 ) -> PrefectServer:
     """Start ``prefect server start`` on ``port`` (default: a free one, another if it is taken meanwhile) and
-    wait until healthy."""
+    wait until healthy. ``meanwhile(url)`` runs once the server process is spawned, while it boots (~5-10 s of
+    its own CPU here): what the caller would start after it (Ray, whose workers inherit ``url``) starts beside it."""
     home = Path(home).resolve()
+    chosen, port = port, port or free_port()
+    proc = spawn_prefect_server(home, port, ui)
+    if meanwhile is not None:
+        try:
+            meanwhile(f"http://127.0.0.1:{port}/api")
+        except BaseException:
+            stop_process_group(proc)
+            raise
     proc, port = wait_up(
-        lambda p: spawn_prefect_server(home, p, ui), port or free_port(), prefect_health, timeout_s,
-        moved=None if port else (lambda old, new: None),
+        lambda p: spawn_prefect_server(home, p, ui), port, prefect_health, timeout_s, proc=proc,
+        moved=None if chosen else (lambda old, new: None),
     )  # fmt: skip
     return PrefectServer(url=f"http://127.0.0.1:{port}/api", proc=proc, home=home)
 

@@ -64,8 +64,6 @@ _ENGINE = (
     "rollout.vllm_cpu_threads_bind",
     "rollout.vllm_quiet_waits",  # not the tokens: read by the rollout and eval stages when they start the engine
 )  # fmt: skip
-# What a role worker's process is built for: a warm worker (workers/pool.py) serves another run only when these match.
-WORKER_BUILD = (*_WORKER, *_ENGINE, "actor.engine", "actor.zero_stage", "plugins", "agent")
 _SAMPLING = ("rollout.top_p", "rollout.top_k", "rollout.max_new_tokens", "rollout.seed")
 # The worker's optimizer schedule length (workers.group.total_update_steps), used by decaying schedules.
 _TOTAL_STEPS = (
@@ -74,7 +72,7 @@ _TOTAL_STEPS = (
 # The no-grad passes of the train engines (log-probs, values) batch by these settings.
 _ACTOR_PASS = (
     "actor.engine", "actor.zero_stage", "actor.micro_batch_size", "actor.micro_batch_tokens", "actor.packing",
-    "actor.share_prompts",
+    "actor.share_prompts", "actor.logits_chunk_tokens",
 )  # fmt: skip
 _CRITIC_PASS = ("critic.micro_batch_size", "critic.micro_batch_tokens", "critic.packing")
 _CRITIC_TRAIN = (

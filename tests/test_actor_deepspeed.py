@@ -319,16 +319,19 @@ def dp_group():
 
 
 @pytest.mark.parametrize(
-    "engine,stage,budget,mode,live",
+    "engine,stage,budget,mode,live,chunk",
     [
-        ("deepspeed", 2, None, "token-mean", None), ("deepspeed", 3, None, "token-mean", None),
-        ("deepspeed", 0, 24, "token-mean", None), ("deepspeed", 0, 24, "seq-mean-token-mean", None),
-        ("torch", 0, None, "token-mean", None), ("torch", 0, 24, "seq-mean-token-mean", None),
-        ("deepspeed", 2, 24, "seq-mean-token-mean", None), ("deepspeed", 3, 24, "token-mean", None),
-        ("deepspeed", 3, 24, "seq-mean-token-mean", (2, 11)),
+        ("deepspeed", 2, None, "token-mean", None, None), ("deepspeed", 3, None, "token-mean", None, None),
+        ("deepspeed", 0, 24, "token-mean", None, None), ("deepspeed", 0, 24, "seq-mean-token-mean", None, None),
+        ("torch", 0, None, "token-mean", None, None), ("torch", 0, 24, "seq-mean-token-mean", None, None),
+        ("deepspeed", 2, 24, "seq-mean-token-mean", None, None), ("deepspeed", 3, 24, "token-mean", None, None),
+        ("deepspeed", 3, 24, "seq-mean-token-mean", (2, 11), None),
+        # chunked log-probs on the ranks (engines/training/lm_head.py) against the plain path in one process
+        ("torch", 0, None, "token-mean", None, 5), ("deepspeed", 2, 24, "seq-mean-token-mean", None, 5),
+        ("deepspeed", 0, None, "seq-mean-token-sum", None, 5),
     ],
 )  # fmt: skip
-def test_data_parallel_matches_single_process(tok, weights, dp_group, tmp_path, engine, stage, budget, mode, live):
+def test_data_parallel_matches_single_process(tok, weights, dp_group, tmp_path, engine, stage, budget, mode, live, chunk):
     """Two gloo ranks, each given the whole batch, equal one TorchActor on it.
 
     Global mini-batch 8 = 2 ranks x 4, shuffled alike on every rank, 2 epochs. Fixed count (micro-batch 2):
@@ -345,7 +348,8 @@ def test_data_parallel_matches_single_process(tok, weights, dp_group, tmp_path, 
         batch["response_mask"] = [m if i in live else [0] * len(m) for i, m in enumerate(batch["response_mask"])]
     kw = {"micro_batch_tokens": budget} if budget else {}
     cfg = actor_cfg(stage, ppo_mini_batch_size=mini, micro_batch_size=2, ppo_epochs=2, loss_agg_mode=mode, engine=engine, **kw)
-    ref_metrics, ref_params = torch_reference(tok, weights, cfg, batch, [7])
+    ref_metrics, ref_params = torch_reference(tok, weights, cfg.model_copy(update={"logits_chunk_tokens": None}), batch, [7])
+    cfg = cfg.model_copy(update={"logits_chunk_tokens": chunk})  # None: the plain path on the ranks too
     out = str(tmp_path / "rank0.safetensors")
     dp_group(weights, batch, cfg.model_dump(), out)
     from safetensors.torch import load_file

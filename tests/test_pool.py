@@ -52,7 +52,7 @@ def test_a_released_worker_serves_the_next_run_with_a_fresh_workers_artifacts(pr
     assert weights_moved(update_weights(store, "w", 2), update_weights(store, "w", 1))
     assert _checksums(warm, "w") == _checksums(fresh, "w")  # byte for byte a fresh worker's
     # a run of another engine build gets a fresh worker, and the idle one is stopped for its resources
-    other = _cfg(tmp_path / "other", "w", "rollout.batch_size=32")
+    other = _cfg(tmp_path / "other", "w", "rollout.vllm_max_num_seqs=8")
     train(config=other)
     assert _trained_on(other, "w") != pid
     assert pool.idle_count() == 1
@@ -75,6 +75,9 @@ def test_the_key_holds_the_model_the_engines_and_the_resources():
     assert pool.worker_key(load_config(None, ["run_name=other", "store.root=/elsewhere"]), "trainer", {"num_cpus": 1}) == key
     for change in ("model.path=/some/model", "model.dtype=bfloat16", "rollout.engine=vllm", "actor.engine=deepspeed", "rollout.vllm_max_num_seqs=8"):
         assert pool.worker_key(load_config(None, ["run_name=k", change]), "trainer", {"num_cpus": 1}) != key, change
+    # what each run gives the worker as it binds it (batches, seeds, LoRA, the loss) leaves the build alone
+    for change in ("rollout.batch_size=32", "model.lora_rank=4", "trainer.seed=3", "actor.optim.lr=0.5"):
+        assert pool.worker_key(load_config(None, ["run_name=k", change]), "trainer", {"num_cpus": 1}) == key, change
     assert pool.worker_key(base, "trainer", {"num_cpus": 2}) != key
     assert pool.worker_key(base, "rollout", {"num_cpus": 1}) != key
 
@@ -84,6 +87,7 @@ def test_drills_and_data_parallel_groups_keep_cold_workers():
     assert not pool.poolable(load_config(None, ["run_name=k", "ray.warm_worker_idle_s=0"]))
     assert not pool.poolable(load_config(None, ["run_name=k", "drill.kill_worker_at=['update:1']"]))
     assert not pool.poolable(load_config(None, ["run_name=k", "ray.trainer_world_size=2"]))
+    assert not pool.poolable(load_config(None, ["run_name=k", "rollout.engine=vllm"]))
 
 
 def test_a_worker_busy_in_a_run_is_never_taken_and_idle_ones_are_stopped(prefect_api, tmp_path):

@@ -32,11 +32,19 @@ from typing import Any
 import ray
 from ray.experimental import internal_kv
 
+from rlstage.engines.rollout.engines import engine_traits
 from rlstage.infra.ray_runtime import RAY_NAMESPACE
 from rlstage.schemas.config import RunConfig
-from rlstage.schemas.stages import WORKER_BUILD
 
 log = logging.getLogger("rlstage")
+# What a worker's process is built for, beyond the code and its resources: the model it loads and its dtype and
+# threads, the engines it imports and starts (vLLM's settings shape its engine process), the plugins it loaded and
+# the agent code it imports. Everything else (LoRA, batch sizes, seeds, losses) arrives with each run's bind.
+BUILD = (
+    "model.path", "model.dtype", "model.torch_threads", "rollout.engine", "rollout.vllm_kv_cache_bytes",
+    "rollout.vllm_enforce_eager", "rollout.vllm_max_num_seqs", "rollout.vllm_block_size", "rollout.vllm_cpu_threads_bind",
+    "rollout.vllm_quiet_waits", "actor.engine", "actor.zero_stage", "plugins", "agent.function", "agent.tools",
+)  # fmt: skip
 _KV = "rlstage-warm"  # the key-value namespace of group names and bindings
 _PACKAGE = Path(__file__).resolve().parent.parent
 
@@ -55,7 +63,11 @@ def code_version() -> str:
 
 def poolable(cfg: RunConfig) -> bool:
     """Whether this run's workers may be warm ones: not under failure drills (kills and restarts keep cold
-    workers), not a data-parallel group (its ranks hold a process group) and not placed on GPUs by groups."""
+    workers), not a data-parallel group (its ranks hold a process group), not placed on GPUs by groups, and
+    generating in the worker's own process (an engine of processes of its own, vLLM's, is started anew: its
+    15-60 s start dwarfs the worker's)."""
+    if not engine_traits(cfg.rollout.engine).in_memory:
+        return False
     r = cfg.ray
     gpus = r.worker_num_gpus or (r.rollout_num_gpus and r.rollout_placement == "separate") or (
         r.ref_critic_num_gpus and r.ref_critic_placement == "separate"
@@ -65,9 +77,8 @@ def poolable(cfg: RunConfig) -> bool:
 
 
 def worker_key(cfg: RunConfig, role: str, resources: dict) -> str:
-    """What a worker's process was built for: the code, the role, the settings the worker builds its model and
-    engines from (``schemas.stages.WORKER_BUILD``), its plugins and its Ray resources."""
-    parts = {"code": code_version(), "role": role, "build": cfg.stage_hash(*WORKER_BUILD), "resources": resources}
+    """What a worker's process was built for: the code, the role, the settings of ``BUILD`` and its Ray resources."""
+    parts = {"code": code_version(), "role": role, "build": cfg.stage_hash(*BUILD), "resources": resources}
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 

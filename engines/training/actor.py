@@ -49,7 +49,9 @@ class TorchActor(MiniBatchTrainer):
         logps: list = [None] * len(prompt_ids)
         sq: list = [None] * len(prompt_ids)
         for ids, inputs in self._no_grad_chunks(prompt_ids, response_ids):
-            logp, s2 = response_log_probs(self.model, inputs, temperature, with_sum_pi_squared=sum_pi_squared)
+            logp, s2 = response_log_probs(
+                self.model, inputs, temperature, with_sum_pi_squared=sum_pi_squared, chunk_tokens=self.cfg.logits_chunk_tokens
+            )
             for row, i in enumerate(ids):
                 logps[i] = logp[row, : len(response_ids[i])].tolist()
                 if s2 is not None:
@@ -109,8 +111,9 @@ class TorchActor(MiniBatchTrainer):
         mask, old, adv = got["response_mask"], got["old_log_probs"], got["advantages"]
         # verl differentiates the entropy only when its coefficient is not 0; it is still logged
         logp, entropy = response_log_probs(
-            self.model, inputs, temperature, with_entropy=True, entropy_grad=cfg.entropy_coeff != 0
-        )
+            self.model, inputs, temperature, with_entropy=True, entropy_grad=cfg.entropy_coeff != 0,
+            chunk_tokens=cfg.logits_chunk_tokens,
+        )  # fmt: skip
         # Exact mode (token budget, data parallel, token-sum): every term is agg_loss over the mini-batch's global
         # counts, so the accumulated (and rank-averaged) gradient is the whole mini-batch's.
         agg = micro.norm

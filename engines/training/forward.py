@@ -20,9 +20,12 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 from collections.abc import Sequence
 
 import torch
+
+from rlstage.engines.training.lm_head import chunked_token_stats, hidden_states_as_logits, plain_output_layer
 
 # Attention implementations that honour packed position ids (the mask builders of transformers'
 # masking_utils, or flash-attention's varlen path). Only sdpa and eager are exercised on CPU here.
@@ -235,6 +238,19 @@ def sum_pi_squared_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return torch.exp(torch.logsumexp(2 * logits, dim=-1) - 2 * torch.logsumexp(logits, dim=-1))
 
 
+def response_targets(inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``[B, R]`` response token ids, aligned with ``response_logits``' rows and columns."""
+    if "targets" in inputs:  # packed or shared prompts
+        return inputs["targets"]
+    P, R = inputs["prompt_width"], inputs["response_width"]
+    return inputs["input_ids"][:, P : P + R]
+
+
+@functools.cache
+def _plain_because(why: str) -> None:
+    logging.getLogger("rlstage").warning("rlstage: log-probs from the whole vocabulary's logits at once: %s", why)
+
+
 def response_log_probs(
     model: torch.nn.Module,
     inputs: dict[str, torch.Tensor],
@@ -242,21 +258,34 @@ def response_log_probs(
     with_entropy: bool = False,
     with_sum_pi_squared: bool = False,
     entropy_grad: bool = True,
+    chunk_tokens: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of the response tokens under ``model`` at ``temperature`` (as the sampler saw them), and
     per token the entropy (``with_entropy``) or the sum of pi^2 over the vocabulary (``with_sum_pi_squared``).
-    ``entropy_grad=False`` gives the entropy as a metric only, outside the autograd graph."""
+    ``entropy_grad=False`` gives the entropy as a metric only, outside the autograd graph. ``chunk_tokens``
+    (``actor.logits_chunk_tokens``): over more response positions than that, the output layer runs that many at a
+    time (``lm_head.py``; one chunk would hold what the whole micro-batch's logits hold)."""
     if with_entropy and with_sum_pi_squared:
         raise ValueError("response_log_probs gives one per-token statistic: the entropy or the sum of pi^2")
+    targets = response_targets(inputs)
+    if chunk_tokens is not None and targets.numel() > chunk_tokens:
+        head, why = plain_output_layer(model)
+        if head is not None:
+            with hidden_states_as_logits(head):
+                hidden = response_logits(model, inputs)
+            logp, entropy, spi2 = chunked_token_stats(
+                hidden, head, targets, temperature, chunk_tokens, with_entropy, with_sum_pi_squared
+            )
+            if with_sum_pi_squared:
+                return logp, spi2
+            if entropy is not None and not (entropy_grad and torch.is_grad_enabled()):
+                entropy = entropy.detach()
+            return logp, entropy
+        _plain_because(why)
     logits = response_logits(model, inputs).float()
     if temperature > 0:
         logits = logits / temperature
     logp_all = torch.log_softmax(logits, dim=-1)
-    if "targets" in inputs:  # packed or shared prompts
-        targets = inputs["targets"]
-    else:
-        P, R = inputs["prompt_width"], inputs["response_width"]
-        targets = inputs["input_ids"][:, P : P + R]
     logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     if with_sum_pi_squared:
         return logp, sum_pi_squared_from_logits(logits)
