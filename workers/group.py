@@ -383,9 +383,13 @@ def _open_group(cfg: RunConfig, version: str, name: str) -> PolicyGroup:
     hf_batch = cfg.rollout.batch_size if engine_traits(cfg.rollout.engine).seeds_per_batch else 0
     ranks_generate = every_rank_generates(cfg) and asks["trainer"].count > 1
     if (warm := pool.group_names(name)) is not None:  # a stage task finding the warm actors its flow bound
-        found = {role: [pool.get_actor(n) for n in names] for role, names in warm.items()}
-        ref_critic = found["ref_critic"][0] if found["ref_critic"] else None
-        return PolicyGroup(found["trainer"], name, found["rollout"], drills, ref_critic, hf_batch, {}, ranks_generate, warm)
+        try:
+            found = {role: [pool.get_actor(n) for n in names] for role, names in warm.items()}
+        except ValueError:  # recorded by a process that died before releasing them: gone with it
+            pool.forget_group(name)
+        else:
+            ref_critic = found["ref_critic"][0] if found["ref_critic"] else None
+            return PolicyGroup(found["trainer"], name, found["rollout"], drills, ref_critic, hf_batch, {}, ranks_generate, warm)
     placements = {
         role: _role_bundles(cfg, version, role, {"CPU": a.cpus, "GPU": a.gpus, **a.custom}, a.count)
         for role, a in asks.items()
@@ -419,20 +423,26 @@ def _open_group(cfg: RunConfig, version: str, name: str) -> PolicyGroup:
     taken = [(spec, pool.take(keys_by_role[spec[0]])) for spec in wanted]
     if any(w is None for _, w in taken):
         pool.make_room()  # idle workers of other builds hold resources the fresh ones need
-    for (role, i, cls, args, _), w in taken:
-        key = keys_by_role[role]
-        if w is None:
-            own = pool.fresh_name()
-            handle = ray.remote(cls).options(name=own, **options(role, i)).remote(*args)
-            pool.bind_record(own, args)
-        else:
-            own, handle = w.name, w.handle
-            pool.bind_record(own, args)  # before the call: a restart while binding comes back bound to this run
-            _wait_restart(lambda h=handle, a=args: ray.get(h.bind.remote(*a)))
-            log.debug("rlstage: %s reuses warm worker %s", name, own)
-        actors[role].append(handle)
-        names[role].append(own)
-        keys[own] = key
+    try:
+        for (role, i, cls, args, _), w in taken:
+            if w is None:
+                own = pool.fresh_name()
+                pool.bind_record(own, args)
+                handle = ray.remote(cls).options(name=own, **options(role, i)).remote(*args)
+            else:
+                own, handle = w.name, w.handle
+                pool.bind_record(own, args)  # before the call: a restart while binding comes back bound to this run
+                actors[role].append(handle)  # stopped below if binding fails
+                _wait_restart(lambda h=handle, a=args: ray.get(h.bind.remote(*a)))
+                actors[role].pop()
+                log.debug("rlstage: %s reuses warm worker %s", name, own)
+            actors[role].append(handle)
+            names[role].append(own)
+            keys[own] = keys_by_role[role]
+    except BaseException:  # none of them may be left holding resources, idle or bound
+        for handle in [h for hs in actors.values() for h in hs]:
+            ray.kill(handle)
+        raise
     pool.record_group(name, names)
     pool.count_bound(name, len(wanted))
     ref_critic = actors["ref_critic"][0] if actors["ref_critic"] else None

@@ -52,6 +52,7 @@ from rlstage.schemas.manifest import (
     state_shards,
     unsafe_checkpoint_file,
 )
+from rlstage.workers.pool import binding
 
 ROLES = ("policy", "ref", "critic")
 CRITIC_INIT = "critic-init:"  # a critic version made from a policy checkpoint plus a fresh value head
@@ -139,8 +140,8 @@ def warm_binding() -> tuple | None:
     """The run a warm actor (workers/pool.py) was bound to last, as its constructor's arguments (None: a cold one)."""
     import ray
 
-    from rlstage.workers.pool import binding
-
+    if not ray.is_initialized():  # built outside Ray (a test, a bench): a plain object, never warm
+        return None
     return binding(ray.get_runtime_context().get_actor_name())
 
 
