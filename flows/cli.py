@@ -551,6 +551,16 @@ def _hide_prefect_tracebacks() -> None:
     logging.setLogRecordFactory(factory)
 
 
+def raised_in_worker(err: BaseException) -> BaseException:
+    """The exception a Ray worker raised (a role's actor, a stage's task), behind Ray's wrapper, whose text is the
+    worker's traceback with Ray's process repr and colour codes: its own one line is what the user reads, with the
+    same exit code as when it is raised in the command's process."""
+    exceptions = sys.modules.get("ray.exceptions")  # never imported for a mistake found before Ray starts
+    while exceptions is not None and isinstance(err, exceptions.RayTaskError) and err.cause is not None:
+        err = err.cause
+    return err
+
+
 def _one_line(err: BaseException) -> str:
     return " ".join(str(err).split()) or type(err).__name__
 
@@ -689,9 +699,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with _deprecations_said():
             return args.fn(args)
-    except Exception as err:
+    except Exception as raised:
         if verbose:
             traceback.print_exc()
+        err = raised_in_worker(raised)
         if (stop := _stopped(err)) is not None:
             return _report_stop(stop.signum)
         if isinstance(err, user_errors):

@@ -31,17 +31,16 @@ _PREFECT_DB = Path(os.environ["RLSTAGE_HOME"]) / "prefect-template.db"  # filled
 
 # Seconds per module as measured on a 2-core machine (a whole run's junit times): modules are handed to
 # the workers longest first (LPT), so that no long module starts last and runs alone at the end.
-MODULE_SECONDS = {  # a fresh-clone CI of a864b89 (stage bodies on Ray); the vLLM drill as after its fix
-    "test_workers": 596, "test_chaos": 200, "test_docs_commands": 120, "test_checkpoint": 197, "test_estimator_runs": 186, "test_operations": 164,
-    "test_actor_deepspeed": 153, "test_pipeline_vllm": 150, "test_deployments": 133, "test_schedule": 128,
-    "test_failures": 117, "test_tracking_server": 99, "test_reward_model": 87, "test_disk_full": 87,
-    "test_ui": 72, "test_chat": 70, "test_rollout_vllm": 57, "test_lora": 56,
-    "test_bad_input": 20, "test_store_s3": 51, "test_registry": 51, "test_real_model": 44, "test_pipeline": 42,
-    "test_agent_loop": 42, "test_dynamic_sampling": 33, "test_explore": 25, "test_trust": 30, "test_agent_pipeline": 19,
-    "test_upgrade": 80, "test_wheel": 70,  # measured alone on this machine (2026-11-27)
-    "test_prefect_lost": 160, "test_plugins": 100, "test_gpu_check": 30, "test_docs": 15, "test_prefect_server": 5,  # 2026-11-27 fresh clone, loaded
-    "test_agent_function_pipeline": 170, "test_agent_endpoint": 85, "test_openenv": 45,  # alone on a loaded 2-core machine (2026-11-27)
-    "test_verifiers": 130,  # beside another module, 2026-11-28
+MODULE_SECONDS = {  # a fresh-clone run of c59d9f3+ (junit times, warm workers), 2-core AMD EPYC, 2026-12-01
+    "test_workers": 633, "test_prefect_lost": 225, "test_real_model": 198, "test_chaos": 142, "test_pipeline_vllm": 136,
+    "test_operations": 128, "test_deployments": 124, "test_failures": 123, "test_pool": 100, "test_docs_commands": 108,
+    "test_checkpoint": 101, "test_reward_model": 101, "test_verifiers": 99, "test_pipeline": 98, "test_schedule": 93,
+    "test_estimator_runs": 92, "test_rollout_vllm": 92, "test_chat": 87, "test_agent_function_pipeline": 79,
+    "test_tracking_server": 75, "test_actor_deepspeed": 71, "test_disk_full": 71, "test_plugins": 68, "test_ui": 67,
+    "test_upgrade": 63, "test_registry": 57, "test_store_s3": 45, "test_lora": 45, "test_agent_pipeline": 42,
+    "test_agent_endpoint": 40, "test_agent_loop": 39, "test_wheel": 38, "test_dynamic_sampling": 30, "test_openenv": 29,
+    "test_datasets": 19, "test_bad_input": 18, "test_gpu_check": 18, "test_config": 17, "test_engines": 17,
+    "test_explore": 16, "test_lean_imports": 12, "test_lm_head": 10, "test_docs": 7, "test_modpath": 7,
 }  # fmt: skip
 
 

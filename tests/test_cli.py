@@ -78,6 +78,24 @@ def test_a_signal_raised_while_c_code_runs_is_reported_as_a_stop(capsys, monkeyp
     assert cli._stopped(ValueError("x")) is None
 
 
+def test_an_error_raised_in_a_ray_worker_is_its_own_one_line(capsys, monkeypatch):
+    """A stage's worker that finds a checkpoint missing raises FileNotFoundError there; through ray.get it arrives
+    wrapped (the worker's traceback, its process repr, colour codes): the user reads the worker's one line, exit 2."""
+    from ray.exceptions import RayTaskError
+
+    from rlstage.flows import cli
+
+    line = "checkpoint r/iter-1/update (abc) is not committed"
+
+    def raised_in_a_worker(args):
+        trace = f"\x1b[36mray::PolicyWorker.acquire()\x1b[39m (pid=1, actor_id=ff)\n  File x\nFileNotFoundError: {line}"
+        raise RayTaskError("PolicyWorker.acquire", trace, FileNotFoundError(line)).as_instanceof_cause()
+
+    monkeypatch.setattr(cli, "cmd_train", raised_in_a_worker)
+    assert main(["train"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [f"rlstage: {line}"]
+
+
 def test_the_flows_import_without_the_model_libraries():
     """A command, a stage's Ray worker and a Prefect flow-run process import the flows; transformers and peft
     (~5 s here) load only where a model is loaded (a role worker, SFT), not with them."""

@@ -36,7 +36,9 @@ def _checksums(cfg, run: str) -> dict[str, str]:
     return out
 
 
-def test_a_released_worker_serves_the_next_run_with_a_fresh_workers_artifacts(prefect_api, tmp_path):
+def test_a_released_worker_serves_the_next_run_with_a_fresh_workers_artifacts(prefect_api, tmp_path, monkeypatch):
+    """The second of two runs alike takes the first one's worker and commits the same bytes; another engine
+    setting, then other code, each get a fresh worker."""
     from rlstage.flows.training import train
     from rlstage.tasks.runtime import store_for
 
@@ -52,21 +54,15 @@ def test_a_released_worker_serves_the_next_run_with_a_fresh_workers_artifacts(pr
     assert weights_moved(update_weights(store, "w", 2), update_weights(store, "w", 1))
     assert _checksums(warm, "w") == _checksums(fresh, "w")  # byte for byte a fresh worker's
     # a run of another engine build gets a fresh worker, and the idle one is stopped for its resources
-    other = _cfg(tmp_path / "other", "w", "rollout.vllm_max_num_seqs=8")
+    other = _cfg(tmp_path / "other", "w", "rollout.vllm_max_num_seqs=8", "trainer.iterations=1")
     train(config=other)
     assert _trained_on(other, "w") != pid
     assert pool.idle_count() == 1
-
-
-def test_other_code_gets_a_fresh_worker(prefect_api, tmp_path, monkeypatch):
-    from rlstage.flows.training import train
-
-    first = _cfg(tmp_path / "a", "c", "trainer.iterations=1")
-    train(config=first)
+    # the same build from other code (an edited module on the cluster's nodes): a fresh worker again
     monkeypatch.setattr(pool, "code_version", lambda: "edited")
-    second = _cfg(tmp_path / "b", "c", "trainer.iterations=1")
-    train(config=second)
-    assert _trained_on(second, "c") != _trained_on(first, "c")
+    edited = _cfg(tmp_path / "edited", "w", "rollout.vllm_max_num_seqs=8", "trainer.iterations=1")
+    train(config=edited)
+    assert _trained_on(edited, "w") not in (pid, _trained_on(other, "w"))
 
 
 def test_the_key_holds_the_model_the_engines_and_the_resources():
