@@ -142,7 +142,7 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=64)
     p.add_argument("--response", type=int, default=512)
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--chunk", type=int, default=1024)
+    p.add_argument("--chunk", type=int, default=512)
     p.add_argument("--budget-gib", type=float, default=16.0)
     p.add_argument("--case", nargs=4, metavar=("MODEL", "HEAD", "MICRO", "REPEATS"), help=argparse.SUPPRESS)
     a = p.parse_args()

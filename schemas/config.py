@@ -568,7 +568,7 @@ class ActorConfig(_Section):
     # Response log-probs and entropy from the last hidden states, this many tokens of the output layer at a time,
     # the backward recomputing each chunk's logits: no [tokens, vocabulary] fp32 tensor is kept for a micro-batch of
     # more tokens than this (the same numbers up to float rounding). None: the whole micro-batch's logits at once.
-    logits_chunk_tokens: int | None = Field(1024, ge=1, json_schema_extra=HASHED_WHEN_SET)
+    logits_chunk_tokens: int | None = Field(512, ge=1, json_schema_extra=HASHED_WHEN_SET)
     ppo_epochs: int = Field(1, ge=1)  # passes over each iteration's batch
     # A registered loss: its name (a string), or its name and settings ({name: gspo, clip_ratio_low: 0.2}).
     policy_loss: PolicyLossConfig = Field(default_factory=PolicyLossConfig)

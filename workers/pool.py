@@ -18,6 +18,7 @@ idle one (``make_room``), and each is stopped after ``ray.warm_worker_idle_s`` s
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import json
@@ -47,15 +48,16 @@ BUILD = (
 )  # fmt: skip
 _KV = "rlstage-warm"  # the key-value namespace of group names and bindings
 _PACKAGE = Path(__file__).resolve().parent.parent
+_SUBPACKAGES = ("schemas", "engines", "workers", "tasks", "flows", "infra")  # never a checkout's .venv or tests
 
 
+@functools.cache
 def code_version() -> str:
-    """A digest of rlstage's own source (names, sizes and modification times of its modules): a worker started
-    from other code is never reused."""
+    """A digest of rlstage's own source as this process imported it (names, sizes and modification times of the
+    modules of its sub-packages): a worker started from other code is never reused."""
     h = hashlib.sha256()
-    for path in sorted(_PACKAGE.rglob("*.py")):
-        if ".venv" in path.parts or "tests" in path.relative_to(_PACKAGE).parts[:1]:
-            continue
+    paths = [_PACKAGE / "__init__.py", *(p for sub in _SUBPACKAGES for p in sorted((_PACKAGE / sub).rglob("*.py")))]
+    for path in paths:
         st = path.stat()
         h.update(f"{path.relative_to(_PACKAGE)}:{st.st_size}:{st.st_mtime_ns}\n".encode())
     return h.hexdigest()[:16]
