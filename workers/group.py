@@ -440,7 +440,7 @@ def _open_group(cfg: RunConfig, version: str, name: str) -> PolicyGroup:
             names[role].append(own)
             keys[own] = keys_by_role[role]
     except BaseException:  # none of them may be left holding resources, idle or bound
-        for handle in [h for hs in actors.values() for h in hs]:
+        for handle in [h for hs in actors.values() for h in hs] + [w.handle for _, w in taken if w is not None]:
             ray.kill(handle)
         raise
     pool.record_group(name, names)
