@@ -426,6 +426,7 @@ def _open_group(cfg: RunConfig, version: str, name: str) -> PolicyGroup:
     try:
         for (role, i, cls, args, _), w in taken:
             if w is None:
+                log.debug("rlstage: %s starts a fresh %s worker: no idle one of its build (%s)", name, role, keys_by_role[role])
                 own = pool.fresh_name()
                 pool.bind_record(own, args)
                 handle = ray.remote(cls).options(name=own, **options(role, i)).remote(*args)

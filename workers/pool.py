@@ -22,7 +22,6 @@ import functools
 import hashlib
 import itertools
 import json
-import logging
 import os
 import threading
 import time
@@ -37,7 +36,6 @@ from rlstage.engines.rollout.engines import engine_traits
 from rlstage.infra.ray_runtime import RAY_NAMESPACE
 from rlstage.schemas.config import RunConfig
 
-log = logging.getLogger("rlstage")
 # What a worker's process is built for, beyond the code and its resources: the model it loads and its dtype and
 # threads, the engines it imports and starts (vLLM's settings shape its engine process), the plugins it loaded and
 # the agent code it imports. Everything else (LoRA, batch sizes, seeds, losses) arrives with each run's bind.
