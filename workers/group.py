@@ -415,7 +415,7 @@ def _open_group(cfg: RunConfig, version: str, name: str) -> PolicyGroup:
         pool.make_room()  # idle workers hold resources these need
         for role, i, cls, args, own in wanted:
             actors[role].append(ray.remote(cls).options(name=own, get_if_exists=True, **options(role, i)).remote(*args))
-        pool.count_bound(name, len(wanted))
+        pool.note_bound(name, len(wanted))
         return PolicyGroup(actors["trainer"], name, actors["rollout"], drills, actors["ref_critic"][0] if actors["ref_critic"] else None, hf_batch, placements, ranks_generate)
     names: dict[str, list[str]] = {"trainer": [], "rollout": [], "ref_critic": []}
     keys: dict[str, str] = {}
@@ -445,7 +445,7 @@ def _open_group(cfg: RunConfig, version: str, name: str) -> PolicyGroup:
             ray.kill(handle)
         raise
     pool.record_group(name, names)
-    pool.count_bound(name, len(wanted))
+    pool.note_bound(name, len(wanted))
     ref_critic = actors["ref_critic"][0] if actors["ref_critic"] else None
     group = PolicyGroup(actors["trainer"], name, actors["rollout"], drills, ref_critic, hf_batch, placements, ranks_generate, names)
     group.warm_keys, group.idle_s = keys, cfg.ray.warm_worker_idle_s

@@ -24,7 +24,6 @@ import itertools
 import json
 import os
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -82,12 +81,11 @@ def worker_key(cfg: RunConfig, role: str, resources: dict) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-@dataclass
+@dataclass(eq=False)  # an entry is itself: a worker parked again is a new entry, its old timer finds none
 class Warm:
     key: str
     name: str  # the actor's own Ray name
     handle: Any
-    since: float
 
 
 _IDLE: list[Warm] = []
@@ -136,7 +134,7 @@ def make_room(keep: set[str] = frozenset()) -> None:
 
 def park(key: str, name: str, handle: Any, idle_s: float) -> None:
     """Keep a released (reset) worker idle for ``idle_s`` seconds."""
-    w = Warm(key, name, handle, time.monotonic())
+    w = Warm(key, name, handle)
     with _LOCK:
         _forget_other_sessions()
         _IDLE.append(w)
@@ -204,5 +202,5 @@ def bound_count(group: str) -> int:
     return _BOUND.get(group, 0)
 
 
-def count_bound(group: str, n: int) -> None:
+def note_bound(group: str, n: int) -> None:
     _BOUND[group] = _BOUND.get(group, 0) + n
