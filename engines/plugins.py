@@ -11,13 +11,15 @@ distribution provides it. A run records the plugins its names use (run.json), th
 (tasks/runtime.py), and a run continued under another version, or without the plugin, is refused in one line.
 
 Code a config names by import path (``reward.function: pkg.mod:fn``, a tool's ``callable``, ``agent.function``) is
-recorded the same way (run.json ``callables``) and checked the same way whenever the run continues. It stays out of
+recorded the same way (run.json ``callables``: a file or local module is hashed with the local modules it imports)
+and checked the same way whenever the run continues. It stays out of
 the stage cache keys: runs stored before it was recorded keep their keys, and no continuation passes the check with
 another version of that code, so no committed stage is reused under it.
 """
 
 from __future__ import annotations
 
+import ast
 import functools
 import hashlib
 import importlib
@@ -87,9 +89,71 @@ def plugin_of(entry: Entry) -> Plugin | None:
     return module_provenance(entry.module)
 
 
+def _local_roots(source: Path) -> list[Path]:
+    """Where a module's local imports are looked for: its own folder, then the import path's folders that hold
+    neither installed distributions, the standard library nor rlstage (their code has versions of its own)."""
+    installed = {Path(p).resolve() for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
+    roots = [source.parent]
+    for entry in sys.path:
+        folder = Path(entry or ".").resolve()
+        if folder.name in ("site-packages", "dist-packages") or folder == _OURS or folder == _OURS.parent:
+            continue
+        if any(folder.is_relative_to(p) for p in installed) or not folder.is_dir() or folder in roots:
+            continue
+        roots.append(folder)
+    return roots
+
+
+def _imported_names(tree: ast.AST, package: list[str]) -> Iterable[str]:
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield from (a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            module = ".".join([*base, *([node.module] if node.module else [])])
+            if module:
+                yield module
+            yield from (f"{module}.{a.name}" if module else a.name for a in node.names)
+
+
+def local_sources(source: str | Path) -> list[Path]:
+    """``source`` and the local modules it imports, transitively (read, never imported): a scorer's edit anywhere
+    in its own files is another version of it."""
+    first = Path(source).resolve()
+    roots = _local_roots(first)
+    found, todo = [first], [first]
+    while todo:
+        path = todo.pop()
+        try:
+            tree = ast.parse(path.read_bytes())
+        except (OSError, SyntaxError, ValueError):
+            continue
+        root = next((r for r in roots if path.is_relative_to(r)), path.parent)
+        package = list(path.relative_to(root).parent.parts) if path.is_relative_to(root) else []
+        for name in _imported_names(tree, package):
+            parts = name.split(".")
+            for r in roots:
+                for candidate in (r.joinpath(*parts).with_suffix(".py"), r.joinpath(*parts, "__init__.py")):
+                    c = candidate.resolve()
+                    if c.is_file() and c not in found and not c.is_relative_to(_OURS):
+                        found.append(c)
+                        todo.append(c)
+    return found
+
+
 def _digest(source: str | None) -> str:
+    """``sha256:<12 hex>`` of a module's source and its local imports' (one file alone: that file's own hash, as
+    runs recorded before local imports were followed have it)."""
+    if not source:
+        return "sha256:unknown"
     try:
-        return "sha256:" + hashlib.sha256(open(source, "rb").read()).hexdigest()[:12] if source else "sha256:unknown"
+        files = local_sources(source)
+        if len(files) == 1:
+            return "sha256:" + hashlib.sha256(files[0].read_bytes()).hexdigest()[:12]
+        h = hashlib.sha256()
+        for f in files:
+            h.update(f.name.encode() + b"\0" + hashlib.sha256(f.read_bytes()).digest())
+        return "sha256:" + h.hexdigest()[:12]
     except OSError:
         return "sha256:unknown"
 

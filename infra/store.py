@@ -289,7 +289,23 @@ class ArtifactStore:
                 attempt += 1
 
     def _cat(self, path: str) -> bytes:
+        self._refuse_links(path)
         return self._io(self._uri(path), self.fs.cat_file, path)
+
+    def _refuse_links(self, path: str) -> None:
+        """Refuse a symbolic link anywhere below the root on the way to ``path``: a store's bytes are its own files,
+        never what a link planted in it points at (the root itself may be reached through links). Object stores have
+        no links."""
+        if not self._local:
+            return
+        rel = os.path.relpath(path, self._base)
+        if rel.startswith(".."):
+            return
+        here = self._base
+        for part in rel.split(os.sep):
+            here = os.path.join(here, part)
+            if os.path.islink(here):
+                raise ArtifactCorrupt(f"{here}: a symbolic link inside the store (to {os.readlink(here)}); it is not followed")
 
     def _write(self, path: str, data: bytes) -> None:
         # Plain (overwriting) write; locally fsynced so a later manifest never outlives its data.
@@ -403,6 +419,11 @@ class ArtifactStore:
         if key is not None:
             content = json.loads(raw)
             _check_signature(key, self._uri(path), content, content.pop(_SIGNATURE, None))
+        for rel in m.files:  # an entry that would escape the artifact's folder: the whole manifest is refused
+            try:
+                _check_relpath("file name", rel)
+            except StoreError as e:
+                raise ArtifactCorrupt(f"manifest {self._uri(path)} lists {e}") from None
         where = (m.run, m.iteration, m.stage, m.version)
         if where != (run, iteration, stage, version):
             # A manifest copied or moved by hand would point reads at the wrong folder.
@@ -670,6 +691,7 @@ class ArtifactStore:
             tmp = f"{dst}.part-{uuid.uuid4().hex}"
             try:
                 try:
+                    self._refuse_links(src)
                     if self._local:
                         self._io(uri, shutil.copyfile, src, tmp)
                     else:

@@ -350,11 +350,25 @@ class OverlongBufferConfig(_Section):
     penalty_factor: float = Field(1.0, ge=0)  # the largest penalty, at the length limit
 
 
+def reward_function_path(value: Any) -> Any:
+    """verl's ``custom_reward_function`` form ``{path: file.py, name: compute_score}`` as the import path
+    ``file.py:compute_score`` (verl's default name when none is given); anything else as it is."""
+    if isinstance(value, dict) and set(value) <= {"path", "name"} and isinstance(value.get("path"), str):
+        name = value.get("name") or "compute_score"
+        return f"{value['path']}:{name}"
+    return value
+
+
 class RewardConfig(_Section):
     # Force one reward function: a registered name or an import path "pkg.module:function" /
-    # "file.py:function" (see ALLOWED_CALLABLES_ENV for stored configs); None: chosen by data_source.
-    # Whether it resolves is checked before any stage (engines/preflight.py).
+    # "file.py:function", or verl's {path: file.py, name: compute_score} (see ALLOWED_CALLABLES_ENV for stored
+    # configs); None: chosen by data_source. Whether it resolves is checked before any stage (engines/preflight.py).
     function: str | None = None
+
+    @field_validator("function", mode="before")
+    @classmethod
+    def _verl_form(cls, v: Any) -> Any:
+        return reward_function_path(v)
     gsm8k_method: Literal["strict", "flexible"] = "strict"  # verl's gsm8k extraction method
     # verl's gsm8k format_score: the reward of a parsable but wrong answer (0 in verl's default scorer)
     format_score: float = 0.0
@@ -447,6 +461,8 @@ class AgentConfig(_Section):
     chat_template: str | None = None  # a Jinja template or a path to one; None: the tokenizer's own
     function: str | None = Field(None, json_schema_extra=HASHED_WHEN_SET)  # your own agent, "package.module:function" (async, called with an OpenAI client and the sample); None: the built-in loop
     function_timeout_s: float = Field(300.0, gt=0, json_schema_extra=HASHED_WHEN_SET)  # an agent function running longer is a failed sample (kind "timeout")
+    # a round of agent functions still running after this many seconds ends: what has not finished is a timeout
+    stage_timeout_s: float | None = Field(None, gt=0, json_schema_extra=HASHED_WHEN_SET)
 
     @field_validator("tools")
     @classmethod
@@ -1109,7 +1125,7 @@ def code_settings(data: Any) -> list[tuple[str, str]]:
     data = data if isinstance(data, dict) else {}
     out = []
     reward = data.get("reward")
-    fn = reward.get("function") if isinstance(reward, dict) else None
+    fn = reward_function_path(reward.get("function")) if isinstance(reward, dict) else None
     if isinstance(fn, str) and ":" in fn:  # registered reward names hold no ':'
         out.append(("reward.function", fn))
     agent = data.get("agent")

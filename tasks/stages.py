@@ -404,8 +404,9 @@ def score_round(cfg: ConfigView, table: pa.Table) -> StageOutput:
     ]
     fn_names: list[str | None] = [None] * len(rows)
     errors: list[str | None] = [None] * len(rows)
+    extras: list[dict | None] = [None] * len(rows)
     for i, r in rule_results(cfg, rows, wanted).items():
-        rule[i], fn_names[i], errors[i] = r.score, r.reward_fn, r.error
+        rule[i], fn_names[i], errors[i], extras[i] = r.score, r.reward_fn, r.error, r.metrics
     for i, g in enumerate(given):
         if g is not None:
             rule[i], fn_names[i], errors[i] = g, "agent.function", None
@@ -446,9 +447,11 @@ def score_round(cfg: ConfigView, table: pa.Table) -> StageOutput:
         },
         schema=A.REWARDS,
     )
+    extra_table, extra_metrics = _reward_extra(table.column("sample_id"), extras, real)
     return StageOutput(
-        tables={"rewards.parquet": out},
+        tables={"rewards.parquet": out, **({REWARD_EXTRA: extra_table} if extra_table is not None else {})},
         metrics={
+            **extra_metrics,
             "critic/score/mean": float(scores.mean()),
             "critic/score/max": float(scores.max()),
             "critic/score/min": float(scores.min()),
@@ -458,6 +461,29 @@ def score_round(cfg: ConfigView, table: pa.Table) -> StageOutput:
             **shaping,
         },
     )
+
+
+REWARD_EXTRA = "reward_extra.parquet"  # a dict-returning reward's other keys, one column each (absent without any)
+
+
+def _reward_extra(sample_ids: pa.ChunkedArray, extras: list[dict | None], real: np.ndarray) -> tuple[pa.Table | None, dict]:
+    """verl's ``reward_extra_info``: each key a dict return carried beside its score, a column per key (null where a
+    sample's return lacked it), and the mean of each numeric one over the real samples as ``reward/extra/<key>``."""
+    keys = sorted({k for e in extras if e for k in e} - {"sample_id"})
+    if not keys:
+        return None, {}
+    cols: dict[str, pa.Array] = {"sample_id": sample_ids}
+    metrics: dict[str, float] = {}
+    for k in keys:
+        vals = [e.get(k) if e else None for e in extras]
+        if all(v is None or isinstance(v, float) for v in vals):
+            cols[k] = pa.array(vals, pa.float64())
+            got = [v for v, keep in zip(vals, real, strict=True) if keep and v is not None]
+            if got:
+                metrics[f"reward/extra/{k}/mean"] = float(np.mean(got))
+        else:
+            cols[k] = pa.array([None if v is None else str(v) for v in vals], pa.string())
+    return pa.table(cols), metrics
 
 
 @stage_task("reward")

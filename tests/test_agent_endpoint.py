@@ -265,6 +265,112 @@ def test_an_agent_that_raises_hangs_or_returns_garbage_is_a_failed_sample_counte
     assert sum("timed out after 1s" in x for x in lines) == 2 and sum("returned str '1.0'" in x for x in lines) == 2
 
 
+def test_a_reward_beyond_float32_is_a_bad_return_not_an_inf_in_the_table():
+    """1e39 is a finite Python float but inf in the rewards table's float32 column: a bad return, as NaN and inf are."""
+    values = (1e39, -1.7e308, float("inf"), float("nan"), 3.0e38)
+    rows = [*ROWS, {**ROWS[0], "prompt": "What is 5*6?"}, {**ROWS[0], "prompt": "What is 2*9?"}]
+
+    async def agent(client, sample):
+        await client.chat.completions.create(model=sample.model, messages=sample.messages)
+        return values[ik(sample)[0]]
+
+    out, _ = run_fn(agent, rows=rows)
+    assert [o["agent_status"] for o in out] == ["bad_return"] * 8 + ["ok"] * 2
+    assert [o["agent_reward"] for o in out] == [0.0] * 8 + [3.0e38] * 2
+
+
+def test_an_agent_that_swallows_its_cancellation_is_a_timeout_at_its_own_bound():
+    """An agent that catches CancelledError and goes on (for ever) cannot outlive its timeout: the batch returns, the
+    sample is a timeout with reward 0 and no trained tokens, and nothing it asked after its bound is recorded."""
+    tried_after: list[str] = []
+
+    async def stubborn(client, sample):
+        if ik(sample)[0] != 1:
+            return await calculator_agent(client, sample)
+        await client.chat.completions.create(model=sample.model, messages=sample.messages)
+        while True:
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                try:  # past its bound: refused
+                    await client.chat.completions.create(model=sample.model, messages=sample.messages)
+                    tried_after.append("answered")
+                except Exception as err:
+                    tried_after.append(type(err).__name__)
+
+    out, _ = run_fn(stubborn, timeout_s=1.0)
+    assert [o["agent_status"] for o in out] == ["ok", "ok", "timeout", "timeout", "ok", "ok"]
+    for o in out[2:4]:
+        assert o["agent_reward"] == 0.0 and set(o["response_mask"]) == {0}
+    assert "answered" not in tried_after
+
+
+def test_a_blocking_agent_is_charged_its_own_stall_and_the_others_are_not():
+    """``time.sleep`` inside ``async def`` holds the event loop: the agent that blocked past its bound is the timeout;
+    the samples that waited behind it are not (their bound counts their own time)."""
+    import time as _time
+
+    async def blocks(client, sample):
+        if ik(sample) == (1, 0):
+            await client.chat.completions.create(model=sample.model, messages=sample.messages)
+            _time.sleep(1.5)  # the mistake: a blocking call in an async agent
+            return 1.0
+        return await calculator_agent(client, sample)
+
+    out, _ = run_fn(blocks, timeout_s=1.0)
+    assert [o["agent_status"] for o in out] == ["ok", "ok", "timeout", "ok", "ok", "ok"]
+    assert out[2]["agent_reward"] == 0.0
+
+
+def test_base_exceptions_from_an_agent_are_failed_samples_and_a_round_has_its_own_bound(caplog):
+    """KeyboardInterrupt, SystemExit and GeneratorExit raised by an agent fail its sample only (asyncio would
+    re-raise the first two out of the loop); ``agent.stage_timeout_s`` ends a round whose agents have not finished."""
+
+    async def escapes(client, sample):
+        i, k = ik(sample)
+        await client.chat.completions.create(model=sample.model, messages=sample.messages)
+        if i == 0:
+            raise (KeyboardInterrupt, SystemExit)[k]("from the agent")
+        if (i, k) == (1, 0):
+            raise GeneratorExit
+        if i == 2:
+            await asyncio.sleep(60)  # within its own 30 s bound, past the round's
+        return 1.0
+
+    with caplog.at_level(logging.WARNING, logger="rlstage.engines.agents.endpoint"):
+        out, _ = run_fn(escapes, timeout_s=30.0, stage_timeout_s=1.0)
+    assert [o["agent_status"] for o in out] == ["raised", "raised", "raised", "ok", "timeout", "timeout"]
+    lines = [r.getMessage() for r in caplog.records]
+    assert any("raised KeyboardInterrupt: from the agent" in x for x in lines)
+    assert any("raised SystemExit: from the agent" in x for x in lines)
+    assert any("2 sample(s) still running at agent.stage_timeout_s=1s" in x for x in lines)
+
+
+def test_an_over_long_first_prompt_is_refused_and_only_its_sample_fails(caplog):
+    """A first request over ``data.max_prompt_length`` (2,000 characters, and 1 MB) is a 400 naming the limit, the
+    sample ``too_long`` with reward 0 and nothing trained, whatever its agent does next; the batch goes on."""
+    seen: list[str] = []
+
+    async def long_winded(client, sample):
+        i, k = ik(sample)
+        if i == 0:
+            return await calculator_agent(client, sample)
+        text = "x" * (2000 if i == 1 else 1 << 20)
+        try:
+            await client.chat.completions.create(model=sample.model, messages=[{"role": "user", "content": text}])
+        except openai.BadRequestError as err:
+            seen.append(str(err))
+        return 1.0  # claims success: not a reward
+
+    with caplog.at_level(logging.WARNING, logger="rlstage.engines.agents.endpoint"):
+        out, stats = run_fn(long_winded, limits=AgentLimits(max_prompt_tokens=256))
+    assert [o["agent_status"] for o in out] == ["ok", "ok", "too_long", "too_long", "too_long", "too_long"]
+    for o in out[2:]:
+        assert o["agent_reward"] == 0.0 and set(o["response_mask"]) == {0}
+    assert len(seen) == 4 and all("400" in m and "data.max_prompt_length is 256" in m for m in seen)
+    assert stats["rejected/prompt_too_long"] == 4.0
+
+
 # ---------------------------------------------------------------- bad requests
 
 
@@ -317,6 +423,34 @@ def test_bad_requests_get_a_4xx_and_a_log_line_and_the_batch_goes_on(caplog):
     with pytest.raises(openai.ConflictError) as err, caplog.at_level(logging.WARNING, logger="rlstage.engines.agents.endpoint"):
         asyncio.run(late.chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}]))
     assert err.value.body["code"] == "stage_ended" and "stage_ended" in caplog.records[-1].getMessage()
+
+
+def test_only_a_samples_own_client_writes_its_trajectory():
+    """Each sample's client carries a secret API key, checked per request: another sample's id (ids appear in logs)
+    with this client's key, or with none, is a 401 and writes nothing; ``/v1/models`` wants a running sample's key."""
+    import httpx
+
+    got: dict = {}
+
+    async def agent(client, sample):
+        i, k = ik(sample)
+        if (i, k) == (0, 0):
+            victim = sample.sample_id.rsplit("-", 2)[0] + "-1-0"
+            body = {"model": "policy", "messages": [{"role": "user", "content": "What is 99*99?"}]}
+            async with httpx.AsyncClient(base_url=str(client.base_url)) as http:
+                for name, key in (("own key", client.api_key), ("no key", None), ("guessed", "rlstage")):
+                    headers = {SAMPLE_HEADER: victim, **({"Authorization": f"Bearer {key}"} if key else {})}
+                    got[name] = (await http.post("/chat/completions", json=body, headers=headers)).status_code
+                got["models without key"] = (await http.get("/models")).status_code
+                got["models"] = (await http.get("/models", headers={"Authorization": f"Bearer {client.api_key}"})).status_code
+        return await calculator_agent(client, sample)
+
+    out, stats = run_fn(agent, timeout_s=30.0)
+    assert got == {"own key": 401, "no key": 401, "guessed": 401, "models without key": 401, "models": 200}
+    assert stats["rejected/invalid_api_key"] == 4.0
+    plain, _ = run_fn(calculator_agent, timeout_s=30.0)
+    # the victim's trajectory is its own agent's, as in a batch without the intruder
+    assert [o["response_ids"] for o in out] == [o["response_ids"] for o in plain] and "99" not in str(out[2]["messages"])
 
 
 def test_a_request_that_rewrites_earlier_turns_is_refused():

@@ -109,3 +109,55 @@ def test_retention_prunes_old_weights_and_a_pruned_policy_is_rebuilt_exactly(pre
     assert "\n" not in err and "was pruned (trainer.max_actor_ckpt_to_keep=1); iterations with stored weights: 2, 4" in err, err
     with pytest.raises(ConfigError, match="trainer.keep_checkpoint_every=2 keeps extra checkpoints"):
         load_config(None, ["trainer.keep_checkpoint_every=2"])
+
+
+def test_stored_bytes_that_do_not_load_are_one_line_from_inside_the_worker(prefect_api, tmp_path, capsys):
+    """A pickle written under the trainer state's safetensors name with its manifest entry made to match (a
+    self-consistent tamper): the policy worker that loads it (a Ray actor) refuses it, and the command prints that
+    worker's one line, exit 2, as for any corrupt artifact; a weights file replaced by a link is refused by the store
+    inside the worker the same way. Nothing of the pickle is ever unpickled."""
+    import hashlib
+    import json
+    import pickle
+    from pathlib import Path
+
+    from rlstage.flows.cli import main
+    from rlstage.flows.training import train
+    from rlstage.infra.store import ArtifactStore
+
+    overrides = [f"store.root={tmp_path / 'store'}", "run_name=tampered", *tiny_overrides(), "actor.entropy_coeff=0.01"]
+    train(config=load_config(None, [*overrides, "trainer.iterations=1"]))
+    store = ArtifactStore(str(tmp_path / "store"))
+    folder = Path(store.artifact_dir("tampered", 1, "update"))
+    doc = json.loads((folder / "_manifest.json").read_text())
+    state = "trainer_state/trainer_state.safetensors"
+    assert state in doc["files"]
+    weights = folder / "model" / "model.safetensors"
+    kept = tmp_path / "weights-copy.safetensors"
+    kept.write_bytes(weights.read_bytes())  # its checksum passes: only the link is wrong
+    weights.unlink()
+    weights.symlink_to(kept)
+    capsys.readouterr()
+    assert main(["train", *overrides, "trainer.iterations=2"]) == 2
+    err = [x for x in capsys.readouterr().err.strip().splitlines() if x.startswith("rlstage:")]
+    assert err[-1] == f"rlstage: {weights}: a symbolic link inside the store (to {kept}); it is not followed", err
+    weights.unlink()
+    weights.write_bytes(kept.read_bytes())
+
+    marker = tmp_path / "unpickled"
+
+    class Exploit:
+        def __reduce__(self):
+            return (Path.touch, (marker,))
+
+    payload = pickle.dumps({"state": Exploit()})
+    (folder / state).write_bytes(payload)
+    doc["files"][state] = {"sha256": hashlib.sha256(payload).hexdigest(), "bytes": len(payload), "rows": None}
+    (folder / "_manifest.json").write_text(json.dumps(doc))
+    capsys.readouterr()
+    assert main(["train", *overrides, "trainer.iterations=2"]) == 2
+    err = [x for x in capsys.readouterr().err.strip().splitlines() if x.startswith("rlstage:")]
+    want = "rlstage: checkpoint tampered/iter-1/update: its stored files match the manifest but do not load: SafetensorError"
+    assert err[-1].startswith(want), err
+    assert "Traceback" not in err[-1] and "\x1b[" not in err[-1] and "ray::" not in err[-1]
+    assert not marker.exists()

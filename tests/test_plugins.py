@@ -3,6 +3,7 @@ and their own settings, third-party entries from plugins, and a stored run that 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -484,6 +485,33 @@ def test_a_reward_function_given_by_import_path_is_recorded_and_checked(plugin_d
         check_run_config(store, cfg)
     with pytest.raises(PluginError, match=line):  # nightly, replay and eval load the stored config
         stored_config(store, "scored", [f"reward.function={mod}:score"])
+
+
+def test_an_edit_to_a_local_module_a_reward_file_imports_is_another_version_of_it(plugin_dir):
+    """The scorer a reward file wraps (verl's custom_reward_function importing its own helpers) is hashed with it: an
+    edit there is caught when the run continues, not reused silently; a file that imports nothing local keeps the
+    hash of that file alone (runs recorded before local imports were followed)."""
+    from rlstage.engines.plugins import callables_used
+
+    helper = _module(plugin_dir, "def check(text, truth):\n    return float(text == truth)\n")
+    (plugin_dir / "scorers").mkdir()
+    (plugin_dir / "scorers" / "__init__.py").write_text("")
+    (plugin_dir / "scorers" / "deep.py").write_text("from . import rules\n")
+    (plugin_dir / "scorers" / "rules.py").write_text("WEIGHT = 1.0\n")
+    adapter = plugin_dir / "adapter.py"
+    adapter.write_text(f"import json\nimport {helper}\nfrom scorers import deep\n\ndef score(r, t, e):\n    return {helper}.check(r, t)\n")
+    cfg = _load(f"reward.function={adapter}:score", "run_name=wrapped")
+    store = ArtifactStore(str(plugin_dir / "store"))
+    record_run_config(store, cfg)
+    recorded = callables_used(cfg)[str(adapter)]
+    assert recorded != "sha256:" + hashlib.sha256(adapter.read_bytes()).hexdigest()[:12]  # more than the file itself
+    assert check_run_config(store, cfg)
+    (plugin_dir / "scorers" / "rules.py").write_text("WEIGHT = 2.0\n")  # two imports away, in a package
+    with pytest.raises(PluginError, match=rf"was run with {adapter} {recorded} \(its reward function or tools\)"):
+        check_run_config(store, cfg)
+    alone = plugin_dir / "alone.py"
+    alone.write_text("import json\n\ndef score(r, t, e):\n    return 1.0\n")  # json: the standard library's
+    assert callables_used(_load(f"reward.function={alone}:score"))[str(alone)] == "sha256:" + hashlib.sha256(alone.read_bytes()).hexdigest()[:12]
 
 
 def test_code_from_an_installed_distribution_is_recorded_by_its_version(plugin_dir):

@@ -210,6 +210,77 @@ def test_score_batch_function_from_a_file(tmp_path: Path) -> None:
     assert R.score_batch(rows, timeout_s=2.0, function=f"{path}:length")[0].score == 4.0
 
 
+# A scorer file written the way verl's are (verl/utils/reward_score/gsm8k.py's shape behind verl's
+# default_compute_score): keyword parameters, the data_source asserted, a dict with extra keys returned.
+VERL_SCORER = """
+import re
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    assert data_source == "openai/gsm8k", data_source
+    found = re.findall(r"#### (-?[0-9.,]+)", solution_str)
+    answer = found[-1].replace(",", "") if found else None
+    correct = answer == ground_truth
+    return {"score": 1.0 if correct else 0.0, "acc": correct, "pred": answer or "", "split": extra_info["split"]}
+"""
+
+
+def test_a_reward_with_verls_signature_is_called_by_keyword_and_keeps_its_extra_keys(tmp_path: Path) -> None:
+    path = tmp_path / "verl_gsm8k.py"
+    path.write_text(VERL_SCORER)
+    rows = _rows(["so #### 72", "so #### 71", "no answer"], truth="72", source="openai/gsm8k")
+    for row in rows:
+        row["extra_info"] = json.dumps({"split": "train", "index": 3})
+    results = R.score_batch(rows, timeout_s=2.0, function=f"{path}:compute_score")
+    assert [(r.score, r.error) for r in results] == [(1.0, None), (0.0, None), (0.0, None)]
+    assert [r.metrics for r in results] == [
+        {"acc": 1.0, "pred": "72", "split": "train"},
+        {"acc": 0.0, "pred": "71", "split": "train"},
+        {"acc": 0.0, "pred": "", "split": "train"},
+    ]
+    # verl's form of the setting ({path, name}) names the same function
+    from rlstage.schemas.config import load_config
+
+    cfg = load_config(None, [f"reward.function={{path: {path}, name: compute_score}}"])
+    assert cfg.reward.function == f"{path}:compute_score"
+    assert load_config(None, [f"reward.function={{path: {path}}}"]).reward.function == f"{path}:compute_score"
+
+
+def test_verl_style_reads_the_keywords_a_function_takes() -> None:
+    def plain(response_text, ground_truth, extra_info):
+        return 0.0
+
+    def verl(data_source, solution_str, ground_truth, extra_info=None):
+        return 0.0
+
+    def no_source(solution_str, ground_truth):
+        return 0.0
+
+    def catch_all(solution_str, **kwargs):
+        return 0.0
+
+    assert R.verl_style(plain) is None
+    assert R.verl_style(verl) == set(R.VERL_PARAMS)
+    assert R.verl_style(no_source) == {"solution_str", "ground_truth"}
+    assert R.verl_style(catch_all) == set(R.VERL_PARAMS)
+    assert R.verl_style(len) is None  # a builtin without a readable signature is called positionally
+
+
+@pytest.mark.parametrize("value", ["1e39", "-1.7e308", "float('inf')", "float('nan')", "{'score': 1e39}"])
+def test_a_reward_beyond_float32_is_that_samples_failure(tmp_path: Path, value: str) -> None:
+    path = tmp_path / "huge.py"
+    path.write_text(f"def score(response_text, ground_truth, extra_info):\n    return {value}\n")
+    (got,) = R.score_batch(_rows(["x"]), timeout_s=2.0, function=f"{path}:score")
+    assert got.score == 0.0 and got.error is not None and got.error.startswith("ValueError: reward is not a finite float32")
+
+
+def test_a_dict_return_without_a_score_is_that_samples_failure(tmp_path: Path) -> None:
+    path = tmp_path / "noscore.py"
+    path.write_text("def score(response_text, ground_truth, extra_info):\n    return {'acc': 1.0}\n")
+    (got,) = R.score_batch(_rows(["x"]), timeout_s=2.0, function=f"{path}:score")
+    assert got.score == 0.0 and "needs a 'score' key" in got.error
+
+
 def test_local_functions_are_refused() -> None:
     @R.register_reward_fn("test_local")
     def local(response_text: str, ground_truth: str, extra_info: dict) -> float:
@@ -235,7 +306,7 @@ def test_raising_and_hanging_functions_cost_only_their_sample() -> None:
         300: "ValueError: boom",
         302: "timeout after 0.5s",
         303: "timeout after 0.5s",
-        304: "ValueError: reward is not finite: nan",
+        304: "ValueError: reward is not a finite float32: nan",
         306: "ValueError: extra_info must be a JSON object, got list",
     }
     assert [r.score for r in results] == [1.0 if t == "ok" else 0.0 for t in texts]
@@ -272,3 +343,37 @@ def test_shutdown_and_restart() -> None:
 def test_bad_timeout() -> None:
     with pytest.raises(ValueError, match="timeout_s must be > 0"):
         R.score_batch(_rows(["x"]), timeout_s=0)
+
+
+def test_the_reward_stage_keeps_a_dict_returns_keys_as_per_sample_columns_and_metrics(tmp_path: Path) -> None:
+    """verl's ``reward_extra_info``: each other key of a dict return is a column of ``reward_extra.parquet`` (null where a
+    sample's return lacked it) and, when numeric, a mean metric; a reward without extra keys writes no such file."""
+    import pyarrow as pa
+
+    from rlstage.schemas.config import load_config
+    from rlstage.tasks.stages import REWARD_EXTRA, score_round
+
+    path = tmp_path / "verl_gsm8k.py"
+    path.write_text(VERL_SCORER)
+    table = pa.table(
+        {
+            "sample_id": ["a", "b", "c"],
+            "response_text": ["#### 72", "#### 1", "#### 72"],
+            "ground_truth": ["72", "72", "72"],
+            "data_source": ["openai/gsm8k"] * 3,
+            "extra_info": [json.dumps({"split": "train"})] * 3,
+            "prompt": ["p"] * 3,
+            "response_ids": [[1], [2], [3]],
+            "sample_index": [0, 1, -1],  # c: a ReMax greedy baseline, not a sample of the metrics
+        }
+    )
+    out = score_round(load_config(None, [f"reward.function={path}:compute_score"]), table)
+    assert out.tables[REWARD_EXTRA].to_pylist() == [
+        {"sample_id": "a", "acc": 1.0, "pred": "72", "split": "train"},
+        {"sample_id": "b", "acc": 0.0, "pred": "1", "split": "train"},
+        {"sample_id": "c", "acc": 1.0, "pred": "72", "split": "train"},
+    ]
+    assert out.metrics["reward/extra/acc/mean"] == 0.5 and out.metrics["critic/score/mean"] == 0.5
+    assert not any(k.startswith("reward/extra/pred") for k in out.metrics)  # text is a column, not a metric
+    plain = score_round(load_config(None, ["reward.function=gsm8k"]), table)
+    assert set(plain.tables) == {"rewards.parquet"} and not any(k.startswith("reward/extra/") for k in plain.metrics)

@@ -412,3 +412,46 @@ def test_prune_drops_files_keeps_the_id_and_stays_signed(store: ArtifactStore, m
     folder = Path(store.artifact_dir(RUN, 1, "update"))
     assert sorted(p.name for p in folder.rglob("*") if p.is_file()) == ["_manifest.json", "rollouts.parquet"]
     assert store.prune(back, ("model/",), {"again": True}) is back  # nothing left to drop: untouched
+
+
+def test_a_symbolic_link_inside_the_store_is_refused_never_followed(store: ArtifactStore, tmp_path: Path) -> None:
+    """A file of an artifact replaced by a link (to /etc/passwd, or to a copy of its own bytes that passes the
+    checksum) and an artifact folder replaced by a link are refused by every read; the root may be a link."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"hidden": 8}')
+    commit(store)
+    m = commit(store, stage="update", dirs={"model": str(model)}, blobs={"b.bin": b"0123456789"})
+    blob = Path(store.uri(m, "b.bin"))
+    same = tmp_path / "same.bin"
+    same.write_bytes(blob.read_bytes())  # what the link points at passes the checksum
+    blob.unlink()
+    blob.symlink_to(same)
+    with pytest.raises(ArtifactCorrupt, match=rf"^{blob}: a symbolic link inside the store \(to {same}\); it is not followed$"):
+        store.read_bytes(m, "b.bin")
+    config = Path(store.uri(m, "model/config.json"))
+    config.unlink()
+    config.symlink_to("/etc/passwd")
+    with pytest.raises(ArtifactCorrupt, match="a symbolic link inside the store"):
+        store.fetch_dir(m, "model", str(tmp_path / "fetched"))
+    assert not (tmp_path / "fetched" / "config.json").exists()
+    # a whole artifact folder moved aside and linked back: its manifest is refused with it
+    folder = Path(store.artifact_dir(RUN, 1, "update"))
+    folder.rename(tmp_path / "aside")
+    folder.symlink_to(tmp_path / "aside")
+    with pytest.raises(ArtifactCorrupt, match="a symbolic link inside the store"):
+        store.manifest(RUN, 1, "update")
+    # a store whose root is reached through a link reads as usual
+    (tmp_path / "root-link").symlink_to(tmp_path / "store")
+    linked = ArtifactStore(str(tmp_path / "root-link"))
+    assert linked.read_table(linked.manifest(RUN, 1, "rollout"), "rollouts.parquet").equals(table())
+
+
+def test_a_manifest_entry_outside_its_artifact_is_refused_with_the_manifest(store: ArtifactStore) -> None:
+    commit(store)
+    path = Path(store.artifact_dir(RUN, 1, "rollout")) / "_manifest.json"
+    doc = json.loads(path.read_text())
+    doc["files"]["../../secret.txt"] = doc["files"]["rollouts.parquet"]
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ArtifactCorrupt, match=r"_manifest\.json lists invalid file name '\.\./\.\./secret\.txt'"):
+        store.manifest(RUN, 1, "rollout")

@@ -10,6 +10,7 @@ Checkpoints are Hugging Face safetensors folders plus a pickle-free trainer stat
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import os
@@ -17,6 +18,8 @@ import re
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
@@ -40,7 +43,7 @@ from rlstage.engines.training.checkpoint import load_trainer_state, save_trainer
 from rlstage.engines.training.critic import TorchCritic
 from rlstage.infra.drill import WorkerDrill, fault_point, hold_point
 from rlstage.infra.env import pid_alive
-from rlstage.infra.store import ArtifactStore
+from rlstage.infra.store import ArtifactCorrupt, ArtifactStore
 from rlstage.schemas.config import ConfigError, RunConfig
 from rlstage.schemas.manifest import (
     MODEL_DIR,
@@ -188,6 +191,26 @@ def placed_where() -> dict:
     return {"node": node_id(), "pid": os.getpid(), **({"gpus": [str(g) for g in gpus]} if gpus else {})}
 
 
+def _checkpoint_name(ref: PolicyRef) -> str:
+    return f"checkpoint {ref.run}/{'data' if ref.iteration is None else f'iter-{ref.iteration}'}/{ref.stage}"
+
+
+@contextmanager
+def stored_bytes(what: str) -> Iterator[None]:
+    """Loading files the store verified against their manifest: what fails to parse there (a safetensors header, a
+    config's JSON, a file of another type under a weights name) is a corrupt artifact, one line naming it (exit 2 in
+    the command, from whichever worker), not a traceback."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except ArtifactCorrupt:
+        raise
+    except (SafetensorError, OSError, ValueError, KeyError, EOFError) as err:
+        problem = " ".join(str(err).split())[:300]
+        raise ArtifactCorrupt(f"{what}: its stored files match the manifest but do not load: {type(err).__name__}: {problem}") from None
+
+
 class PolicyWorker:
     """Rank 0 holds every colocated role; ranks 1..N-1 (``ray.trainer_world_size``) only train the policy."""
 
@@ -308,7 +331,9 @@ class PolicyWorker:
             name = self._state_to_load(manifest, role)
             if role == "policy" and self.cfg.actor.engine == "deepspeed":
                 import rlstage.engines.training.actor_deepspeed  # noqa: F401  registers the types a ZeRO optimizer state holds
-            state = load_trainer_state(self.store.fetch_dir(manifest, name, str(folder / name)))
+            fetched = self.store.fetch_dir(manifest, name, str(folder / name))
+            with stored_bytes(_checkpoint_name(ref)):
+                state = load_trainer_state(fetched)
         self._load(ref, model_dir, state, role)
         return ref.version
 
@@ -411,13 +436,17 @@ class PolicyWorker:
         if not path.is_dir():
             raise FileNotFoundError(f"model path {path} does not exist or is not a directory")
         dtype = torch_dtype(self.cfg)
+        # a committed checkpoint's files (a user's own model folder fails as transformers says)
+        loading = stored_bytes(_checkpoint_name(ref)) if ref.path is None else contextlib.nullcontext()
         if self.tokenizer is None or role == "policy":
-            self.tokenizer = AutoTokenizer.from_pretrained(path)
+            with loading:
+                self.tokenizer = AutoTokenizer.from_pretrained(path)
             self.tokenizer.padding_side = "left"
         pad_id = self.tokenizer.pad_token_id
         device = compute_device()  # every engine builds its inputs on the device of the model it runs
         if role == "policy":
-            self.model, self.base = load_policy_model(self.cfg, self.store, ref, path, self.scratch, trainable=True)
+            with loading:
+                self.model, self.base = load_policy_model(self.cfg, self.store, ref, path, self.scratch, trainable=True)
             self.model = self.model.to(device)
             self.actor = self._new_actor(pad_id)
             if state is not None:
@@ -426,7 +455,8 @@ class PolicyWorker:
             colocated = self.cfg.ray.rollout_placement == "colocated" and (self.rank == 0 or every_rank_generates(self.cfg))
             self.rollout = rollout_engine(self.cfg, self.model, self.tokenizer, self._engine_dir(path), self.rollout) if colocated else None
         elif role == "ref":
-            self.ref_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval().requires_grad_(False).to(device)
+            with loading:
+                self.ref_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval().requires_grad_(False).to(device)
         elif role == "critic":
             torch.manual_seed(self.cfg.trainer.seed)  # the fresh value head is the same on every load
             # classifier_dropout=0: a deterministic value head, as verl's (HF's default is 0.1)
@@ -514,7 +544,7 @@ class PolicyWorker:
         self.drill.point("rollout")
         from rlstage.engines.agents.endpoint import run_agents
 
-        return run_agents(self.rollout, self.cfg.agent, rows, SamplingParams(**params), self.cfg.data.source_settings)
+        return run_agents(self.rollout, self.cfg.agent, rows, SamplingParams(**params), self.cfg.data.source_settings, self.cfg.data.max_prompt_length)
 
     def _scorer(self) -> TorchActor:
         """What computes the policy's log-probs: the train engine, or under ZeRO-3 a bare actor over rank 0's

@@ -133,7 +133,7 @@ class RolloutWorker:
         self.drill.point("rollout")
         from rlstage.engines.agents.endpoint import run_agents
 
-        return run_agents(self.rollout, self.cfg.agent, rows, SamplingParams(**params), self.cfg.data.source_settings)
+        return run_agents(self.rollout, self.cfg.agent, rows, SamplingParams(**params), self.cfg.data.source_settings, self.cfg.data.max_prompt_length)
 
     def busy_intervals(self) -> list[tuple[float, float]]:
         return list(self.busy)

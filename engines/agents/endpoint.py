@@ -17,6 +17,7 @@ import asyncio
 import collections
 import contextlib
 import hashlib
+import hmac
 import inspect
 import json
 import logging
@@ -51,9 +52,12 @@ from rlstage.engines.rollout.hf import SamplingParams
 log = logging.getLogger(__name__)
 
 SAMPLE_HEADER = "X-Rlstage-Sample-Id"
+# the sample's secret where a harness cannot set the client's API key (its Authorization header) itself
+KEY_HEADER = "X-Rlstage-Sample-Key"
 MODEL_NAME = "policy"  # the model name the endpoint serves (AgentSample.model)
 # How an agent function's sample ended; every kind but "ok" is a failed sample.
 OK, RAISED, TIMEOUT, BAD_RETURN, NO_REQUEST = "ok", "raised", "timeout", "bad_return", "no_request"
+TOO_LONG = "too_long"  # its first request's prompt was over data.max_prompt_length: refused, nothing trained
 _ROLES_AFTER = ("tool", "user", "system")  # what an agent may append between two completions
 _TAGGED = re.compile(re.escape(CALL_OPEN) + r".*?" + re.escape(CALL_CLOSE), re.S)
 
@@ -118,6 +122,7 @@ class SampleRecord:
     call_names: dict[str, str] = field(default_factory=dict)  # tool call id -> tool name (tool messages name it)
     last_finish: str = ""  # the last generation's finish reason
     ended: str | None = None  # a limit that ended the trajectory: later requests are answered empty
+    failure: str | None = None  # the endpoint's verdict on the sample (TOO_LONG), whatever its agent returns
     closed: bool = False  # the agent returned (or failed): requests are refused
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one request of a sample at a time
     replied_at: float = 0.0  # when the last completion was answered: the agent's own turn runs from there
@@ -153,9 +158,11 @@ class ChatEndpoint:
         limits: AgentLimits,
         records: dict[str, SampleRecord],
         samples: dict[str, tuple[int, int]],
+        keys: dict[str, str] | None = None,
     ) -> None:
         self.policy, self.fmt, self.params, self.limits = policy, fmt, params, limits
         self.records, self.samples = records, samples  # sample id -> (prompt index, sample index)
+        self.keys = keys or {}  # sample id -> the secret its client sends as its API key
         self.ended = False  # the batch is over: every request is refused
         self.loop: asyncio.AbstractEventLoop | None = None  # the batch's loop, where requests run
         self.engine_error: Exception | None = None  # the first generation failure: raised once the batch ends
@@ -246,6 +253,13 @@ class ChatEndpoint:
                 prompt = self.fmt.prompt_ids(first, tools)
             except Exception as err:  # the template cannot render what the agent sent
                 raise RequestError(400, "invalid_messages", f"the chat template cannot render the messages: {err}") from None
+            if lim.max_prompt_tokens is not None and len(prompt) > lim.max_prompt_tokens:
+                rec.failure = TOO_LONG
+                raise RequestError(
+                    400, "prompt_too_long",
+                    f"the first request's messages are {len(prompt)} tokens with the chat template; data.max_prompt_length "
+                    f"is {lim.max_prompt_tokens}",
+                )  # fmt: skip
             rec.traj = Trajectory(i, k, prompt, first)
             rec.traj.states.append("generating")
             rec.seen = norm
@@ -299,6 +313,14 @@ class ChatEndpoint:
         t.text = next((m["content"] for m in reversed(t.messages) if m["role"] == "assistant"), "")
         t.states.append("completed")
         return t
+
+
+def _given_key(request: Any) -> str:
+    """The secret a request carries: its ``X-Rlstage-Sample-Key`` header, else its bearer API key."""
+    if request.headers.get(KEY_HEADER):
+        return request.headers[KEY_HEADER]
+    scheme, _, value = (request.headers.get("authorization") or "").partition(" ")
+    return value.strip() if scheme.lower() == "bearer" else ""
 
 
 def _short(sample_id: str) -> str:
@@ -385,7 +407,7 @@ class EndpointServer:
         while len(self.ended) > 10_000:
             self.ended.popitem(last=False)
 
-    def _route(self, sample_id: str | None) -> ChatEndpoint:
+    def _route(self, sample_id: str | None, given: str) -> ChatEndpoint:
         if not sample_id:
             raise RequestError(400, "missing_sample_id", f"no {SAMPLE_HEADER} header: use the client rlstage gave the agent")
         token = sample_id.split("-", 1)[0]
@@ -394,7 +416,15 @@ class EndpointServer:
             if token in self.ended:
                 raise RequestError(409, "stage_ended", f"the rollout stage that served sample {sample_id!r} has ended")
             raise RequestError(404, "unknown_sample", f"sample {sample_id!r} is in no running rollout stage")
+        key = endpoint.keys.get(sample_id)
+        if key is not None and not hmac.compare_digest(given.encode(), key.encode()):
+            # a sample id (they appear in logs) is no credential: only its own client's secret writes its trajectory
+            raise RequestError(401, "invalid_api_key", f"the API key is not sample {sample_id!r}'s: use the client rlstage gave its agent")
         return endpoint
+
+    def _any_key(self, given: str) -> bool:
+        """Whether the request carries the secret of a sample of a running batch (``/v1/models``)."""
+        return any(hmac.compare_digest(given.encode(), k.encode()) for e in list(self.batches.values()) for k in e.keys.values())
 
     def reject(self, err: RequestError, sample_id: str | None) -> JSONResponse:
         self.rejected[err.code] += 1
@@ -422,7 +452,7 @@ class EndpointServer:
         async def chat_completions(request: Request) -> Response:
             sample_id = request.headers.get(SAMPLE_HEADER)
             try:
-                endpoint = self._route(sample_id)
+                endpoint = self._route(sample_id, _given_key(request))
                 try:
                     body = await request.json()
                 except ValueError:
@@ -443,8 +473,11 @@ class EndpointServer:
                 return JSONResponse({"error": {"message": str(err), "type": "server_error", "code": None}}, status_code=500)
 
         @app.get("/v1/models")
-        async def models() -> dict:
-            return {"object": "list", "data": [{"id": MODEL_NAME, "object": "model", "owned_by": "rlstage"}]}
+        async def models(request: Request) -> Response:
+            if not self._any_key(_given_key(request)):
+                err = RequestError(401, "invalid_api_key", "no API key of a running sample: use the client rlstage gave the agent")
+                return self.reject(err, request.headers.get(SAMPLE_HEADER))
+            return JSONResponse({"object": "list", "data": [{"id": MODEL_NAME, "object": "model", "owned_by": "rlstage"}]})
 
         return app
 
@@ -464,12 +497,137 @@ def endpoint_server() -> EndpointServer:
 # ---------------------------------------------------------------- a batch of samples
 
 
+_FLOAT32_MAX = 3.4028234663852886e38
+
+
 def _check_reward(value: Any) -> float | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise TypeError(f"returned {type(value).__name__} {value!r}, not a finite float or None")
+    # float32's range: the rewards table stores float32, where 1e39 is inf (NaN advantages, a skipped step)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or abs(value) > _FLOAT32_MAX:
+        raise TypeError(f"returned {type(value).__name__} {value!r}, not a finite float32 or None")
     return float(value)
+
+
+class AgentEscaped(Exception):
+    """KeyboardInterrupt, SystemExit or GeneratorExit raised by an agent function's own code: that sample's failure,
+    never the stage's (asyncio would re-raise the first two out of the event loop)."""
+
+
+_STALL_S = 0.05  # a step of an agent that held the event loop longer than this stalled every other agent
+_CANCEL_GRACE_S = 1.0  # how long a cancelled agent may take to stop before it is left behind
+
+
+class _Timed:
+    """An agent's coroutine driven one step at a time, each step timed: the time a step held the event loop (a
+    blocking call inside ``async def``) is charged to that agent, and is not the other agents' time."""
+
+    def __init__(self, coro: Any, stalls: list) -> None:
+        self.coro, self.stalls, self.busy = coro, stalls, 0.0
+
+    def _charge(self, t0: float) -> None:
+        t1 = time.perf_counter()
+        self.busy += t1 - t0
+        if t1 - t0 > _STALL_S:
+            self.stalls.append((t0, t1, self))
+
+    def __await__(self):
+        it = self.coro.__await__()
+        send: Any = None
+        thrown: BaseException | None = None
+        while True:
+            t0 = time.perf_counter()
+            try:
+                step = it.throw(thrown) if thrown is not None else it.send(send)
+            except StopIteration as stop:
+                self._charge(t0)
+                return stop.value
+            except (KeyboardInterrupt, SystemExit, GeneratorExit) as err:
+                self._charge(t0)
+                if isinstance(thrown, GeneratorExit):  # this wrapper is being closed: let it close
+                    raise
+                raise AgentEscaped(f"{type(err).__name__}: {err}" if str(err) else type(err).__name__) from None
+            except BaseException:
+                self._charge(t0)
+                raise
+            self._charge(t0)
+            try:
+                send, thrown = (yield step), None
+            except GeneratorExit:
+                it.close()
+                raise
+            except BaseException as err:  # a cancellation (or another exception) thrown into the awaiting task
+                send, thrown = None, err
+
+
+def _others_stalled(stalls: list, me: _Timed, start: float, now: float) -> float:
+    """Seconds of [start, now] during which other agents held the event loop."""
+    return sum(max(0.0, min(b, now) - max(a, start)) for a, b, who in stalls if who is not me)
+
+
+async def _bounded(coro: Any, sid: str, timeout_s: float, stalls: list, abandoned: list) -> tuple[float | None, str]:
+    """Run one agent within its own ``timeout_s``, whatever it does with cancellation: past the bound its task is
+    cancelled and left behind (its later requests are refused), never waited for. The bound counts the agent's own
+    time: other agents' blocking steps meanwhile do not count against it, its own do."""
+    timed = _Timed(coro, stalls)
+    task = asyncio.ensure_future(timed)
+    start = time.perf_counter()
+    while True:
+        now = time.perf_counter()
+        left = timeout_s - (now - start - _others_stalled(stalls, timed, start, now))
+        if task.done() or left <= 0:
+            break
+        await asyncio.wait({task}, timeout=left)
+    now = time.perf_counter()
+    own = now - start - _others_stalled(stalls, timed, start, now)
+    if not task.done() or own > timeout_s:
+        if not task.done():
+            task.cancel()
+            abandoned.append(task)
+        blocked = f" (it blocked the event loop for {timed.busy:.1f}s)" if timed.busy > timeout_s / 2 else ""
+        log.warning("agent function: sample %s timed out after %gs%s", sid, timeout_s, blocked)
+        return 0.0, TIMEOUT
+    try:
+        return _check_reward(task.result()), OK
+    except TypeError as err:
+        status = BAD_RETURN if str(err).startswith("returned ") else RAISED
+        log.warning("agent function: sample %s %s", sid, err)
+    except AgentEscaped as err:
+        status = RAISED
+        log.warning("agent function: sample %s raised %s", sid, err)
+    except asyncio.CancelledError:
+        status = RAISED  # the agent cancelled itself
+        log.warning("agent function: sample %s was cancelled by its own code", sid)
+    except Exception as err:  # the agent's own failure is this sample's, never the stage's
+        status = RAISED
+        log.warning("agent function: sample %s raised %s: %s", sid, type(err).__name__, err)
+    return 0.0, status
+
+
+def _run_leaving_abandoned(main: Any) -> None:
+    """``asyncio.run`` but for its end: agents left behind are cancelled and given a moment, never awaited until
+    they finish (one that swallows its cancellation would hold the stage forever)."""
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(main)
+    finally:
+        try:
+            pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
+            for t in pending:
+                t.cancel()
+            if pending:
+                loop.run_until_complete(asyncio.wait(pending, timeout=_CANCEL_GRACE_S))
+            for t in pending:  # left behind on purpose (the timeout said so): no "destroyed but pending" at exit
+                t._log_destroy_pending = False
+            loop.run_until_complete(asyncio.wait_for(loop.shutdown_asyncgens(), _CANCEL_GRACE_S))
+        except (TimeoutError, RuntimeError):
+            pass
+        finally:
+            executor = getattr(loop, "_default_executor", None)  # a blocked agent's thread is not waited for either
+            if executor is not None:
+                executor.shutdown(wait=False, cancel_futures=True)
+            asyncio.set_event_loop(None)
+            loop.close()
 
 
 def _failed(t: Trajectory | None, i: int, k: int, fmt: ChatFormat, messages: list[dict]) -> Trajectory:
@@ -508,6 +666,7 @@ def run_function_batch(
     max_concurrency: int = 1024,
     window_s: float = 0.05,
     settings: dict | None = None,
+    stage_timeout_s: float | None = None,
 ) -> tuple[list[dict], dict[str, Any]]:
     """``params.n`` runs of the agent ``function`` on every row against the endpoint; completion dicts and stats.
 
@@ -523,30 +682,25 @@ def run_function_batch(
     policy = BatchingPolicy(engine, max_batch=getattr(engine, "batch_size", 1024), window_s=window_s)
     samples = {f"{token}-{i}-{k}": (i, k) for i in range(len(rows)) for k in range(params.n)}
     records = {sid: SampleRecord(key=i * params.n + k) for sid, (i, k) in samples.items()}
-    endpoint = ChatEndpoint(policy, fmt, params, limits, records, samples)
+    keys = {sid: secrets.token_urlsafe(24) for sid in samples}  # each sample's client's API key, checked per request
+    endpoint = ChatEndpoint(policy, fmt, params, limits, records, samples, keys)
     results: dict[str, tuple[float | None, str]] = {}
+
+    stalls: list[tuple[float, float, _Timed]] = []  # event-loop stalls by agents' own blocking steps
+    abandoned: list[asyncio.Future] = []  # agents past their bound that did not stop when cancelled
 
     async def one(sid: str, base_url: str, http: Any, gate: asyncio.Semaphore) -> None:
         i, k = samples[sid]
         row = rows[i]
         sample = AgentSample(sid, MODEL_NAME, row_messages(row), dict(row), tool_schemas(row), dict(settings or {}))
         client = openai.AsyncOpenAI(
-            base_url=base_url, api_key="rlstage", http_client=http, max_retries=0, timeout=timeout_s,
+            base_url=base_url, api_key=keys[sid], http_client=http, max_retries=0, timeout=timeout_s,
             default_headers={SAMPLE_HEADER: sid},
         )  # fmt: skip
         async with gate:
             policy.open_request()
             try:
-                reward, status = _check_reward(await asyncio.wait_for(function(client, sample), timeout_s)), OK
-            except TimeoutError:
-                reward, status = 0.0, TIMEOUT
-                log.warning("agent function: sample %s timed out after %gs", sid, timeout_s)
-            except TypeError as err:
-                reward, status = 0.0, (BAD_RETURN if str(err).startswith("returned ") else RAISED)
-                log.warning("agent function: sample %s %s", sid, err)
-            except Exception as err:  # the agent's own failure is this sample's, never the stage's
-                reward, status = 0.0, RAISED
-                log.warning("agent function: sample %s raised %s: %s", sid, type(err).__name__, err)
+                reward, status = await _bounded(function(client, sample), sid, timeout_s, stalls, abandoned)
             finally:
                 records[sid].closed = True
                 policy.close_request()
@@ -562,10 +716,21 @@ def run_function_batch(
         tls = ssl.create_default_context()  # loaded once: each client would load the CA bundle (~20 ms) for plain HTTP
         https = [httpx.AsyncClient(timeout=timeout_s, verify=tls) for _ in range(0, len(sids), _SAMPLES_PER_CLIENT)]
         try:
-            await asyncio.gather(*(one(sid, server.base_url, https[j // _SAMPLES_PER_CLIENT], gate) for j, sid in enumerate(sids)))
+            runs = [asyncio.ensure_future(one(sid, server.base_url, https[j // _SAMPLES_PER_CLIENT], gate)) for j, sid in enumerate(sids)]
+            _, late = await asyncio.wait(runs, timeout=stage_timeout_s)
+            for run in late:  # the round's bound: what has not finished is a timeout, abandoned
+                run.cancel()
+            if late:
+                await asyncio.wait(late, timeout=_CANCEL_GRACE_S)
+                for sid in sids:
+                    results.setdefault(sid, (0.0, TIMEOUT))
+                log.warning("agent function: %d sample(s) still running at agent.stage_timeout_s=%gs: timeouts", len(late), stage_timeout_s)
+            for run in runs:
+                if run.done() and not run.cancelled() and run.exception() is not None:
+                    raise run.exception()
         finally:
-            await asyncio.gather(*(http.aclose() for http in https))
-            server.close(token)
+            server.close(token)  # an abandoned agent's later requests are refused from here on
+            await asyncio.wait([asyncio.ensure_future(http.aclose()) for http in https], timeout=_CANCEL_GRACE_S)
             await policy.aclose()
 
     t0 = time.perf_counter()
@@ -573,7 +738,7 @@ def run_function_batch(
     lines = _Lines()
     log.addHandler(lines)  # this batch's warnings (the server thread's too) go back to the stage's log
     try:
-        asyncio.run(main())
+        _run_leaving_abandoned(main())
     finally:
         log.removeHandler(lines)
     if endpoint.engine_error is not None:
@@ -583,6 +748,8 @@ def run_function_batch(
     for sid, (i, k) in samples.items():
         reward, status = results[sid]
         t = endpoint.finish(records[sid])
+        if records[sid].failure is not None:
+            status, reward = records[sid].failure, 0.0
         if status != OK or t is None:
             status = status if status != OK else NO_REQUEST  # returned without a single request: nothing to train
             t = _failed(t, i, k, fmt, row_messages(rows[i]))
@@ -601,18 +768,24 @@ def run_function_batch(
 
 
 def run_agents(
-    engine: RolloutEngine, agent: Any, rows: Sequence[dict], params: SamplingParams, source_settings: dict | None = None
+    engine: RolloutEngine,
+    agent: Any,
+    rows: Sequence[dict],
+    params: SamplingParams,
+    source_settings: dict | None = None,
+    max_prompt_tokens: int | None = None,
 ) -> tuple[list[dict], dict[str, Any]]:
     """The ``agent`` config section's rollouts: ``agent.function`` against the endpoint (its samples carry the run's
     ``data.source_settings``), else the built-in loop."""
     if agent.function is None:
         return run_agent_config(engine, agent, rows, params)
     fmt = ChatFormat(engine.tokenizer, resolve_template(agent.chat_template))
-    limits = AgentLimits(agent.max_turns, agent.max_tool_calls, agent.max_response_tokens, agent.max_tool_output_chars)
+    limits = AgentLimits(agent.max_turns, agent.max_tool_calls, agent.max_response_tokens, agent.max_tool_output_chars, max_prompt_tokens)
     tools = load_tools(agent.tools, agent.tool_timeout_s)
     return run_function_batch(
         engine, fmt, resolve_agent_function(agent.function), rows, params, limits,
         tool_schemas=lambda row: sample_tools(tools, row.get("extra_info")).schemas(),
         timeout_s=agent.function_timeout_s, max_concurrency=agent.max_concurrency, window_s=agent.batch_window_ms / 1000,
+        stage_timeout_s=agent.stage_timeout_s,
         settings=source_settings,
     )  # fmt: skip

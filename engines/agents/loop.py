@@ -70,6 +70,7 @@ class AgentLimits:
     max_tool_calls: int = 4  # tool calls executed per request
     max_response_tokens: int = 256  # everything after the prompt: policy, tool and template tokens
     max_tool_output_chars: int = 2048
+    max_prompt_tokens: int | None = None  # an agent function's first request longer than this is refused (data.max_prompt_length)
 
 
 # ---------------------------------------------------------------- chat format

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-from rlstage.engines.agents.endpoint import SAMPLE_HEADER
+from rlstage.engines.agents.endpoint import KEY_HEADER, SAMPLE_HEADER
 from rlstage.engines.data.verifiers_env import VerifiersError, VerifiersSettings, sidecar_for
 
 
@@ -29,5 +29,5 @@ async def episode(client, sample) -> float:
         sidecar_for, s
     )  # starting it (seconds) must not stall the batch's other agents
     return await sidecar.episode(
-        task["data"], str(client.base_url), {SAMPLE_HEADER: sample.sample_id}, sample.model
+        task["data"], str(client.base_url), {SAMPLE_HEADER: sample.sample_id, KEY_HEADER: client.api_key}, sample.model
     )

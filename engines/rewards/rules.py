@@ -1,8 +1,11 @@
 """Rule-based reward functions, chosen by ``data_source``, and a sandboxed batch scorer.
 
-A reward function is ``fn(response_text, ground_truth, extra_info) -> float``. ``score_batch`` runs
-them in a long-lived child process so that a function which raises, hangs or kills its process
-costs only its own sample (score 0.0, error recorded), never the batch.
+A reward function is ``fn(response_text, ground_truth, extra_info) -> float``, or verl's
+``compute_score(data_source, solution_str, ground_truth, extra_info)`` (recognised by its parameter
+names and called by keyword). It may return a dict: its ``score`` is the reward, its other keys
+per-sample metrics (verl's ``reward_extra_info``). ``score_batch`` runs them in a long-lived child
+process so that a function which raises, hangs or kills its process costs only its own sample
+(score 0.0, error recorded), never the batch.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import atexit
 import ctypes
 import importlib
 import importlib.util
+import inspect
 import json
 import math
 import multiprocessing as mp
@@ -216,6 +220,7 @@ class RewardResult:
     score: float
     reward_fn: str
     error: str | None = None
+    metrics: dict | None = None  # a dict return's other keys (verl's reward_extra_info)
 
 
 # A function reference the child can import: (module name, qualified name, source file or None).
@@ -224,6 +229,9 @@ _MARGIN_S = 2.0  # grace beyond timeout_s before the parent declares the child s
 _CHUNK = 512  # samples per message to the child: few IPC round trips for thousands of samples
 _FLUSH_S = 0.1  # the child sends finished results at least this often, so a crash loses little work
 _START_TIMEOUT_S = 120.0
+_FLOAT32_MAX = 3.4028234663852886e38  # a score beyond it is inf in the rewards table's float32 column
+# verl's reward signature: compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs)
+VERL_PARAMS = ("data_source", "solution_str", "ground_truth", "extra_info")
 
 
 class _RewardTimeout(BaseException):
@@ -256,9 +264,39 @@ def _load_ref(ref: _Ref) -> RewardFn:
     return obj
 
 
+def verl_style(fn: Callable) -> frozenset[str] | None:
+    """The keywords a reward function with verl's signature takes (it names ``solution_str``), or None: it is called
+    positionally as ``fn(response_text, ground_truth, extra_info)``."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin or C callable: no signature to read
+        return None
+    if "solution_str" not in params:
+        return None
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return frozenset(VERL_PARAMS)
+    return frozenset(n for n in VERL_PARAMS if n in params)
+
+
+def _extra_value(value: Any) -> float | str | None:
+    """A dict return's other value as a per-sample metric: numbers as floats, anything else as its text."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, bool | int | float):
+        return float(value)
+    return str(value)
+
+
 def _score_one(
-    fn: RewardFn, response: str, truth: str, extra: Any, timeout_s: float, kwargs: dict | None = None
-) -> tuple[float, str | None]:
+    fn: RewardFn,
+    response: str,
+    truth: str,
+    extra: Any,
+    timeout_s: float,
+    kwargs: dict | None = None,
+    data_source: str = "",
+    verl: frozenset[str] | None = None,
+) -> tuple[float, str | None, dict | None]:
     try:
         # Re-installed every call: a reward function may have replaced the handler.
         signal.signal(signal.SIGALRM, _on_alarm)
@@ -267,25 +305,33 @@ def _score_one(
             info = json.loads(extra) if isinstance(extra, str) else (extra or {})
             if not isinstance(info, dict):
                 raise ValueError(f"extra_info must be a JSON object, got {type(info).__name__}")
-            value = fn(response, truth, info, **(kwargs or {}))
+            if verl is not None:  # verl's reward manager calls it by keyword, with the sample's data_source
+                given = {"data_source": data_source, "solution_str": response, "ground_truth": truth, "extra_info": info}
+                value = fn(**{k: v for k, v in given.items() if k in verl}, **(kwargs or {}))
+            else:
+                value = fn(response, truth, info, **(kwargs or {}))
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
-        if isinstance(value, dict):  # verl-style functions may return {"score": ..., ...}
+        metrics = None
+        if isinstance(value, dict):  # verl-style functions may return {"score": ..., "acc": ..., ...}
+            if "score" not in value:
+                raise ValueError(f"a reward returned as a dict needs a 'score' key, got keys {sorted(value)[:5]}")
+            metrics = {str(k): _extra_value(v) for k, v in value.items() if k != "score"} or None
             value = value["score"]
         score = float(value)
-        if not math.isfinite(score):
-            raise ValueError(f"reward is not finite: {score}")
-        return score, None
+        if not math.isfinite(score) or abs(score) > _FLOAT32_MAX:
+            raise ValueError(f"reward is not a finite float32: {score}")
+        return score, None, metrics
     except _RewardTimeout:
-        return 0.0, f"timeout after {timeout_s}s"
+        return 0.0, f"timeout after {timeout_s}s", None
     except BaseException as err:  # SystemExit and friends from a reward function are that sample's failure
-        return 0.0, f"{type(err).__name__}: {err}"
+        return 0.0, f"{type(err).__name__}: {err}", None
 
 
 def _child_main(conn: Any, progress: Any) -> None:
     """The scorer process: score chunks of samples, bumping ``progress`` after each so the parent can watch."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when scoring stops
-    fns: dict[_Ref, RewardFn | BaseException] = {}
+    fns: dict[_Ref, tuple[RewardFn, frozenset[str] | None] | BaseException] = {}
     conn.send("ready")
     while True:
         try:
@@ -295,22 +341,23 @@ def _child_main(conn: Any, progress: Any) -> None:
         if msg is None:
             return
         refs, tasks, timeout_s = msg
-        out: list[tuple[float, str | None]] = []
+        out: list[tuple[float, str | None, dict | None]] = []
         last_flush = time.monotonic()
-        for i, (ref_index, response, truth, extra, kwargs) in enumerate(tasks):
+        for i, (ref_index, response, truth, extra, kwargs, source) in enumerate(tasks):
             ref = refs[ref_index]
             if ref not in fns:
                 # Imported outside the timer (a half-imported module would poison later samples); the
                 # parent's per-sample deadline still bounds it.
                 try:
-                    fns[ref] = _load_ref(ref)
+                    loaded = _load_ref(ref)
+                    fns[ref] = (loaded, verl_style(loaded))
                 except BaseException as err:
                     fns[ref] = err
-            fn = fns[ref]
-            if isinstance(fn, BaseException):
-                out.append((0.0, f"{type(fn).__name__}: cannot load reward function {ref[0]}:{ref[1]}: {fn}"))
+            got = fns[ref]
+            if isinstance(got, BaseException):
+                out.append((0.0, f"{type(got).__name__}: cannot load reward function {ref[0]}:{ref[1]}: {got}", None))
             else:
-                out.append(_score_one(fn, response, truth, extra, timeout_s, kwargs))
+                out.append(_score_one(got[0], response, truth, extra, timeout_s, kwargs, source, got[1]))
             progress.value = i + 1
             if time.monotonic() - last_flush > _FLUSH_S:
                 conn.send(out)
@@ -380,7 +427,7 @@ class _Worker:
 
     def run_chunk(
         self, refs: list[_Ref], tasks: list[tuple], timeout_s: float
-    ) -> tuple[list[tuple[float, str | None]], int | None, str]:
+    ) -> tuple[list[tuple[float, str | None, dict | None]], int | None, str]:
         """Score ``tasks`` in order until done or the child fails.
 
         Returns the results received (a prefix of ``tasks``) and, if the child failed, the index of the
@@ -395,7 +442,7 @@ class _Worker:
             self.start()
             self.progress.value = 0
             self.conn.send((refs, tasks, timeout_s))
-        results: list[tuple[float, str | None]] = []
+        results: list[tuple[float, str | None, dict | None]] = []
         seen, seen_at = 0, time.monotonic()
         limit = timeout_s + _MARGIN_S
         while len(results) < len(tasks):
@@ -523,10 +570,11 @@ def score_batch(
             row.get("ground_truth") or "",
             row.get("extra_info"),
             gsm8k_kwargs if n == "gsm8k" else None,
+            row.get("data_source") or "",
         )
         for n, row in zip(names, rows, strict=True)
     ]
-    scored: list[tuple[float, str | None]] = []
+    scored: list[tuple[float, str | None, dict | None]] = []
     blamed: dict[int, str] = {}  # row index -> why the scorer process failed on it
     with _POOL_LOCK:
         if not _POOL:
@@ -535,7 +583,7 @@ def score_batch(
         pos = 0
         while pos < len(tasks):
             if pos in blamed:
-                scored.append((0.0, blamed[pos]))
+                scored.append((0.0, blamed[pos], None))
                 pos += 1
                 continue
             # A chunk stops short of the next blamed sample so that it is never run twice.
@@ -545,7 +593,7 @@ def score_batch(
                 blamed[pos + failed_at] = failure
             scored.extend(results)
             pos += len(results)
-    return [RewardResult(score, name, error) for (score, error), name in zip(scored, names, strict=True)]
+    return [RewardResult(score, name, error, metrics) for (score, error, metrics), name in zip(scored, names, strict=True)]
 
 
 def shutdown_scorer() -> None:
