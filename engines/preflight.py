@@ -262,11 +262,41 @@ def check_data_source(cfg: RunConfig) -> None:
                 f"config error: data.source_settings.task: reasoning_gym has no task {settings.task!r}; "
                 f"its tasks: {', '.join(datasets.reasoning_gym_tasks())}"
             )
-    if isinstance(settings, datasets.ColumnSettings) and not cfg.reward_model.enable and not has_rule(settings.data_source, cfg.reward.function):
+    from rlstage.engines.rewards.rules import REWARD_FNS
+
+    for source, name in cfg.reward.by_data_source.items():
+        if name not in REWARD_FNS:
+            raise ConfigError(
+                f"config error: reward.by_data_source.{source}: unknown reward function {name!r}; valid: {', '.join(sorted(REWARD_FNS))}"
+            )
+    mapped = cfg.reward.by_data_source
+    if cfg.data.source == "verl_parquet" and not cfg.reward_model.enable and cfg.reward.function is None:
+        missing = sorted(s for s in _parquet_sources(cfg) if not has_rule(s, None, mapped))
+        if missing:
+            raise ConfigError(
+                f"config error: reward.function: rows of data.source=verl_parquet have data_source {missing[0]!r}"
+                f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''} with no registered reward: map it "
+                f"(reward.by_data_source={{{missing[0]}: gsm8k}}) or give reward.function (a registered name or module:function)"
+            )
+    if isinstance(settings, datasets.ColumnSettings) and not cfg.reward_model.enable and not has_rule(settings.data_source, cfg.reward.function, mapped):
         raise ConfigError(
             f"config error: reward.function: rows of data.source={cfg.data.source} (data_source {settings.data_source!r}) "
             "have no registered reward: name one (exact_match, gsm8k_flexible, ...) or give module:function"
         )
+
+
+def _parquet_sources(cfg: RunConfig) -> set[str]:
+    """The ``data_source`` values of a verl parquet's rows (that column alone is read); a file that cannot be read is
+    left to data prep, which names the problem."""
+    import pyarrow.parquet as pq
+
+    found: set[str] = set()
+    for path in (cfg.data.train_path, cfg.data.test_path):
+        try:
+            found |= {str(v) for v in pq.read_table(path, columns=["data_source"]).column(0).unique().to_pylist() if v is not None}
+        except Exception:  # missing, unreadable, no such column: data prep's one line says which
+            continue
+    return found
 
 
 def preflight(cfg: RunConfig) -> None:

@@ -10,6 +10,7 @@ import json
 import struct
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 from rlstage.engines.plugins import (
     callables_used,
@@ -23,6 +24,7 @@ from rlstage.schemas.config import (
     ConfigError,
     RunConfig,
     absolute_root,
+    code_settings,
     drop_unset_late_settings,
     stored_config_from,
 )
@@ -113,6 +115,40 @@ def record_run_config(store: ArtifactStore, cfg: RunConfig) -> None:
         # version (or module and source hash); a run that uses none records neither
         code = {"plugins": plugins_used(cfg), "callables": callables_used(cfg)}
         store.put_json(cfg.run_name, "run.json", {**doc, **{k: v for k, v in code.items() if v}})
+
+
+# What a continuing command may be given: the settings naming the run's code, so that the code is this command's own
+# (trusted) rather than the store's. Anything else is the run's own, stored config.
+CODE_SETTINGS = ("plugins", "reward.function", "agent.function", "agent.tools", "data.source_settings.taskset", "data.source_settings.python")
+
+
+def trusted_code(store: ArtifactStore, run_name: str, overrides: list[str] | tuple[str, ...]) -> set[str]:
+    """The import paths ``overrides`` name again for a run continued with its stored config (``nightly``): each must
+    be a setting naming code, with the value the run stored; one line otherwise."""
+    from rlstage.schemas.config import parse_overrides
+
+    stored = store.get_json(run_name, "run.json") or {}
+    base = stored.get("config") if isinstance(stored.get("config"), dict) else {}
+    for item in overrides:
+        key = item.split("=", 1)[0].strip()
+        if not any(key == c or key.startswith(c + ".") for c in CODE_SETTINGS):
+            raise ConfigError(
+                f"config error: {key}: a continued run keeps its stored settings; this command takes only the settings "
+                f"naming its code ({', '.join(CODE_SETTINGS)}), to trust it (replay and eval take changed settings)"
+            )
+        given, kept = _dotted(parse_overrides([item]), key), _dotted(base, key)
+        if given != kept:
+            raise ConfigError(
+                f"config error: {key}: run {run_name!r} was trained with {kept!r}, not {given!r}; name its code as stored "
+                "(or start a new run_name)"
+            )
+    return {path for _, path in code_settings(parse_overrides(list(overrides)))}
+
+
+def _dotted(tree: Any, key: str) -> Any:
+    for part in key.split("."):
+        tree = tree.get(part) if isinstance(tree, dict) else None
+    return tree
 
 
 def stored_config(

@@ -265,6 +265,7 @@ def cmd_nightly(args) -> int:
         continuation_end,
         last_completed_iteration,
         stored_config,
+        trusted_code,
     )
     from rlstage.infra.store import ArtifactStore
     from rlstage.schemas.config import ConfigError
@@ -272,7 +273,8 @@ def cmd_nightly(args) -> int:
     if args.iterations < 1:
         raise ConfigError(f"config error: --iterations: must be >= 1, got {args.iterations}")
     store = ArtifactStore(args.store)
-    cfg = stored_config(store, args.run)
+    trusted = trusted_code(store, args.run, args.overrides)  # the run's code, named again by this command
+    cfg = stored_config(store, args.run, trusted=trusted)
     check_inputs(cfg)
     done = last_completed_iteration(store, args.run)
     continuation_end(cfg, done, args.iterations)
@@ -281,7 +283,10 @@ def cmd_nightly(args) -> int:
     with prefect_api(cfg):
         from rlstage.flows.nightly import nightly
 
-        result = healing_ray(lambda: nightly(run_name=args.run, iterations=args.iterations, store_root=args.store), cfg.ray.address)
+        result = healing_ray(
+            lambda: nightly(run_name=args.run, iterations=args.iterations, store_root=args.store, trusted=sorted(trusted)),
+            cfg.ray.address,
+        )
     _summary(result)
     return 0
 
@@ -607,6 +612,9 @@ def build_parser() -> _Parser:
     p = sub.add_parser("nightly", help="continue a run by K iterations with its stored config")
     p.add_argument("run", help="run name")
     p.add_argument("-k", "--iterations", type=int, default=1, help="iterations to add")
+    p.add_argument(
+        "overrides", nargs="*", help="the run's code named again, as stored, to trust it: plugins, reward.function, agent.function, agent.tools"
+    )
     p.add_argument("--store", default="./rlstage-runs", help="store root of the run")
     p.set_defaults(fn=cmd_nightly)
     p = sub.add_parser("replay", help="re-execute one stage of one iteration from its stored inputs")

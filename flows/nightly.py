@@ -11,16 +11,21 @@ from rlstage.schemas.config import ConfigError, RunConfig, code_settings
 
 
 def continuation_config(
-    run_name: str, store_root: str, config_path: str | None = None, overrides: list[str] | None = None
+    run_name: str,
+    store_root: str,
+    config_path: str | None = None,
+    overrides: list[str] | None = None,
+    trusted: list[str] | None = None,
 ) -> RunConfig:
-    """The run's stored config, checked against the deployment's when one is given."""
+    """The run's stored config, checked against the deployment's when one is given; the code its import paths
+    ``trusted`` name (the command's own, ``rlstage nightly RUN reward.function=...``) may be imported."""
     store = ArtifactStore(store_root)
     given = None
     if config_path is not None or overrides:
         given = resolve_config(None, config_path, [*(overrides or []), f"run_name={run_name}"])
     # Code named by the deployment's own config may be imported; the stored copy must then agree with it.
-    trusted = {path for _, path in code_settings(given.model_dump(mode="json"))} if given is not None else set()
-    cfg = stored_config(store, run_name, trusted=trusted)
+    named = {path for _, path in code_settings(given.model_dump(mode="json"))} if given is not None else set()
+    cfg = stored_config(store, run_name, trusted=named | set(trusted or ()))
     cfg = cfg.model_copy(update={"store": cfg.store.model_copy(update={"root": store_root})})
     if given is not None:
         diff = _diff(_identity(cfg), _identity(given))
@@ -36,12 +41,13 @@ def nightly(
     store_root: str = "./rlstage-runs",
     config_path: str | None = None,
     overrides: list[str] | None = None,
+    trusted: list[str] | None = None,
 ) -> dict:
     """Continue ``run_name`` by ``iterations`` (up to its planned length when its lr decays over it): no gap,
-    no repeat, the same MLflow run."""
+    no repeat, the same MLflow run. ``trusted``: import paths of the run's code that the caller names again."""
     if iterations < 1:
         raise ConfigError(f"config error: iterations: must be >= 1, got {iterations}")
-    cfg = continuation_config(run_name, store_root, config_path, overrides)
+    cfg = continuation_config(run_name, store_root, config_path, overrides, trusted)
     done = last_completed_iteration(ArtifactStore(store_root), run_name)
     end = continuation_end(cfg, done, iterations)
     cfg = cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"iterations": end})})

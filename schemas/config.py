@@ -365,6 +365,10 @@ class RewardConfig(_Section):
     # configs); None: chosen by data_source. Whether it resolves is checked before any stage (engines/preflight.py).
     function: str | None = None
 
+    # data_source -> a registered reward function's name, for your own sources ({my_org/gsm8k_v2: gsm8k}); before the
+    # registered mapping, after reward.function
+    by_data_source: dict[str, str] = Field(default_factory=dict, json_schema_extra=HASHED_WHEN_SET)
+
     @field_validator("function", mode="before")
     @classmethod
     def _verl_form(cls, v: Any) -> Any:
@@ -1046,8 +1050,47 @@ def merge_dicts(base: dict, extra: dict) -> dict:
     return out
 
 
+def _setting_paths(model: type[BaseModel] | None = None, prefix: str = "") -> list[str]:
+    """Every setting's dotted name (sections recursed into), for suggestions."""
+    import typing
+
+    out: list[str] = []
+    for name, info in (model or RunConfig).model_fields.items():
+        path = f"{prefix}{name}"
+        inner = [a for a in (info.annotation, *typing.get_args(info.annotation)) if isinstance(a, type) and issubclass(a, BaseModel)]
+        out += _setting_paths(inner[0], path + ".") if inner else [path]
+    return out
+
+
+def nearest_setting(key: str) -> str | None:
+    """The setting a mistyped or misplaced ``key`` most likely means: one with the same last name, else the closest."""
+    import difflib
+
+    paths = _setting_paths()
+    if "." not in key:  # a whole section: only a close section name
+        close = difflib.get_close_matches(key, sorted({p.split(".", 1)[0] for p in paths}), n=1, cutoff=0.75)
+        return close[0] if close else None
+    leaf = key.rsplit(".", 1)[-1]
+    same = [p for p in paths if p.rsplit(".", 1)[-1] == leaf]
+    if same:
+        return max(same, key=lambda p: difflib.SequenceMatcher(None, key, p).ratio())
+    close = difflib.get_close_matches(key, paths, n=1, cutoff=0.75)
+    return close[0] if close else None
+
+
 def format_validation_error(err: ValidationError) -> str:
-    first = err.errors()[0]
+    errors = err.errors()
+    unknown = [".".join(str(p) for p in e["loc"]) for e in errors if e["type"] == "extra_forbidden"]
+    if unknown:  # every unknown key at once, each with the setting it most likely means
+        def named(key: str) -> str:
+            near = nearest_setting(key)
+            return f"{key} (did you mean {near}?)" if near else key
+
+        near = nearest_setting(unknown[0])
+        hint = f"; did you mean {near}?" if near else ""
+        rest = f"; also unknown: {', '.join(named(k) for k in unknown[1:])}" if len(unknown) > 1 else ""
+        return f"config error: {unknown[0]}: not a setting{hint}{rest}"
+    first = errors[0]
     loc = ".".join(str(p) for p in first["loc"]) or "<root>"
     msg = first["msg"].removeprefix("Value error, ")
     return f"config error: {loc}: {msg}"

@@ -355,6 +355,7 @@ def score_rows(cfg: ConfigView, rows: list[dict]) -> list:
         function=cfg.reward.function,
         gsm8k_method=cfg.reward.gsm8k_method,
         format_score=cfg.reward.format_score,
+        by_data_source=cfg.reward.by_data_source,
     )
     rewards.check_failures(results, cfg.reward.stop_failure_share)  # a broken reward function is not a 0.0 reward
     return results
@@ -400,7 +401,7 @@ def score_round(cfg: ConfigView, table: pa.Table) -> StageOutput:
     # has none); rollouts stored before it have no column.
     given = table.column("agent_reward").to_pylist() if "agent_reward" in table.column_names else [None] * len(rows)
     wanted = [
-        g is None and (not rm_on or rewards.has_rule(r["data_source"], cfg.reward.function)) for g, r in zip(given, rows, strict=True)
+        g is None and (not rm_on or rewards.has_rule(r["data_source"], cfg.reward.function, cfg.reward.by_data_source)) for g, r in zip(given, rows, strict=True)
     ]
     fn_names: list[str | None] = [None] * len(rows)
     errors: list[str | None] = [None] * len(rows)
@@ -746,7 +747,7 @@ def evaluate(
         if cfg.trainer.eval_n > 0:  # the sampled answers, as verl reports them (engines/metrics.py)
             uids = [c["prompt_index"] for c in comps[greedy_n:]]
             infos: dict[str, list] = {"reward": scores[greedy_n:]}
-            fns = [cfg.reward.function or rewards.default_reward_fn(src) for src in sources[greedy_n:]]
+            fns = [cfg.reward.function or rewards.default_reward_fn(src, cfg.reward.by_data_source) for src in sources[greedy_n:]]
             preds = eval_metrics.extract_answers(rows[greedy_n:], fns)
             if preds is not None:
                 infos["pred"] = preds

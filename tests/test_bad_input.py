@@ -83,6 +83,14 @@ def _world(w: Path) -> dict[str, str]:
     verl = {"data_source": pa.array([], pa.string()), "prompt": pa.array([], pa.string()), "reward_model": pa.array([], pa.string())}
     pq.write_table(pa.table(verl), data / "empty.parquet")
     p["empty_parquet"] = str(data / "empty.parquet")
+    for split in ("train", "test"):  # verl rows of a data_source no rule is registered for
+        rows = {
+            "data_source": ["my_org/gsm8k_v2"] * 2,
+            "prompt": [[{"role": "user", "content": f"{split} question {i}?"}] for i in range(2)],
+            "reward_model": [{"style": "rule", "ground_truth": str(i)} for i in range(2)],
+        }
+        pq.write_table(pa.table(rows), data / f"mine_{split}.parquet")
+        p[f"mine_{split}_parquet"] = str(data / f"mine_{split}.parquet")
     models = w / "models"
     models.mkdir()
     p["m_noconfig"] = _model_dir(models, "noconfig", None, {"model.safetensors": _safetensors()})
@@ -173,7 +181,7 @@ CASES: list[tuple[str, list[str], dict[str, str], str]] = [
     ("unknown option", ["train", "--nope"], {}, r"^rlstage: unrecognized arguments: --nope"),
     # ---- the config
     ("override without =", ["train", "nonsense"], {}, r"override 'nonsense' is not of the form key=value"),
-    ("unknown key", ["train", "actor.optim.lrr=1"], {}, r"config error: actor\.optim\.lrr: Extra inputs are not permitted"),
+    ("unknown key", ["train", "actor.optim.lrr=1"], {}, r"config error: actor\.optim\.lrr: not a setting; did you mean actor\.optim\.lr\?"),
     ("bad value", ["train", "actor.optim.lr=-1"], {}, r"config error: actor\.optim\.lr: Input should be greater than 0"),
     ("unknown estimator", ["demo", "algorithm.adv_estimator=ppo2"], {}, r"config error: algorithm\.adv_estimator: unknown advantage estimator 'ppo2'; registered: gae, grpo, "),
     ("estimator setting it does not read", ["train", "algorithm.gamma=0.99"], {}, r"^rlstage: config error: algorithm\.gamma: grpo takes no gamma \(its settings: norm_adv_by_std_in_grpo\)"),
@@ -212,6 +220,8 @@ CASES: list[tuple[str, list[str], dict[str, str], str]] = [
     ("parquet missing columns", ["train", *_train_data("{nocols_parquet}", "{nocols_parquet}", "verl_parquet")], {}, r"nocols\.parquet: missing columns"),
     ("parquet empty", ["train", *_train_data("{empty_parquet}", "{empty_parquet}", "verl_parquet")], {}, r"empty\.parquet: file is empty \(no rows\)"),
     ("not parquet", ["train", *_train_data("{notparquet_parquet}", "{notparquet_parquet}", "verl_parquet")], {}, r"notparquet\.parquet: not a readable parquet file"),
+    ("verl rows of an unmapped data_source", ["train", *_train_data("{mine_train_parquet}", "{mine_test_parquet}", "verl_parquet")], {}, r"config error: reward\.function: rows of data\.source=verl_parquet have data_source 'my_org/gsm8k_v2' with no registered reward: map it \(reward\.by_data_source=\{my_org/gsm8k_v2: gsm8k\}\)"),
+    ("a data_source mapped to an unknown reward", ["train", "reward.by_data_source={{my_org/x: gsm9k}}"], {}, r"config error: reward\.by_data_source\.my_org/x: unknown reward function 'gsm9k'; valid: "),
     ("data-prep bad line", ["data-prep", *_train_data("{badline_jsonl}")], {}, r"badline\.jsonl:2: invalid JSON"),
     # ---- the model folder
     ("model folder missing", ["train", "model.path={w}/nomodel"], {}, r"model\.path .*/nomodel: not a directory"),

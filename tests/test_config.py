@@ -25,7 +25,8 @@ def test_yaml_and_dotted_overrides(tmp_path):
 @pytest.mark.parametrize(
     ("overrides", "needle"),
     [
-        (["actor.optim.lrr=1"], "config error: actor.optim.lrr: Extra inputs are not permitted"),
+        (["actor.optim.lrr=1"], "config error: actor.optim.lrr: not a setting; did you mean actor.optim.lr?"),
+        (["rollout.nn=1", "rollotu.n=2", "actor.qq=1"], "config error: rollout.nn: not a setting; did you mean rollout.n?; also unknown: actor.qq, rollotu (did you mean rollout?)"),
         (["actor.optim.lr=-1"], "config error: actor.optim.lr:"),
         (["rollout.n=0"], "config error: rollout.n:"),
         (["algorithm.adv_estimator=foo"], "config error: algorithm.adv_estimator: unknown advantage estimator 'foo'"),

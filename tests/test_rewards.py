@@ -142,6 +142,31 @@ def test_default_reward_fn() -> None:
     assert {"exact_match", "gsm8k", "gsm8k_strict", "gsm8k_flexible"} <= set(R.REWARD_FNS)
 
 
+def test_a_data_source_maps_to_a_reward_in_the_config_or_at_registration() -> None:
+    """``reward.by_data_source`` maps your own sources (before the registered mapping); a reward function may
+    declare the sources it scores when registered."""
+    mapping = {"my_org/gsm8k_v2": "gsm8k_flexible", "openai/gsm8k": "gsm8k_strict"}
+    assert R.default_reward_fn("my_org/gsm8k_v2", mapping) == "gsm8k_flexible"
+    assert R.default_reward_fn("openai/gsm8k", mapping) == "gsm8k_strict"  # the config's mapping comes first
+    assert R.has_rule("my_org/gsm8k_v2", None, mapping) and not R.has_rule("my_org/gsm8k_v2", None)
+    with pytest.raises(ValueError, match=r"map it with reward\.by_data_source \(\{my_org/other: gsm8k\}\)"):
+        R.default_reward_fn("my_org/other", mapping)
+    rows = _rows(["#### 72", "72"], truth="72", source="my_org/gsm8k_v2")
+    assert [r.score for r in R.score_batch(rows, timeout_s=2.0, by_data_source=mapping)] == [1.0, 1.0]
+    assert {r.reward_fn for r in R.score_batch(rows, timeout_s=2.0, by_data_source=mapping)} == {"gsm8k_flexible"}
+
+    @R.register_reward_fn("test_declares_sources", data_sources=("my_org/declared", "openai/gsm8k"))
+    def declared(response_text: str, ground_truth: str, extra_info: dict) -> float:
+        return 1.0
+
+    try:
+        assert R.default_reward_fn("my_org/declared") == "test_declares_sources"
+        assert R.default_reward_fn("openai/gsm8k") == "gsm8k"  # a built-in source keeps its rule
+    finally:
+        R.REWARD_FNS.remove("test_declares_sources")
+        R.DATA_SOURCE_FNS.pop("my_org/declared")
+
+
 # ---------------------------------------------------------------- the sandboxed scorer
 
 

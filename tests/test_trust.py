@@ -80,6 +80,31 @@ def test_stored_reward_function_is_refused_by_replay_eval_and_nightly(evil_rewar
     assert not marker.exists()
 
 
+def test_nightly_takes_the_runs_code_named_again_and_nothing_else(evil_reward, capsys) -> None:
+    """The refusal's advice works for ``nightly`` as written: ``rlstage nightly RUN reward.function=...`` names the
+    stored code and is past the check (here it then stops at the run's missing stages); another value, or a setting
+    that does not name code, is one line, before anything starts."""
+    from rlstage.flows.checks import trusted_code
+    from rlstage.flows.cli import main
+    from rlstage.flows.nightly import continuation_config
+
+    store, marker, ref = evil_reward
+    assert main(["nightly", "victim", "--store", store.root]) == 2
+    advice = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "give it in this command (reward.function=...)" in advice
+    trusted = trusted_code(store, "victim", [f"reward.function={ref}"])
+    assert trusted == {ref}
+    assert continuation_config("victim", store.root, trusted=sorted(trusted)).reward.function == ref  # trusted now
+    for given, needle in (
+        ("reward.function=other.mod:score", f"run 'victim' was trained with {ref!r}, not 'other.mod:score'"),
+        ("actor.optim.lr=0.1", "actor.optim.lr: a continued run keeps its stored settings"),
+    ):
+        assert main(["nightly", "victim", "--store", store.root, given]) == 2
+        line = capsys.readouterr().err.strip().splitlines()[-1]
+        assert needle in line and line.startswith("rlstage: config error:"), line
+    assert not marker.exists()
+
+
 def test_code_named_by_the_command_or_allow_listed_is_loaded(evil_reward, clean_env: Path, monkeypatch) -> None:
     store, marker, ref = evil_reward
     # Named by this invocation's own overrides: the user asked for it.

@@ -53,11 +53,21 @@ class RewardTraits:
     correct_at: float | None = None
 
 
-def register_reward_fn(name: str, *, correct_at: float | None = None) -> Callable[[RewardFn], RewardFn]:
+def register_reward_fn(
+    name: str, *, correct_at: float | None = None, data_sources: tuple[str, ...] = ()
+) -> Callable[[RewardFn], RewardFn]:
     """Decorator: register ``fn`` under ``name``. It must be a module-level function so the scorer can import it.
     ``correct_at``: the score from which the eval counts an answer correct, for a rule whose partial credit can
-    pass one half (default: above 0.5)."""
-    return REWARD_FNS.register(name, traits=RewardTraits(correct_at))
+    pass one half (default: above 0.5). ``data_sources``: the rows' ``data_source`` values it scores by default."""
+    register = REWARD_FNS.register(name, traits=RewardTraits(correct_at))
+
+    def with_sources(fn: RewardFn) -> RewardFn:
+        fn = register(fn)
+        for source in data_sources:
+            DATA_SOURCE_FNS.setdefault(source, name)  # a built-in source keeps its rule
+        return fn
+
+    return with_sources
 
 
 def correct_at(reward_fn: str | None) -> float | None:
@@ -66,8 +76,11 @@ def correct_at(reward_fn: str | None) -> float | None:
     return traits.correct_at if isinstance(traits, RewardTraits) else None
 
 
-def default_reward_fn(data_source: str) -> str:
-    """The registered reward function name for a ``data_source``."""
+def default_reward_fn(data_source: str, by_data_source: dict[str, str] | None = None) -> str:
+    """The reward function name for a ``data_source``: the config's own mapping (``reward.by_data_source``) first,
+    then the registered one."""
+    if by_data_source and data_source in by_data_source:
+        return by_data_source[data_source]
     if data_source.startswith("reasoning_gym/"):  # one scorer for every task: it asks the task's own checker
         return "reasoning_gym"
     try:
@@ -75,7 +88,8 @@ def default_reward_fn(data_source: str) -> str:
     except KeyError:
         raise ValueError(
             f"no reward function for data_source {data_source!r} (known: {', '.join(sorted(DATA_SOURCE_FNS))}); "
-            f"set reward.function to one of: {', '.join(sorted(REWARD_FNS))}"
+            f"map it with reward.by_data_source ({{{data_source}: gsm8k}}), or set reward.function to one of: "
+            f"{', '.join(sorted(REWARD_FNS))} or module:function"
         ) from None
 
 
@@ -539,6 +553,7 @@ def score_batch(
     function: str | None = None,
     gsm8k_method: str = "strict",
     format_score: float = 0.0,
+    by_data_source: dict[str, str] | None = None,
 ) -> list[RewardResult]:
     """Score rows ``{response_text, ground_truth, data_source, extra_info}`` in order.
 
@@ -558,7 +573,7 @@ def score_batch(
         if ":" in function:  # fail fast on a typo rather than once per sample
             _load_ref(refs_by_name[function])
     else:
-        names = [default_reward_fn(row.get("data_source")) for row in rows]
+        names = [default_reward_fn(row.get("data_source"), by_data_source) for row in rows]
         refs_by_name = {n: _ref_for(n) for n in dict.fromkeys(names)}
     refs = list(refs_by_name.values())
     index_of = {n: refs.index(r) for n, r in refs_by_name.items()}
@@ -616,9 +631,15 @@ COMBINE_MODES: dict[str, Callable[[float | None, float], float]] = {
 }
 
 
-def has_rule(data_source: str, function: str | None) -> bool:
-    """Whether a sample has a rule reward: a forced reward.function, or one registered for its source."""
-    return function is not None or data_source in DATA_SOURCE_FNS or data_source.startswith("reasoning_gym/")
+def has_rule(data_source: str, function: str | None, by_data_source: dict[str, str] | None = None) -> bool:
+    """Whether a sample has a rule reward: a forced reward.function, the config's mapping, or one registered for its
+    source."""
+    return (
+        function is not None
+        or data_source in (by_data_source or {})
+        or data_source in DATA_SOURCE_FNS
+        or data_source.startswith("reasoning_gym/")
+    )
 
 
 def combine_scores(mode: str, rule: list[float | None], rm: list[float]) -> list[float]:
