@@ -437,15 +437,17 @@ class PolicyWorker:
             raise FileNotFoundError(f"model path {path} does not exist or is not a directory")
         dtype = torch_dtype(self.cfg)
         # a committed checkpoint's files (a user's own model folder fails as transformers says)
-        loading = stored_bytes(_checkpoint_name(ref)) if ref.path is None else contextlib.nullcontext()
+        def loading() -> contextlib.AbstractContextManager:
+            return stored_bytes(_checkpoint_name(ref)) if ref.path is None else contextlib.nullcontext()
+
         if self.tokenizer is None or role == "policy":
-            with loading:
+            with loading():
                 self.tokenizer = AutoTokenizer.from_pretrained(path)
             self.tokenizer.padding_side = "left"
         pad_id = self.tokenizer.pad_token_id
         device = compute_device()  # every engine builds its inputs on the device of the model it runs
         if role == "policy":
-            with loading:
+            with loading():
                 self.model, self.base = load_policy_model(self.cfg, self.store, ref, path, self.scratch, trainable=True)
             self.model = self.model.to(device)
             self.actor = self._new_actor(pad_id)
@@ -455,7 +457,7 @@ class PolicyWorker:
             colocated = self.cfg.ray.rollout_placement == "colocated" and (self.rank == 0 or every_rank_generates(self.cfg))
             self.rollout = rollout_engine(self.cfg, self.model, self.tokenizer, self._engine_dir(path), self.rollout) if colocated else None
         elif role == "ref":
-            with loading:
+            with loading():
                 self.ref_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval().requires_grad_(False).to(device)
         elif role == "critic":
             torch.manual_seed(self.cfg.trainer.seed)  # the fresh value head is the same on every load
@@ -513,13 +515,12 @@ class PolicyWorker:
         # a gather every rank takes part in; ranks 1..N-1 train their partition only and keep no whole copy
         self.actor.gather_into(self.model if engine.module is not self.model else None)
 
-    def _push_rollout_weights(self, staged: Path | None) -> None:
-        """After an update: the trained weights into a separate rollout engine (HF shares the model), read from
-        the checkpoint this update staged when it holds them whole (one serialization of the weights, not two)."""
+    def _push_rollout_weights(self) -> None:
+        """After an update: the trained weights into a separate rollout engine (HF shares the model), in memory
+        (vLLM: buckets over its RPC; a LoRA policy: its adapter), whether or not this update staged a checkpoint."""
         if not hasattr(self.rollout, "load_weights"):
             return
-        whole = staged is not None and self.base is None
-        self.rollout.load_weights(staged / MODEL_DIR if whole else self.model)
+        self.rollout.load_weights(self.model)
 
     def close(self) -> None:
         """Call before ``ray.kill``: a vLLM engine killed with the actor leaves ~400 MB of /dev/shm/psm_* behind."""
@@ -613,17 +614,16 @@ class PolicyWorker:
         # Rank 0 stages the weights and its optimizer state (whole under ZeRO-0, the same on every rank); under
         # ZeRO 1-3 each other rank stages its own partition. A rollout role placed apart reads every policy's
         # weights from the store (or a same-node handoff): always stored.
-        staged = None
         if self.rank == 0 and (checkpoint or cfg.ray.rollout_placement == "separate"):
             # written out at once (live buffers, no copy of the optimizer state in memory)
-            staged = self._stage("policy", self.model, self.actor.state_dict(live=True) if checkpoint else None)
+            self._stage("policy", self.model, self.actor.state_dict(live=True) if checkpoint else None)
         elif self.rank > 0 and checkpoint and self._sharded_state():
             shard = self.scratch / "staged-shard"
             shutil.rmtree(shard, ignore_errors=True)
             save_trainer_state(self.actor.state_dict(live=True), shard)
             self.staged["shard"] = shard
         if not skip:
-            self._push_rollout_weights(staged)
+            self._push_rollout_weights()
         return metrics
 
     def handoff(self, version: str) -> tuple[str, str] | None:
