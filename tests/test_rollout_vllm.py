@@ -230,36 +230,36 @@ def test_weight_push_after_an_optimizer_step(engine, kit, tmp_path):
 
 
 @needs_vllm
-def test_weights_travel_in_memory_in_buckets_and_a_push_cut_short_changes_nothing(engine, kit):
-    """A push writes no file: the weights go as safetensors bytes in buckets over vLLM's RPC (here eight or more),
-    loaded once the last one arrived; a push whose buckets did not all arrive is refused by the engine, which keeps
-    serving the weights it had (nothing samples from half-updated weights)."""
+def test_weights_travel_in_memory_in_buckets_and_a_push_cut_short_changes_nothing(engine, kit, tmp_path):
+    """A push writes no checkpoint folder: each bucket (here eight or more) is one shared-memory segment that the
+    engine's worker maps, loaded once the last one arrived, and removed after; a push whose buckets did not all
+    arrive is refused by the engine, which keeps serving the weights it had (nothing samples half-updated weights)."""
     import glob
 
-    from safetensors.torch import save
-
-    from rlstage.engines.rollout.vllm_engine import weight_buckets
+    from rlstage.engines.rollout.vllm_engine import PUSH_PREFIX, weight_buckets, write_bucket
 
     tok, model, _ = kit
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=8, seed=5)
     bumped = build_tiny_llama(KitConfig(), tok).eval()
     bumped.load_state_dict({k: v + 0.05 * torch.randn_like(v) for k, v in model.state_dict().items()})
-    files_before = set(glob.glob("/dev/shm/rlstage-vllm-weights-*"))
     whole = sum(t.numel() * t.element_size() for b in weight_buckets(bumped, 1 << 40) for t in b.values())
     assert len(weight_buckets(bumped, whole // 8)) >= 8
     engine.push_weights(bumped, bucket_bytes=whole // 8)
-    assert engine.last_push_bytes >= whole and set(glob.glob("/dev/shm/rlstage-vllm-weights-*")) == files_before
+    assert engine.last_push_bytes >= whole
+    assert not glob.glob(f"/dev/shm/{PUSH_PREFIX}{os.getpid()}-*")  # this process's segments, removed after the push
     after = engine.generate(PROMPTS, params)
     assert _max_gap(after, _hf_log_probs(bumped, tok, after, 1.0)) < 1e-4
 
     # the first of two buckets of the kit's own weights, then the commit: refused, the bumped weights stay
-    first = weight_buckets(model, whole // 2)[0]
-    engine.llm.collective_rpc("rlstage_stage_weights", args=(save(first), True))
+    segment = str(tmp_path / f"{PUSH_PREFIX}{os.getpid()}-partial")
+    layout = write_bucket(segment, weight_buckets(model, whole // 2)[0])
+    engine.llm.collective_rpc("rlstage_stage_weights", args=(segment, layout, True))
     with pytest.raises(Exception, match="weight push incomplete: 1 of 2 buckets arrived"):
         engine.llm.collective_rpc("rlstage_commit_weights", args=(2,))
     engine.llm.reset_prefix_cache()
     still = engine.generate(PROMPTS, params)
-    assert [c.response_ids for c in still] == [c.response_ids for c in after] and _max_gap(still, _hf_log_probs(bumped, tok, still, 1.0)) < 1e-4
+    assert [c.response_ids for c in still] == [c.response_ids for c in after]
+    assert _max_gap(still, _hf_log_probs(bumped, tok, still, 1.0)) < 1e-4
     engine.load_weights(model)  # the module's engine back on the kit's weights
 
 
