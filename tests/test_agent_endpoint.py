@@ -453,6 +453,34 @@ def test_only_a_samples_own_client_writes_its_trajectory():
     assert [o["response_ids"] for o in out] == [o["response_ids"] for o in plain] and "99" not in str(out[2]["messages"])
 
 
+def test_refused_requests_are_all_counted_and_the_first_few_of_a_sample_logged(caplog):
+    """A flood of bad requests from one agent: every one counted (agent/rejected/<code>), three logged, then one line
+    saying the rest are counted only; the other samples' warnings are their own."""
+    from rlstage.engines.agents.endpoint import WARNINGS_PER_SAMPLE
+
+    async def flood(client, sample):
+        if ik(sample) == (0, 0):
+            for _ in range(20):
+                try:
+                    await client.chat.completions.create(model="gpt-4o", messages=sample.messages)
+                except openai.NotFoundError:
+                    pass
+        elif ik(sample) == (1, 0):
+            try:
+                await client.chat.completions.create(model="gpt-4o", messages=sample.messages)
+            except openai.NotFoundError:
+                pass
+        return await calculator_agent(client, sample)
+
+    with caplog.at_level(logging.WARNING, logger="rlstage.engines.agents.endpoint"):
+        out, stats = run_fn(flood, timeout_s=30.0)
+    assert stats["rejected/model_not_found"] == 21.0 and [o["agent_status"] for o in out] == ["ok"] * 6
+    lines = [r.getMessage() for r in caplog.records if "agent endpoint:" in r.getMessage()]
+    first = [x for x in lines if "-0-0" in x]
+    assert len(first) == WARNINGS_PER_SAMPLE + 1 and "counted in agent/rejected/<code>, not logged" in first[-1]
+    assert len([x for x in lines if "-1-0" in x]) == 1
+
+
 def test_a_request_that_rewrites_earlier_turns_is_refused():
     seen: list[int] = []
 

@@ -384,6 +384,7 @@ class EndpointServer:
         self.batches: dict[str, ChatEndpoint] = {}
         self.ended: collections.OrderedDict[str, None] = collections.OrderedDict()  # the last tokens that ended
         self.rejected: collections.Counter[str] = collections.Counter()  # refused requests by error code
+        self.warned: collections.Counter[str] = collections.Counter()  # refused requests logged, by sample id
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.bind(("127.0.0.1", 0))
         self.base_url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
@@ -400,6 +401,8 @@ class EndpointServer:
         self.batches[token] = endpoint
 
     def close(self, token: str) -> None:
+        for sid in [k for k in self.warned if k.startswith(token + "-")]:
+            del self.warned[sid]
         endpoint = self.batches.pop(token, None)
         if endpoint is not None:
             endpoint.ended = True
@@ -428,7 +431,12 @@ class EndpointServer:
 
     def reject(self, err: RequestError, sample_id: str | None) -> JSONResponse:
         self.rejected[err.code] += 1
-        log.warning("agent endpoint: HTTP %d %s (sample %s): %s", err.status, err.code, sample_id or "-", err)
+        who = sample_id or "-"
+        self.warned[who] += 1
+        if self.warned[who] <= WARNINGS_PER_SAMPLE:  # the first few per sample; every one is counted (agent/rejected/*)
+            log.warning("agent endpoint: HTTP %d %s (sample %s): %s", err.status, err.code, who, err)
+        elif self.warned[who] == WARNINGS_PER_SAMPLE + 1:
+            log.warning("agent endpoint: sample %s: more requests refused; they are counted in agent/rejected/<code>, not logged", who)
         body = {"error": {"message": str(err), "type": "invalid_request_error", "code": err.code}}
         return JSONResponse(body, status_code=err.status)
 
@@ -514,6 +522,7 @@ class AgentEscaped(Exception):
     never the stage's (asyncio would re-raise the first two out of the event loop)."""
 
 
+WARNINGS_PER_SAMPLE = 3  # refused requests logged per sample; the rest are counted only
 _STALL_S = 0.05  # a step of an agent that held the event loop longer than this stalled every other agent
 _CANCEL_GRACE_S = 1.0  # how long a cancelled agent may take to stop before it is left behind
 
