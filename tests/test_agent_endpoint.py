@@ -481,6 +481,28 @@ def test_refused_requests_are_all_counted_and_the_first_few_of_a_sample_logged(c
     assert len([x for x in lines if "-1-0" in x]) == 1
 
 
+def test_tool_calls_in_a_first_requests_history_reach_the_trained_prompt():
+    """A first request that replays a conversation with an assistant's tool calls: the calls (and the tool message
+    answering one, named after it) are in the prompt as the chat template renders them, not dropped."""
+
+    async def replays(client, sample):
+        history = [
+            *sample.messages,
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "2*3"}'}},
+            ]},
+            {"role": "tool", "tool_call_id": "c1", "content": "6"},
+            {"role": "user", "content": "and now?"},
+        ]  # fmt: skip
+        await client.chat.completions.create(model=sample.model, messages=history, tools=[CALCULATOR_TOOL])
+        return 1.0
+
+    out, _ = run_fn(replays, timeout_s=30.0)
+    prompt = TOK.decode(out[0]["prompt_ids"])
+    assert '<tool_call>{"name": "calculator", "arguments": {"expression": "2*3"}}</tool_call>' in prompt, prompt
+    assert "6" in prompt.split("</tool_call>", 1)[1] and "and now?" in prompt
+
+
 def test_a_request_that_rewrites_earlier_turns_is_refused():
     seen: list[int] = []
 

@@ -334,6 +334,19 @@ def _plain(m: dict, call_names: dict[str, str]) -> dict:
         content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
     if m["role"] == "tool":  # named after the call it answers, as the built-in loop names tool messages
         return {"role": "tool", "name": m.get("name") or call_names.get(m.get("tool_call_id") or "", ""), "content": content or ""}
+    if m["role"] == "assistant" and m.get("tool_calls"):
+        # an earlier turn's tool calls (a first request that replays a conversation): written as the policy writes
+        # them, tags in the text, so the chat template renders them and their tool messages are named after them
+        tags = []
+        for c in m["tool_calls"]:
+            fn = c.get("function") or {}
+            args = fn.get("arguments")
+            with contextlib.suppress(TypeError, ValueError):
+                args = json.loads(args) if isinstance(args, str) else args
+            tags.append(f"{CALL_OPEN}{json.dumps({'name': fn.get('name') or '', 'arguments': args if args is not None else {}})}{CALL_CLOSE}")
+            if c.get("id"):
+                call_names[c["id"]] = fn.get("name") or ""
+        return {"role": "assistant", "content": "\n".join([*([content] if content else []), *tags])}
     return {"role": m["role"], "content": content or ""}
 
 
