@@ -238,10 +238,12 @@ def _check_new_run(cfg, tracking: bool = True):
 
 def cmd_train(args) -> int:
     from rlstage.flows.checks import check_policy, last_completed_iteration
+    from rlstage.infra.lease import check_lease
 
     cfg = _load(args)
     store = _check_new_run(cfg)
     check_policy(store, cfg, last_completed_iteration(store, cfg.run_name))  # what the run would start from
+    check_lease(store, cfg.run_name)  # a run already running: refused before a server starts or a flow run exists
     with prefect_api(cfg):
         from rlstage.flows.training import train
 
@@ -276,6 +278,9 @@ def cmd_nightly(args) -> int:
     trusted = trusted_code(store, args.run, args.overrides)  # the run's code, named again by this command
     cfg = stored_config(store, args.run, trusted=trusted)
     check_inputs(cfg)
+    from rlstage.infra.lease import check_lease
+
+    check_lease(store, args.run)
     done = last_completed_iteration(store, args.run)
     continuation_end(cfg, done, args.iterations)
     check_policy(store, cfg, done)

@@ -30,6 +30,22 @@ def _holder_alive(doc: dict) -> bool:
     return True
 
 
+def _held_message(run: str, held: dict) -> str:
+    left = max(0, round(held.get("expires_at", 0) - time.time()))
+    who = held.get("label") or "a flow"
+    return (
+        f"run {run!r} is already running ({who}, pid {held.get('pid')} on {held.get('host')}); wait for it to end, or "
+        f"stop it: its lease expires {left} s after its holder stops renewing it"
+    )
+
+
+def check_lease(store: ArtifactStore, run: str) -> None:
+    """Refuse with RunLocked when a live holder has the run's lease: before a command starts anything for it."""
+    held = store.get_json(run, LEASE)
+    if held and _holder_alive(held):
+        raise RunLocked(_held_message(run, held))
+
+
 @contextmanager
 def run_lease(
     store: ArtifactStore,
@@ -52,10 +68,7 @@ def run_lease(
         except CommitConflict:
             held = store.get_json(run, LEASE) or {}
             if _holder_alive(held):
-                raise RunLocked(
-                    f"run {run!r} is already running ({held.get('label') or 'pid ' + str(held.get('pid'))} "
-                    f"on {held.get('host')}); wait for it or let its lease expire"
-                ) from None
+                raise RunLocked(_held_message(run, held)) from None
             store.delete_json(run, LEASE)  # expired or dead holder: take over
             if on_takeover is not None:
                 on_takeover(held)

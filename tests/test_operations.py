@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -151,7 +152,7 @@ def test_replay_of_missing_stage_or_iteration_is_a_clear_error(ops_run):
         replay(run_name="nope", iteration=1, stage="reward", store_root=root)
 
 
-def test_second_flow_on_the_same_run_is_refused(ops_run):
+def test_second_flow_on_the_same_run_is_refused(ops_run, capsys):
     from rlstage.flows.training import train
     from rlstage.infra.lease import RunLocked
     from rlstage.tasks.runtime import store_for
@@ -170,6 +171,21 @@ def test_second_flow_on_the_same_run_is_refused(ops_run):
         )
         with pytest.raises(RunLocked, match="already running"):
             train(config=cfg)
+        # The command is refused before anything starts: one line naming the holder and its lease's seconds, no flow
+        # run left behind (before: 18.8 s of a Prefect server started, then a Failed flow run named like the live one).
+        from prefect import get_client
+
+        from rlstage.flows.cli import main
+
+        with get_client(sync_client=True) as client:
+            runs_before = len(client.read_flow_runs(limit=200))
+        capsys.readouterr()
+        assert main(["nightly", "ops", "--store", cfg.store.root]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"pid {holder.pid} on {socket.gethostname()}" in err[0], err
+        assert re.search(r"its lease expires \d+ s after its holder stops renewing it$", err[0]), err
+        with get_client(sync_client=True) as client:
+            assert len(client.read_flow_runs(limit=200)) == runs_before
     finally:
         holder.kill()
         holder.wait()
