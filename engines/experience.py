@@ -46,7 +46,17 @@ def line_up(rollouts: pa.Table, rewards: pa.Table) -> Samples:
     is_sample = np.array(rollouts.column("sample_index").to_pylist()) >= 0
     groups = np.array(rollouts.column("group_id").to_pylist())
     baseline = dict(zip(groups[~is_sample].tolist(), all_scores[~is_sample].tolist(), strict=True))
-    return Samples(rollouts.filter(pa.array(is_sample)), torch.from_numpy(all_scores[is_sample]), groups[is_sample], baseline)
+    index = groups[is_sample].copy()
+    failed = [f is not None for f, keep in zip(_failures(rollouts), is_sample, strict=True) if keep]
+    # A failed sample (an agent that timed out, raised, ...) is left out of its group's baseline: it becomes a group
+    # of its own (no other sample's advantage depends on its 0), and its tokens are masked out of the loss already.
+    for j, i in enumerate(np.flatnonzero(failed)):
+        index[i] = -(j + 1)  # group ids of real groups are >= 0
+    return Samples(rollouts.filter(pa.array(is_sample)), torch.from_numpy(all_scores[is_sample]), index, baseline)
+
+
+def _failures(rollouts: pa.Table) -> list:
+    return rollouts.column("failure").to_pylist() if "failure" in rollouts.column_names else [None] * rollouts.num_rows
 
 
 def bypass_rows(rows: int) -> list[int]:

@@ -102,7 +102,8 @@ class Experience:
         manifests = self._manifests(TABLES[name])
         if not manifests:
             raise NotCommitted(f"run {self.run!r} has no committed {TABLES[name]} in iterations {_span(list(self.iterations))}")
-        frame = pl.concat([self._scan(m) for m in manifests], how="vertical")
+        # diagonal: a column added in a later release (schemas.artifacts.LATE_COLUMNS) is null in older iterations
+        frame = pl.concat([self._scan(m) for m in manifests], how="diagonal_relaxed")
         return frame if self.sample_id is None or name == "eval" else frame.filter(pl.col("sample_id") == self.sample_id)
 
     def rollouts(self) -> pl.LazyFrame:
@@ -123,7 +124,9 @@ class Experience:
         keys = ["iteration", "sample_id"]
         out = self.rollouts()
         if self._manifests("reward"):
-            out = out.join(self.rewards(), on=keys, how="left")
+            rewards = self.rewards()
+            # the failure kind is the rollout's, repeated in the rewards table
+            out = out.join(rewards.drop("failure", strict=False), on=keys, how="left")
         if self._manifests("advantage"):
             out = out.join(self.experience().drop(*_REPEATED), on=keys, how="left")
         return out
@@ -185,16 +188,26 @@ def reward_by_source(exp: Experience, limit: int) -> pl.LazyFrame:
 _SHOWN = ["iteration", "sample_id", "data_source", "score", "response_length", "prompt", "response_text", "ground_truth"]
 
 
+def _shown(frame: pl.LazyFrame) -> list[str]:
+    """The columns best/worst show: with ``failure`` (how an agent's sample failed) where any sample failed, so a
+    timeout never reads as an ordinary 0.0."""
+    if "failure" in frame.collect_schema().names() and frame.select(pl.col("failure").is_not_null().any()).collect().item():
+        return [*_SHOWN[:4], "failure", *_SHOWN[4:]]
+    return _SHOWN
+
+
 @query("best")
 def best_samples(exp: Experience, limit: int) -> pl.LazyFrame:
     """The highest-reward samples with their prompts and responses (ties: latest iteration first)."""
-    return exp.samples().sort(["score", "iteration", "sample_id"], descending=[True, True, False]).head(limit).select(_SHOWN)
+    samples = exp.samples()
+    return samples.sort(["score", "iteration", "sample_id"], descending=[True, True, False]).head(limit).select(_shown(samples))
 
 
 @query("worst")
 def worst_samples(exp: Experience, limit: int) -> pl.LazyFrame:
     """The lowest-reward samples with their prompts and responses (ties: latest iteration first)."""
-    return exp.samples().sort(["score", "iteration", "sample_id"], descending=[False, True, False]).head(limit).select(_SHOWN)
+    samples = exp.samples()
+    return samples.sort(["score", "iteration", "sample_id"], descending=[False, True, False]).head(limit).select(_shown(samples))
 
 
 @query("lengths")

@@ -58,6 +58,8 @@ ROLLOUTS = pa.schema(
         ("agent_reward", pa.float32()),
         # wall seconds of each turn of turn_bounds: the policy's generation, or the tools' (the agent's own) work
         ("turn_seconds", _floats),
+        # agent.function runs: how a failed sample failed (timeout, raised, bad_return, no_request, too_long); null: ok
+        ("failure", pa.string()),
     ]
 )
 
@@ -67,6 +69,7 @@ REWARDS = pa.schema(
         ("score", pa.float32()),
         ("reward_fn", pa.string()),
         ("error", pa.string()),  # null unless the reward function raised or timed out
+        ("failure", pa.string()),  # the rollout's failed sample kind (agent.function), null when it did not fail
         # null where the sample's source has no rule, or neither a reward model nor overlong shaping is on
         ("score_rule", pa.float32()),
         ("score_rm", pa.float32()),  # null unless reward_model.enable
@@ -127,7 +130,7 @@ SCHEMAS: dict[str, pa.Schema] = {
 
 
 # Columns added after an artifact kind was first stored: a table written before them gets them as nulls.
-LATE_COLUMNS = frozenset({"agent_reward", "turn_seconds"})
+LATE_COLUMNS = frozenset({"agent_reward", "turn_seconds", "failure"})
 # Columns of wall-clock time: a replay that reproduces every other value is the same artifact (flows/replay.py).
 TIMING_COLUMNS = frozenset({"turn_seconds"})
 

@@ -339,6 +339,7 @@ def _rollouts_table(batch: list[dict], comps: list[dict], iteration: int, round_
         cols["messages_json"].append(c.get("messages"))  # agent completions only, null otherwise
         for k in _AGENT_COLUMNS:
             cols[k].append(c.get(k))
+        cols["failure"].append(c["agent_status"] if c.get("agent_status") not in (None, "ok") else None)
         cols["response_text"].append(c["text"])
         cols["rollout_log_probs"].append(c["log_probs"])
         cols["finish_reason"].append(c["finish_reason"])
@@ -442,6 +443,7 @@ def score_round(cfg: ConfigView, table: pa.Table) -> StageOutput:
             "score": pa.array(all_scores, pa.float32()),
             "reward_fn": fn_names,
             "error": errors,
+            "failure": table.column("failure") if "failure" in table.column_names else pa.nulls(len(rows), pa.string()),
             # also under overlong shaping: the rule score before it (dynamic sampling's acc metric)
             "score_rule": pa.array(rule if rm_on or ob.enable else [None] * len(rows), pa.float32()),
             "score_rm": pa.array(rm, pa.float32()),

@@ -156,6 +156,23 @@ def test_failed_agents_are_samples_the_stage_trains_past_and_logs(mixed_run):
             assert r["agent_reward"] == 0.75 and s["score"] == 0.75 and s["reward_fn"] == "agent.function"
         else:  # scored by the rule
             assert r["agent_reward"] is None and s["reward_fn"] != "agent.function" and 1 in r["response_mask"]
+    # the failure's kind is in both tables, and a failed sample is not in its group's baseline: each group's healthy
+    # samples get GRPO's advantages of their own scores alone
+    assert {(r["sample_index"], r["failure"]) for r in rows} == {(0, None), (1, "raised"), (2, "bad_return"), (3, None)}
+    assert [r["failure"] for r in rows] == [s["failure"] for s in scores]
+    exp = {e["sample_id"]: e for e in stage_rows(cfg, "mixed", 1, "advantage", "experience.parquet")}
+    for g in {r["group_id"] for r in rows}:
+        healthy = [(r["sample_id"], s["score"]) for r, s in zip(rows, scores, strict=True) if r["group_id"] == g and r["failure"] is None]
+        mean = sum(v for _, v in healthy) / len(healthy)
+        std = (sum((v - mean) ** 2 for _, v in healthy) / (len(healthy) - 1)) ** 0.5
+        for sid, v in healthy:
+            got = exp[sid]["advantages"][0]
+            assert abs(got - (v - mean) / (std + 1e-6)) < 1e-4, (g, sid, got, v, mean, std)
+    from rlstage.infra.explore import Experience, run_query
+    from rlstage.tasks.runtime import store_for
+
+    worst = run_query(Experience.open(store_for(cfg), "mixed"), "worst", 40).collect()  # rlstage inspect mixed -q worst
+    assert set(worst["failure"].to_list()) >= {"raised", "bad_return"}  # a failure never reads as an ordinary 0.0
     metrics = MlflowClient(tracking_uri_for(cfg)).get_run(result["mlflow_run_id"]).data.metrics
     assert (metrics["agent/status/ok"], metrics["agent/status/raised"], metrics["agent/status/bad_return"]) == (16, 8, 8)
     assert metrics["agent/rejected/model_not_found"] == 8
