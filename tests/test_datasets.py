@@ -266,6 +266,13 @@ def test_verl_parquet_bad_input(tmp_path: Path) -> None:
         D.DatasetError, match=r"notruth\.parquet: row 0: 'reward_model' has no 'ground_truth'"
     ):
         D.load_verl_parquet(str(path))
+    path = tmp_path / "blanktruth.parquet"
+    t = _verl_table()
+    blank = [{"style": "rule", "ground_truth": g} for g in ("1", "  ", "3")]
+    t = t.set_column(t.column_names.index("reward_model"), "reward_model", pa.array(blank))
+    pq.write_table(t, path)
+    with pytest.raises(D.DatasetError, match=r"blanktruth\.parquet: row 1: 'reward_model\.ground_truth' is empty \(a row without its answer\)"):
+        D.load_verl_parquet(str(path))
 
 
 class _ChatTokenizer:

@@ -319,6 +319,8 @@ def load_verl_parquet(path: str, split: str | None = None) -> pa.Table:
         truth = reward_model.get("ground_truth")
         if truth is None:
             raise DatasetError(f"{where}: 'reward_model' has no 'ground_truth'")
+        if isinstance(truth, str) and not truth.strip():  # nothing to score against: refused, not a silent 0
+            raise DatasetError(f"{where}: 'reward_model.ground_truth' is empty (a row without its answer)")
         extra = _as_dict(rec.get("extra_info"), where, "extra_info")
         # Everything verl carries beside the prompt (ability, reward style, extra columns) stays in extra_info.
         if rec.get("ability") is not None:
@@ -375,7 +377,7 @@ def load_columns(path: str, split: str | None = None, **settings: Any) -> pa.Tab
     for index, rec in enumerate(_records(p)):
         where = f"{p}: row {index + 1}"
         for column in (s.prompt_column, s.answer_column):
-            if rec.get(column) is None or rec.get(column) == "":
+            if rec.get(column) is None or (isinstance(rec.get(column), str) and not rec[column].strip()):
                 raise DatasetError(f"{where}: no {column!r} column (data.source_settings names it; the row has {sorted(rec)})")
         prompt = rec[s.prompt_column]
         if isinstance(prompt, str):
