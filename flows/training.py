@@ -116,6 +116,12 @@ _progress.setLevel(logging.INFO)
 _progress.addHandler(APILogHandler())
 
 
+def flat_rewards(metrics: dict) -> bool:
+    """Every sample of the iteration scored the same (all 0, say): no group has an advantage to learn from."""
+    hi, lo = metrics.get("critic/score/max"), metrics.get("critic/score/min")
+    return hi is not None and lo is not None and hi == lo
+
+
 def _emit(line: str) -> None:
     """A summary line: on the terminal and in the flow run's logs."""
     TERMINAL.line(line)
@@ -498,6 +504,7 @@ def _run_iterations(cfg: RunConfig, store: ArtifactStore, first: int, last: int,
                 _emit(
                     f"iteration {it:>3}: "
                     + (f"train reward {score:.3f} | " if score is not None else "")
+                    + ("every sample scored the same: no signal to learn from | " if flat_rewards(metrics) else "")
                     + (f"held-out accuracy {acc:.3f} | " if acc is not None else "")
                     + (f"held-out mean reward {val_reward:.3f} | " if credit else "")
                     + f"{history[-1]['wall_s']:.1f}s, executed {len(outcome.executed)} stage(s)"

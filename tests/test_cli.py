@@ -123,3 +123,18 @@ def test_the_learning_summary_says_what_it_measures(capsys):
     _summary({"history": credit, "store": "s", "run": "r", "mlflow": "m"})
     out = capsys.readouterr().out
     assert "iteration   2: 0.000   mean reward 0.019" in out and "learning: 0.000 -> 0.000 (+0.0 points)" in out
+
+
+def test_a_run_whose_every_sample_scored_the_same_says_it_had_nothing_to_learn(capsys):
+    """Every reward 0 (a reward function that never matches): the iteration line and the run's end say so."""
+    from rlstage.flows.cli import _summary
+    from rlstage.flows.training import flat_rewards
+
+    flat = {"critic/score/mean": 0.0, "critic/score/max": 0.0, "critic/score/min": 0.0}
+    assert flat_rewards(flat) and not flat_rewards({**flat, "critic/score/max": 1.0}) and not flat_rewards({})
+    history = [{"iteration": 0, "val/accuracy": 0.0}, {"iteration": 1, **flat}, {"iteration": 2, "val/accuracy": 0.0, **flat}]
+    _summary({"history": history, "store": "s", "run": "r", "mlflow": "m"})
+    assert "warning: every sample of every iteration scored 0: no group had a signal to learn from" in capsys.readouterr().out
+    history[1] = {**history[1], "critic/score/max": 1.0}  # one iteration had a signal: no warning
+    _summary({"history": history, "store": "s", "run": "r", "mlflow": "m"})
+    assert "warning" not in capsys.readouterr().out
