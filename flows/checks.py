@@ -305,6 +305,14 @@ def check_inputs(cfg: RunConfig) -> None:
     if cfg.model.path is not None and not cfg.model.path.lower().endswith(".gguf"):  # a .gguf is converted at run start
         check_model_dir(cfg.model.path)
     check_data_source(cfg)  # the files are read with the source's settings
+    from rlstage.schemas.config import GENERATED_SOURCES
+
+    given = [k for k in ("train_path", "test_path") if getattr(cfg.data, k)]
+    if cfg.data.source in GENERATED_SOURCES and given:  # the files would be ignored: the kit's prompts trained instead
+        raise InputError(
+            f"data.{given[0]}: data.source={cfg.data.source} generates its prompts and reads no file; name the file's "
+            "format with data.source (jsonl, parquet, verl_parquet or gsm8k)"
+        )
     tables = {}
     for key in ("train_path", "test_path"):
         value = getattr(cfg.data, key)

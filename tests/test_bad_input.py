@@ -220,6 +220,7 @@ CASES: list[tuple[str, list[str], dict[str, str], str]] = [
     ("parquet missing columns", ["train", *_train_data("{nocols_parquet}", "{nocols_parquet}", "verl_parquet")], {}, r"nocols\.parquet: missing columns"),
     ("parquet empty", ["train", *_train_data("{empty_parquet}", "{empty_parquet}", "verl_parquet")], {}, r"empty\.parquet: file is empty \(no rows\)"),
     ("not parquet", ["train", *_train_data("{notparquet_parquet}", "{notparquet_parquet}", "verl_parquet")], {}, r"notparquet\.parquet: not a readable parquet file"),
+    ("files without a data.source", ["train", "data.train_path={good_jsonl}", "data.test_path={good_jsonl}"], {}, r"data\.train_path: data\.source=synthetic generates its prompts and reads no file; name the file's format with data\.source \(jsonl, parquet, verl_parquet or gsm8k\)"),
     ("verl rows of an unmapped data_source", ["train", *_train_data("{mine_train_parquet}", "{mine_test_parquet}", "verl_parquet")], {}, r"config error: reward\.function: rows of data\.source=verl_parquet have data_source 'my_org/gsm8k_v2' with no registered reward: map it \(reward\.by_data_source=\{my_org/gsm8k_v2: gsm8k\}\)"),
     ("a data_source mapped to an unknown reward", ["train", "reward.by_data_source={{my_org/x: gsm9k}}"], {}, r"config error: reward\.by_data_source\.my_org/x: unknown reward function 'gsm9k'; valid: "),
     ("data-prep bad line", ["data-prep", *_train_data("{badline_jsonl}")], {}, r"badline\.jsonl:2: invalid JSON"),
