@@ -159,7 +159,7 @@ def stored_config(
     if stored is None:
         runs = store.runs()
         known = f"; runs there: {', '.join(runs)}" if runs else "; no runs there"
-        raise ConfigError(f"config error: run {run_name!r} does not exist under {store.root}{known}")
+        raise ConfigError(f"run {run_name!r} does not exist under {store.root}{known}")
     where = f"{store.root}/{run_name}/run.json"
     load_plugins()  # the environment's: a stored config's own plugins are imported only once trusted (below)
     cfg = stored_config_from(stored, where, overrides, trusted)
@@ -188,7 +188,7 @@ def need(store: ArtifactStore, run: str, iteration: int | None, stage: str) -> M
     m = store.manifest(run, iteration, stage)
     if m is None:
         where = "run level" if iteration is None else f"iteration {iteration}"
-        raise ConfigError(f"config error: run {run!r} has no committed {stage} at {where}")
+        raise ConfigError(f"run {run!r} has no committed {stage} at {where}")
     return m
 
 

@@ -208,7 +208,7 @@ def models_before(cfg: RunConfig, store: ArtifactStore, iteration: int, initial:
     def need(stage: str, k: int) -> Manifest:
         m = store.manifest(cfg.run_name, k, stage)
         if m is None:
-            raise ConfigError(f"config error: run {cfg.run_name!r} has no committed {stage} for iteration {k}")
+            raise ConfigError(f"run {cfg.run_name!r} has no committed {stage} for iteration {k}")
         return m
 
     lag = iteration - 1 - cfg.trainer.async_staleness  # the update whose policy the rollout samples with

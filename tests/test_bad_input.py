@@ -368,4 +368,4 @@ def test_verbose_prints_the_traceback(tmp_path) -> None:
         env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode == 2
-    assert "Traceback" in proc.stderr and proc.stderr.strip().splitlines()[-1].startswith("rlstage: config error: run 'nope'")
+    assert "Traceback" in proc.stderr and proc.stderr.strip().splitlines()[-1].startswith("rlstage: run 'nope' does not exist")

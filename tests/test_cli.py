@@ -56,7 +56,7 @@ def test_overrides_anywhere_and_a_mistyped_run_lists_the_runs(capsys, tmp_path):
     ):
         assert main(argv) == 2
         err = capsys.readouterr().err.strip().splitlines()
-        assert err == [f"rlstage: config error: run 'exp2' does not exist under {tmp_path}; runs there: exp1"]
+        assert err == [f"rlstage: run 'exp2' does not exist under {tmp_path}; runs there: exp1"]
 
 
 def test_a_signal_raised_while_c_code_runs_is_reported_as_a_stop(capsys, monkeypatch):
