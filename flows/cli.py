@@ -732,6 +732,11 @@ def main(argv: list[str] | None = None) -> int:
                 line += f" (see {link})"
             print(f"rlstage: {line}", file=sys.stderr)
             return 2
+        from rlstage.infra.prefect_server import ServerFailedToStart
+
+        if isinstance(err, ServerFailedToStart):
+            print(f"rlstage: {_one_line(err)}; nothing of the run started, rerun the command", file=sys.stderr)
+            return 3
         if isinstance(err, PrefectLost | RayLost):  # the run stops; the next invocation reuses its committed stages
             print(f"rlstage: {err}; committed stages are kept, rerun the command to continue", file=sys.stderr)
             return 3

@@ -16,6 +16,10 @@ from pathlib import Path
 from rlstage.infra.env import apply_defaults, free_port, pid_alive
 
 
+class ServerFailedToStart(RuntimeError):
+    """A local server this command started kept exiting during its own start."""
+
+
 def wait_http(url: str, timeout_s: float, proc: subprocess.Popen | int | None = None) -> None:
     """Until ``url`` answers below 500; fails early when ``proc`` (a Popen or a pid) has exited."""
     deadline = time.monotonic() + timeout_s
@@ -197,17 +201,23 @@ def wait_up(
 
     A free port can be bound by another process before the server binds it (a loaded machine: CI saw a server
     exit so). Where ``moved`` is given, a server that exited while its port is taken is started again on
-    another free port, twice at most, and ``moved(old, new)`` told; any other failure stops the server and raises.
+    another free port, twice at most, and ``moved(old, new)`` told. A server that exits during its start otherwise
+    (killed, crashed) is started again on its port, twice at most, then ServerFailedToStart; a timeout or a signal
+    stops it and raises.
     """
-    moves = 0
+    moves = restarts = 0
     while True:
         proc = proc or spawn(port)
         try:
             wait_http(health(port), timeout_s, proc)
             return proc, port
-        except RuntimeError:  # it exited
+        except RuntimeError as err:  # it exited
             if moved is None or moves == 2 or not port_taken(port):
-                raise
+                # killed or crashed during its own start (not a taken port): started again, twice at most
+                if restarts == 2:
+                    raise ServerFailedToStart(f"{err} during its start, three times") from None
+                restarts, proc = restarts + 1, None
+                continue
         except BaseException:  # a timeout, or a signal while waiting: nothing started here outlives the call
             stop_process_group(proc)
             raise
