@@ -84,6 +84,7 @@ EXPLICIT = {
     "optim.betas": [[0.8, 0.99]],
     "filter_groups.metric": ["seq_reward"],
     "data.source_settings": [{"prompt_column": "question"}],
+    "reward.by_data_source": [{"synthetic/addition": "gsm8k_flexible"}],
 }
 
 
