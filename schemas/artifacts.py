@@ -69,10 +69,10 @@ REWARDS = pa.schema(
         ("score", pa.float32()),
         ("reward_fn", pa.string()),
         ("error", pa.string()),  # null unless the reward function raised or timed out
-        ("failure", pa.string()),  # the rollout's failed sample kind (agent.function), null when it did not fail
         # null where the sample's source has no rule, or neither a reward model nor overlong shaping is on
         ("score_rule", pa.float32()),
         ("score_rm", pa.float32()),  # null unless reward_model.enable
+        ("failure", pa.string()),  # the rollout's failed sample kind (agent.function), null when it did not fail
     ]
 )
 

@@ -25,7 +25,7 @@ def _round(round_: int, groups: dict[int, list[float]], rule: dict[int, list[flo
             ro["sample_id"][-1] = f"p{g}/{round_}/{k}"
             ro["prompt_id"][-1] = f"p{g}"
             ro["group_id"][-1], ro["sample_index"][-1] = g, k
-            for name, value in zip(A.REWARDS.names, [ro["sample_id"][-1], score, "f", None, None, None], strict=True):
+            for name, value in zip(A.REWARDS.names, [ro["sample_id"][-1], score, "f", None, None, None, None], strict=True):
                 rw[name].append(value)
             if rule is not None and k >= 0:
                 rw["score_rule"][-1] = rule[g][k]

@@ -53,6 +53,56 @@ def _commands_processes(home: str) -> tuple[list[int], bytes]:
     return started, b" ".join(Path(f"/proc/{p}/cmdline").read_bytes() for p in started if Path(f"/proc/{p}").exists())
 
 
+def _engine_processes(started: list[int]) -> set[int]:
+    """The vLLM engine's processes of the command: those its policy worker (one of ``started``) registered when the
+    engine started (engines/rollout/vllm_engine.py), alive, besides any titled ``VLLM::`` among ``started``."""
+    import json
+
+    import psutil
+
+    found = set()
+    for registry in Path("/dev/shm").glob("rlstage-owned-*.json"):
+        try:
+            owned = json.loads(registry.read_text())
+        except (OSError, ValueError):
+            continue
+        if owned.get("pid") in started:
+            found |= {c for c in owned.get("children", []) if psutil.pid_exists(c)}
+    for pid in started:
+        try:
+            if "VLLM::" in " ".join(psutil.Process(pid).cmdline()):
+                found.add(pid)
+        except psutil.Error:
+            continue
+    return found
+
+
+def _running(pids: set[int]) -> list[int]:
+    import psutil
+
+    out = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                out.append(pid)
+        except psutil.Error:
+            continue
+    return out
+
+
+def _tree() -> list[str]:
+    """This test's process tree as seen now (what a missing engine's neighbours were)."""
+    import psutil
+
+    out = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            out.append(f"{p.pid}<{p.ppid()} {p.name()} {' '.join(p.cmdline())[:60]}")
+        except psutil.Error:
+            out.append(f"{p.pid} (gone)")
+    return out
+
+
 def _ray_log_errors(cmdlines: bytes) -> list[str]:
     """What the command's Ray logged about dead or killed workers and engines: the failure's cause, not its symptom."""
     import re
@@ -110,12 +160,14 @@ def test_vllm_rollouts_sigterm_stops_all_it_started_and_the_rerun_continues(pref
         # restarted meanwhile starts its engine again, so its processes are waited for (seen once in CI: none yet).
         started, cmdlines = _commands_processes(home)
         for _ in range(300):
-            if b"VLLM::" in cmdlines:
+            engine = _engine_processes(started)
+            if engine:
                 break
             time.sleep(0.2)
             started, cmdlines = _commands_processes(home)
         assert b"prefect\0server\0start" in cmdlines and b"raylet" in cmdlines
-        assert b"VLLM::" in cmdlines, (_ray_log_errors(cmdlines), _vllm_processes(), before)
+        assert engine, (_ray_log_errors(cmdlines), _tree(), _vllm_processes(), before)
+        started = sorted(set(started) | engine)
         shm = shm_files(started)
         assert any(Path(f).name.startswith("psm_") for f in shm), shm  # vLLM's message queues live in /dev/shm
         t0 = time.monotonic()
@@ -132,7 +184,7 @@ def test_vllm_rollouts_sigterm_stops_all_it_started_and_the_rerun_continues(pref
                 proc.kill()
     assert "Traceback" not in rest
     assert rest.strip().splitlines()[-1] == "rlstage: stopped by SIGTERM; rerun the command to continue"
-    left = until_empty(lambda: [pid for pid in _processes_with_env(home) if pid in started], 30)
+    left = until_empty(lambda: [pid for pid in _processes_with_env(home) if pid in started] + _running(engine), 30)
     assert left == [], [Path(f"/proc/{pid}/cmdline").read_bytes() for pid in left]
     assert not [f for f in shm if Path(f).exists()], "shared memory left behind"
     # killed inside a call, the trainer never closed its engine: the command removed what the engine registered
