@@ -217,10 +217,15 @@ def check_registered_names(cfg: RunConfig) -> None:
     from rlstage.engines.data.datasets import ADDITION_SOURCE, GSM8K_SOURCE, MULTIPLY_SOURCE
     from rlstage.engines.data.dynamic_sampling import FILTER_METRICS
     from rlstage.engines.metrics import ANSWER_EXTRACTORS
-    from rlstage.engines.rewards.rules import DATA_SOURCE_FNS
+    from rlstage.engines.rewards.rules import DATA_SOURCE_FNS, REWARD_FNS
 
     load_plugins(cfg.plugins)
     check_algorithm_names(cfg)
+    for source, name in cfg.reward.by_data_source.items():
+        if name not in REWARD_FNS:
+            raise ConfigError(
+                f"config error: reward.by_data_source.{source}: unknown reward function {name!r}; valid: {', '.join(sorted(REWARD_FNS))}"
+            )
     metric = cfg.algorithm.filter_groups.metric
     if metric not in FILTER_METRICS:
         raise ConfigError(
@@ -262,22 +267,7 @@ def check_data_source(cfg: RunConfig) -> None:
                 f"config error: data.source_settings.task: reasoning_gym has no task {settings.task!r}; "
                 f"its tasks: {', '.join(datasets.reasoning_gym_tasks())}"
             )
-    from rlstage.engines.rewards.rules import REWARD_FNS
-
-    for source, name in cfg.reward.by_data_source.items():
-        if name not in REWARD_FNS:
-            raise ConfigError(
-                f"config error: reward.by_data_source.{source}: unknown reward function {name!r}; valid: {', '.join(sorted(REWARD_FNS))}"
-            )
     mapped = cfg.reward.by_data_source
-    if cfg.data.source == "verl_parquet" and not cfg.reward_model.enable and cfg.reward.function is None:
-        missing = sorted(s for s in _parquet_sources(cfg) if not has_rule(s, None, mapped))
-        if missing:
-            raise ConfigError(
-                f"config error: reward.function: rows of data.source=verl_parquet have data_source {missing[0]!r}"
-                f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''} with no registered reward: map it "
-                f"(reward.by_data_source={{{missing[0]}: gsm8k}}) or give reward.function (a registered name or module:function)"
-            )
     if isinstance(settings, datasets.ColumnSettings) and not cfg.reward_model.enable and not has_rule(settings.data_source, cfg.reward.function, mapped):
         raise ConfigError(
             f"config error: reward.function: rows of data.source={cfg.data.source} (data_source {settings.data_source!r}) "
@@ -285,18 +275,20 @@ def check_data_source(cfg: RunConfig) -> None:
         )
 
 
-def _parquet_sources(cfg: RunConfig) -> set[str]:
-    """The ``data_source`` values of a verl parquet's rows (that column alone is read); a file that cannot be read is
-    left to data prep, which names the problem."""
-    import pyarrow.parquet as pq
+def check_rows_have_rewards(cfg: RunConfig, sources: set[str]) -> None:
+    """The rows of a source that names its own (verl's parquet), read by the caller: each ``data_source`` among them
+    has a reward (reward.function, reward.by_data_source, a registered rule, or a reward model)."""
+    from rlstage.engines.rewards.rules import has_rule
 
-    found: set[str] = set()
-    for path in (cfg.data.train_path, cfg.data.test_path):
-        try:
-            found |= {str(v) for v in pq.read_table(path, columns=["data_source"]).column(0).unique().to_pylist() if v is not None}
-        except Exception:  # missing, unreadable, no such column: data prep's one line says which
-            continue
-    return found
+    if cfg.reward_model.enable or cfg.reward.function is not None:
+        return
+    missing = sorted(s for s in sources if not has_rule(s, None, cfg.reward.by_data_source))
+    if missing:
+        raise ConfigError(
+            f"config error: reward.function: rows of data.source={cfg.data.source} have data_source {missing[0]!r}"
+            f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''} with no registered reward: map it "
+            f"(reward.by_data_source={{{missing[0]}: gsm8k}}) or give reward.function (a registered name or module:function)"
+        )
 
 
 def preflight(cfg: RunConfig) -> None:

@@ -300,7 +300,7 @@ def _check_safetensors(file: Path, label: str) -> None:
 def check_inputs(cfg: RunConfig) -> None:
     """Fail before anything is written when a named input does not exist or cannot be read."""
     from rlstage.engines.data.datasets import DatasetError, check_held_out, load_prompts
-    from rlstage.engines.preflight import check_data_source
+    from rlstage.engines.preflight import check_data_source, check_rows_have_rewards
 
     if cfg.model.path is not None and not cfg.model.path.lower().endswith(".gguf"):  # a .gguf is converted at run start
         check_model_dir(cfg.model.path)
@@ -324,6 +324,8 @@ def check_inputs(cfg: RunConfig) -> None:
             tables[key] = load_prompts(cfg.data.source, value, **cfg.data.source_settings)  # data prep reads it again; errors surface here first
         except DatasetError as err:
             raise InputError(f"data.{key}: {err}") from None
+    if cfg.data.source == "verl_parquet":  # its rows name their data_source: each needs a reward
+        check_rows_have_rewards(cfg, {s for t in tables.values() for s in t.column("data_source").to_pylist() if s})
     if len(tables) == 2:
         try:
             check_held_out(tables["train_path"], tables["test_path"], cfg.data.train_path, cfg.data.test_path)
