@@ -124,9 +124,8 @@ class Experience:
         keys = ["iteration", "sample_id"]
         out = self.rollouts()
         if self._manifests("reward"):
-            rewards = self.rewards()
             # the failure kind is the rollout's, repeated in the rewards table
-            out = out.join(rewards.drop("failure", strict=False), on=keys, how="left")
+            out = out.join(self.rewards().drop("failure", strict=False), on=keys, how="left")
         if self._manifests("advantage"):
             out = out.join(self.experience().drop(*_REPEATED), on=keys, how="left")
         return out
@@ -188,10 +187,11 @@ def reward_by_source(exp: Experience, limit: int) -> pl.LazyFrame:
 _SHOWN = ["iteration", "sample_id", "data_source", "score", "response_length", "prompt", "response_text", "ground_truth"]
 
 
-def _shown(frame: pl.LazyFrame) -> list[str]:
+def _shown(exp: Experience) -> list[str]:
     """The columns best/worst show: with ``failure`` (how an agent's sample failed) where any sample failed, so a
-    timeout never reads as an ordinary 0.0."""
-    if "failure" in frame.collect_schema().names() and frame.select(pl.col("failure").is_not_null().any()).collect().item():
+    timeout never reads as an ordinary 0.0 (read from the rollouts alone, not their join with the later stages)."""
+    rollouts = exp.rollouts()
+    if "failure" in rollouts.collect_schema().names() and rollouts.select(pl.col("failure").is_not_null().any()).collect().item():
         return [*_SHOWN[:4], "failure", *_SHOWN[4:]]
     return _SHOWN
 
@@ -199,15 +199,13 @@ def _shown(frame: pl.LazyFrame) -> list[str]:
 @query("best")
 def best_samples(exp: Experience, limit: int) -> pl.LazyFrame:
     """The highest-reward samples with their prompts and responses (ties: latest iteration first)."""
-    samples = exp.samples()
-    return samples.sort(["score", "iteration", "sample_id"], descending=[True, True, False]).head(limit).select(_shown(samples))
+    return exp.samples().sort(["score", "iteration", "sample_id"], descending=[True, True, False]).head(limit).select(_shown(exp))
 
 
 @query("worst")
 def worst_samples(exp: Experience, limit: int) -> pl.LazyFrame:
     """The lowest-reward samples with their prompts and responses (ties: latest iteration first)."""
-    samples = exp.samples()
-    return samples.sort(["score", "iteration", "sample_id"], descending=[False, True, False]).head(limit).select(_shown(samples))
+    return exp.samples().sort(["score", "iteration", "sample_id"], descending=[False, True, False]).head(limit).select(_shown(exp))
 
 
 @query("lengths")

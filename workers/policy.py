@@ -517,7 +517,7 @@ class PolicyWorker:
 
     def _push_rollout_weights(self) -> None:
         """After an update: the trained weights into a separate rollout engine (HF shares the model), in memory
-        (vLLM: buckets over its RPC; a LoRA policy: its adapter), whether or not this update staged a checkpoint."""
+        (vLLM: shared-memory buckets; a LoRA policy: its adapter), whether or not this update staged a checkpoint."""
         if not hasattr(self.rollout, "load_weights"):
             return
         self.rollout.load_weights(self.model)

@@ -47,6 +47,7 @@ from rlstage.engines.agents.tools import (
     resolve_template,
     sample_tools,
 )
+from rlstage.engines.rewards.rules import FLOAT32_MAX
 from rlstage.engines.rollout.hf import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -518,14 +519,11 @@ def endpoint_server() -> EndpointServer:
 # ---------------------------------------------------------------- a batch of samples
 
 
-_FLOAT32_MAX = 3.4028234663852886e38
-
-
 def _check_reward(value: Any) -> float | None:
     if value is None:
         return None
     # float32's range: the rewards table stores float32, where 1e39 is inf (NaN advantages, a skipped step)
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or abs(value) > _FLOAT32_MAX:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or abs(value) > FLOAT32_MAX:
         raise TypeError(f"returned {type(value).__name__} {value!r}, not a finite float32 or None")
     return float(value)
 
@@ -564,10 +562,8 @@ class _Timed:
             except StopIteration as stop:
                 self._charge(t0)
                 return stop.value
-            except (KeyboardInterrupt, SystemExit, GeneratorExit) as err:
+            except (KeyboardInterrupt, SystemExit, GeneratorExit) as err:  # the agent's own (closing is handled below)
                 self._charge(t0)
-                if isinstance(thrown, GeneratorExit):  # this wrapper is being closed: let it close
-                    raise
                 raise AgentEscaped(f"{type(err).__name__}: {err}" if str(err) else type(err).__name__) from None
             except BaseException:
                 self._charge(t0)
@@ -587,7 +583,7 @@ def _others_stalled(stalls: list, me: _Timed, start: float, now: float) -> float
     return sum(max(0.0, min(b, now) - max(a, start)) for a, b, who in stalls if who is not me)
 
 
-async def _bounded(coro: Any, sid: str, timeout_s: float, stalls: list, abandoned: list) -> tuple[float | None, str]:
+async def _bounded(coro: Any, sid: str, timeout_s: float, stalls: list) -> tuple[float | None, str]:
     """Run one agent within its own ``timeout_s``, whatever it does with cancellation: past the bound its task is
     cancelled and left behind (its later requests are refused), never waited for. The bound counts the agent's own
     time: other agents' blocking steps meanwhile do not count against it, its own do."""
@@ -603,9 +599,7 @@ async def _bounded(coro: Any, sid: str, timeout_s: float, stalls: list, abandone
     now = time.perf_counter()
     own = now - start - _others_stalled(stalls, timed, start, now)
     if not task.done() or own > timeout_s:
-        if not task.done():
-            task.cancel()
-            abandoned.append(task)
+        task.cancel()  # left behind: the batch's end never waits for it (_run_leaving_abandoned)
         blocked = f" (it blocked the event loop for {timed.busy:.1f}s)" if timed.busy > timeout_s / 2 else ""
         log.warning("agent function: sample %s timed out after %gs%s", sid, timeout_s, blocked)
         return 0.0, TIMEOUT
@@ -709,7 +703,6 @@ def run_function_batch(
     results: dict[str, tuple[float | None, str]] = {}
 
     stalls: list[tuple[float, float, _Timed]] = []  # event-loop stalls by agents' own blocking steps
-    abandoned: list[asyncio.Future] = []  # agents past their bound that did not stop when cancelled
 
     async def one(sid: str, base_url: str, http: Any, gate: asyncio.Semaphore) -> None:
         i, k = samples[sid]
@@ -722,7 +715,7 @@ def run_function_batch(
         async with gate:
             policy.open_request()
             try:
-                reward, status = await _bounded(function(client, sample), sid, timeout_s, stalls, abandoned)
+                reward, status = await _bounded(function(client, sample), sid, timeout_s, stalls)
             finally:
                 records[sid].closed = True
                 policy.close_request()

@@ -243,7 +243,8 @@ _MARGIN_S = 2.0  # grace beyond timeout_s before the parent declares the child s
 _CHUNK = 512  # samples per message to the child: few IPC round trips for thousands of samples
 _FLUSH_S = 0.1  # the child sends finished results at least this often, so a crash loses little work
 _START_TIMEOUT_S = 120.0
-_FLOAT32_MAX = 3.4028234663852886e38  # a score beyond it is inf in the rewards table's float32 column
+# The largest reward the rewards table's float32 column holds (agents' rewards too): beyond it a score is stored as inf.
+FLOAT32_MAX = 3.4028234663852886e38
 # verl's reward signature: compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs)
 VERL_PARAMS = ("data_source", "solution_str", "ground_truth", "extra_info")
 
@@ -333,7 +334,7 @@ def _score_one(
             metrics = {str(k): _extra_value(v) for k, v in value.items() if k != "score"} or None
             value = value["score"]
         score = float(value)
-        if not math.isfinite(score) or abs(score) > _FLOAT32_MAX:
+        if not math.isfinite(score) or abs(score) > FLOAT32_MAX:
             raise ValueError(f"reward is not a finite float32: {score}")
         return score, None, metrics
     except _RewardTimeout:

@@ -218,12 +218,12 @@ def bucket_tensors(buf, layout: list) -> list[tuple[str, torch.Tensor]]:
 def weight_buckets(model: torch.nn.Module, bucket_bytes: int) -> list[dict[str, torch.Tensor]]:
     """The model's weights as checkpoint-named CPU tensors in buckets of about ``bucket_bytes``: a tied copy (an
     output layer sharing the embedding) once, as ``save_pretrained`` writes it."""
-    seen: set[int] = set()
+    seen: set = set()
     buckets: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name, tensor in model.state_dict().items():
-        key = tensor.untyped_storage().data_ptr() if tensor.numel() else id(tensor)
-        if key in seen:  # tied: vLLM ties it back from the first name
+        key = (tensor.data_ptr(), tuple(tensor.shape)) if tensor.numel() else id(tensor)
+        if key in seen:  # tied (the same tensor under a second name): vLLM ties it back from the first name
             continue
         seen.add(key)
         nbytes = tensor.numel() * tensor.element_size()
@@ -382,9 +382,9 @@ class VLLMRolloutEngine:
     def load_weights(self, source: str | Path | torch.nn.Module) -> float:
         """Push new weights into the running engine; returns the seconds it took.
 
-        ``source`` is a model directory holding ``*.safetensors`` (as ``save_pretrained`` writes
-        it) or an in-memory Hugging Face model, which is written to a temporary folder first; a LoRA policy
-        goes to an engine started with ``lora_rank`` as its adapter (``load_adapter``), else merged.
+        ``source`` is a model directory holding ``*.safetensors`` (as ``save_pretrained`` writes it) or an in-memory
+        Hugging Face model, sent in memory (``push_weights``); a LoRA policy goes to an engine started with
+        ``lora_rank`` as its adapter (``load_adapter``), else merged into a temporary folder first.
         """
         if is_peft(source) and self.adapter_dir is not None:
             return self.load_adapter(source)
