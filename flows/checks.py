@@ -21,11 +21,13 @@ from rlstage.engines.plugins import (
 )
 from rlstage.infra.store import ArtifactStore
 from rlstage.schemas.config import (
+    GENERATED_SOURCES,
     ConfigError,
     RunConfig,
     absolute_root,
     code_settings,
     drop_unset_late_settings,
+    parse_overrides,
     stored_config_from,
 )
 from rlstage.schemas.manifest import Manifest, unsafe_checkpoint_file
@@ -125,8 +127,6 @@ CODE_SETTINGS = ("plugins", "reward.function", "agent.function", "agent.tools", 
 def trusted_code(store: ArtifactStore, run_name: str, overrides: list[str] | tuple[str, ...]) -> set[str]:
     """The import paths ``overrides`` name again for a run continued with its stored config (``nightly``): each must
     be a setting naming code, with the value the run stored; one line otherwise."""
-    from rlstage.schemas.config import parse_overrides
-
     stored = store.get_json(run_name, "run.json") or {}
     base = stored.get("config") if isinstance(stored.get("config"), dict) else {}
     for item in overrides:
@@ -305,8 +305,6 @@ def check_inputs(cfg: RunConfig) -> None:
     if cfg.model.path is not None and not cfg.model.path.lower().endswith(".gguf"):  # a .gguf is converted at run start
         check_model_dir(cfg.model.path)
     check_data_source(cfg)  # the files are read with the source's settings
-    from rlstage.schemas.config import GENERATED_SOURCES
-
     given = [k for k in ("train_path", "test_path") if getattr(cfg.data, k)]
     if cfg.data.source in GENERATED_SOURCES and given:  # the files would be ignored: the kit's prompts trained instead
         raise InputError(

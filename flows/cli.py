@@ -269,6 +269,7 @@ def cmd_nightly(args) -> int:
         stored_config,
         trusted_code,
     )
+    from rlstage.infra.lease import check_lease
     from rlstage.infra.store import ArtifactStore
     from rlstage.schemas.config import ConfigError
 
@@ -278,8 +279,6 @@ def cmd_nightly(args) -> int:
     trusted = trusted_code(store, args.run, args.overrides)  # the run's code, named again by this command
     cfg = stored_config(store, args.run, trusted=trusted)
     check_inputs(cfg)
-    from rlstage.infra.lease import check_lease
-
     check_lease(store, args.run)
     done = last_completed_iteration(store, args.run)
     continuation_end(cfg, done, args.iterations)

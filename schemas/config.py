@@ -368,11 +368,6 @@ class RewardConfig(_Section):
     # data_source -> a registered reward function's name, for your own sources ({my_org/gsm8k_v2: gsm8k}); before the
     # registered mapping, after reward.function
     by_data_source: dict[str, str] = Field(default_factory=dict, json_schema_extra=HASHED_WHEN_SET)
-
-    @field_validator("function", mode="before")
-    @classmethod
-    def _verl_form(cls, v: Any) -> Any:
-        return reward_function_path(v)
     gsm8k_method: Literal["strict", "flexible"] = "strict"  # verl's gsm8k extraction method
     # verl's gsm8k format_score: the reward of a parsable but wrong answer (0 in verl's default scorer)
     format_score: float = 0.0
@@ -380,6 +375,11 @@ class RewardConfig(_Section):
     # A scoring stage stops when at least this share of its samples failed (1.0: only when all did).
     stop_failure_share: float = Field(1.0, gt=0, le=1)
     overlong_buffer: OverlongBufferConfig = Field(default_factory=OverlongBufferConfig)
+
+    @field_validator("function", mode="before")
+    @classmethod
+    def _verl_form(cls, v: Any) -> Any:
+        return reward_function_path(v)
 
 
 class RewardModelPathConfig(_Section):
