@@ -424,8 +424,10 @@ def _summary(result: dict) -> None:
     if len(hist) >= 2:
         gain = hist[-1]["val/accuracy"] - hist[0]["val/accuracy"]
         print(f"learning: {hist[0]['val/accuracy']:.3f} -> {hist[-1]['val/accuracy']:.3f} ({gain * 100:+.1f} points)")
+    from rlstage.flows.training import flat_rewards
+
     trained = [h for h in result["history"] if "critic/score/max" in h]
-    if trained and all(h["critic/score/max"] == h["critic/score/min"] for h in trained):
+    if trained and all(flat_rewards(h) for h in trained):
         print(
             f"warning: every sample of every iteration scored {trained[-1]['critic/score/max']:g}: no group had a "
             "signal to learn from (check the reward function against a few answers: rlstage inspect RUN -q worst)"
