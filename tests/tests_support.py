@@ -107,21 +107,22 @@ def _flow_runs(flow_state) -> tuple[list, list]:
 def stage_states(flow_state) -> dict:
     """(flow run name, stage) -> the final state of each stage task run of a training flow run and of its
     iteration subflows."""
-    import time
-
     from rlstage.tasks.stages import TASKS
 
-    # Prefect's server records a task run's states from the events its client sends, asynchronously: right after the
-    # flow returns, a finished task run may still read as Running (seen under CI's load). Its final state is awaited.
-    deadline = time.monotonic() + 60
-    while True:
+    states: dict = {}
+
+    def unfinished() -> list:
         flows, runs = _flow_runs(flow_state)
         names = {r.id: r.name for r in flows}
         # A task run is named <task>-<suffix>; the stage tasks are named after their stage.
-        states = {(names[r.flow_run_id], r.name.rsplit("-", 1)[0]): r.state for r in runs if r.name.rsplit("-", 1)[0] in TASKS}
-        if all(s is not None and s.is_final() for s in states.values()) or time.monotonic() > deadline:
-            return states
-        time.sleep(0.2)
+        states.clear()
+        states.update({(names[r.flow_run_id], r.name.rsplit("-", 1)[0]): r.state for r in runs if r.name.rsplit("-", 1)[0] in TASKS})
+        return [k for k, s in states.items() if s is None or not s.is_final()]
+
+    # Prefect's server records a task run's states from the events its client sends, asynchronously: right after the
+    # flow returns, a finished task run may still read as Running (seen under CI's load). Its final state is awaited.
+    until_empty(unfinished, 60)
+    return dict(states)
 
 
 def flow_graph(flow_state) -> dict[str, set[str]]:
