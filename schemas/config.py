@@ -1050,23 +1050,14 @@ def merge_dicts(base: dict, extra: dict) -> dict:
     return out
 
 
-def _setting_paths(model: type[BaseModel] | None = None, prefix: str = "") -> list[str]:
-    """Every setting's dotted name (sections recursed into), for suggestions."""
-    import typing
-
-    out: list[str] = []
-    for name, info in (model or RunConfig).model_fields.items():
-        path = f"{prefix}{name}"
-        inner = [a for a in (info.annotation, *typing.get_args(info.annotation)) if isinstance(a, type) and issubclass(a, BaseModel)]
-        out += _setting_paths(inner[0], path + ".") if inner else [path]
-    return out
-
-
 def nearest_setting(key: str) -> str | None:
     """The setting a mistyped or misplaced ``key`` most likely means: one with the same last name, else the closest."""
     import difflib
 
-    paths = _setting_paths()
+    from rlstage.schemas.settings_help import setting_paths  # it imports this module
+
+    known = setting_paths()
+    paths = sorted(p for p in known if not any(q.startswith(p + ".") for q in known))  # the settings, not sections
     if "." not in key:  # a whole section: only a close section name
         close = difflib.get_close_matches(key, sorted({p.split(".", 1)[0] for p in paths}), n=1, cutoff=0.75)
         return close[0] if close else None
