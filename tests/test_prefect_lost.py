@@ -24,6 +24,7 @@ from tests_support import (
     moving_overrides,
     start_cli_until,
     tiny_overrides,
+    until_empty,
     update_weights,
     weights_moved,
 )
@@ -112,15 +113,25 @@ def test_a_lost_server_is_one_line_and_the_rerun_heals_its_own(migrated_prefect_
     # stopped after the SFT, before the update (nothing of iteration 1 half-written is visible)
     assert sft is not None and store.manifest("lost", 1, "update") is None
 
-    # The same command on its own server (no PREFECT_API_URL): what it started, it heals.
-    env = cli_env()
-    proc = start_cli_until(cmd, tmp_path, env, "iteration   0:")
+    # The same command on its own server (no PREFECT_API_URL): what it started, it heals. Its trainer holds in
+    # update 1 until the restart is said (a tiny iteration takes ~1 s: a kill could come after the run's end).
+    env, markers = cli_env(), tmp_path / "markers"
+    markers.mkdir()
+    held = [*cmd, "drill.hold_worker_at=['update:1']", f"drill.markers={markers}"]
+    proc = start_cli_until(held, tmp_path, env, "iteration   0:")
     try:
+        until_empty(lambda: not ((markers / "held-update-1").exists() or proc.poll() is not None), 300)
+        assert proc.poll() is None, proc.stdout.read()
         (pid, cmdline), *more = _servers_of(ours).items()
         assert not more, more  # the command's clients talk to the server it started, and to no other
         port = cmdline.split(b"--port\0")[1].split(b"\0")[0].decode()
         os.kill(pid, signal.SIGKILL)
-        rest = proc.stdout.read()
+        lines = []
+        for out in proc.stdout:
+            lines.append(out)
+            if "started again" in out:
+                (markers / "release-update-1").touch()
+        rest = "".join(lines)
         assert proc.wait(300) == 0, rest
     finally:
         if proc.poll() is None:
@@ -146,9 +157,10 @@ def _rays_of(prefect_home: Path) -> dict[int, bytes]:
 
 @pytest.mark.integration
 def test_a_dead_local_ray_is_started_again_and_the_run_goes_on(migrated_home, tmp_path):
-    """The raylet of the Ray the command started, SIGKILLed once the SFT is committed and evaluated: the command
-    says so in one line, starts Ray again and trains on from the committed stages to the end (exit 0), with the
-    weights moving; no Ray process outlives it."""
+    """The raylet of the Ray the command started, SIGKILLed while the trainer holds in update 1: the command says
+    so in one line, starts Ray again and trains on from the committed stages to the end (exit 0), with the weights
+    moving; no Ray process outlives it. (Killed on the iteration-0 line instead, a CI run once found the command
+    already done: a tiny iteration takes ~1 s.)"""
     from safetensors.torch import load
 
     from rlstage.infra.store import ArtifactStore
@@ -156,12 +168,17 @@ def test_a_dead_local_ray_is_started_again_and_the_run_goes_on(migrated_home, tm
     from rlstage.schemas.stages import kit_run_name
 
     ours = migrated_home(tmp_path / ".rlstage")
+    markers = tmp_path / "markers"
+    markers.mkdir()
     overrides = [
         *tiny_overrides(), *moving_overrides(), "run_name=raylost", f"store.root={tmp_path / 'store'}", "trainer.iterations=1",
+        "drill.hold_worker_at=['update:1']", f"drill.markers={markers}",
     ]  # fmt: skip
     cmd = [sys.executable, "-m", "rlstage.flows.cli", "train", *overrides]
     proc = start_cli_until(cmd, tmp_path, cli_env(), "iteration   0:")
     try:
+        until_empty(lambda: not ((markers / "held-update-1").exists() or proc.poll() is not None), 300)
+        assert proc.poll() is None, proc.stdout.read()
         raylets = [p for p, c in _rays_of(ours).items() if b"raylet" in c.split(b"\0")[0]]
         assert len(raylets) == 1, _rays_of(ours)
         os.kill(raylets[0], signal.SIGKILL)
@@ -170,8 +187,9 @@ def test_a_dead_local_ray_is_started_again_and_the_run_goes_on(migrated_home, tm
             lines.append(out)
             if noticed is None and "started again" in out:
                 noticed = time.monotonic() - t0
+                (markers / "release-update-1").touch()  # the rerun's trainer holds at the same point until now
         rest = "".join(lines)
-        print(f"said {noticed:.1f} s after the kill, ended {time.monotonic() - t0:.1f} s after it")
+        print(f"said {noticed} s after the kill, ended {time.monotonic() - t0:.1f} s after it")
         assert proc.wait(300) == 0, rest
     finally:
         if proc.poll() is None:
