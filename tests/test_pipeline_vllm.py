@@ -53,6 +53,21 @@ def _commands_processes(home: str) -> tuple[list[int], bytes]:
     return started, b" ".join(Path(f"/proc/{p}/cmdline").read_bytes() for p in started if Path(f"/proc/{p}").exists())
 
 
+def _engine_owners(started: list[int]) -> set[int]:
+    """The processes among ``started`` that registered a vLLM engine (engines/rollout/vllm_engine.py) when it started."""
+    import json
+
+    found = set()
+    for registry in Path("/dev/shm").glob("rlstage-owned-*.json"):
+        try:
+            owned = json.loads(registry.read_text())
+        except (OSError, ValueError):
+            continue
+        if owned.get("pid") in started:
+            found.add(owned["pid"])
+    return found
+
+
 def _engine_processes(started: list[int]) -> set[int]:
     """The vLLM engine's processes of the command: those its policy worker (one of ``started``) registered when the
     engine started (engines/rollout/vllm_engine.py), alive, besides any titled ``VLLM::`` among ``started``."""
@@ -156,20 +171,21 @@ def test_vllm_rollouts_sigterm_stops_all_it_started_and_the_rerun_continues(pref
             time.sleep(0.2)
         assert proc.poll() is None, proc.stdout.read()
         # the Prefect server, Ray's processes, the vLLM engine: the command's (found by their environment: a process
-        # tree walk missed them once under CI's load). The engine runs in processes of its own; a worker that Ray
-        # restarted meanwhile starts its engine again, so its processes are waited for (seen once in CI: none yet).
+        # tree walk missed them once under CI's load). The engine's core runs in the policy worker's process, with no
+        # process of its own; a worker that Ray restarted meanwhile starts its engine again, so it is waited for.
         started, cmdlines = _commands_processes(home)
         for _ in range(300):
-            engine = _engine_processes(started)
-            if engine:
+            owners = _engine_owners(started)
+            if owners:
                 break
             time.sleep(0.2)
             started, cmdlines = _commands_processes(home)
         assert b"prefect\0server\0start" in cmdlines and b"raylet" in cmdlines
-        assert engine, (_ray_log_errors(cmdlines), _tree(), _vllm_processes(), before)
-        started = sorted(set(started) | engine)
+        assert owners, (_ray_log_errors(cmdlines), _tree(), _vllm_processes(), before)
+        engine = _engine_processes(started)
+        assert engine == set(), engine  # nothing of vLLM's own to stop: its engine core is the worker's
         shm = shm_files(started)
-        assert any(Path(f).name.startswith("psm_") for f in shm), shm  # vLLM's message queues live in /dev/shm
+        assert not [f for f in shm if Path(f).name.startswith("psm_")], shm  # nor message queues in /dev/shm
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         rest = proc.stdout.read()

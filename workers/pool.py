@@ -63,8 +63,8 @@ def code_version() -> str:
 def poolable(cfg: RunConfig) -> bool:
     """Whether this run's workers may be warm ones: not under failure drills (kills and restarts keep cold
     workers), not a data-parallel group (its ranks hold a process group), not placed on GPUs by groups, and
-    generating in the worker's own process (an engine of processes of its own, vLLM's, is started anew: its
-    15-60 s start dwarfs the worker's)."""
+    generating with an in-memory engine such as HF's (a vLLM engine, with its KV cache and parallel state, is started
+    anew)."""
     if not engine_traits(cfg.rollout.engine).in_memory:
         return False
     r = cfg.ray

@@ -708,8 +708,10 @@ def run_function_batch(
         i, k = samples[sid]
         row = rows[i]
         sample = AgentSample(sid, MODEL_NAME, row_messages(row), dict(row), tool_schemas(row), dict(settings or {}))
+        # No client timeout: the bound is _bounded's, which leaves out other agents' stalls (a client timeout of the
+        # same length fired while another agent blocked the loop, and failed the samples that waited behind it).
         client = openai.AsyncOpenAI(
-            base_url=base_url, api_key=keys[sid], http_client=http, max_retries=0, timeout=timeout_s,
+            base_url=base_url, api_key=keys[sid], http_client=http, max_retries=0, timeout=None,
             default_headers={SAMPLE_HEADER: sid},
         )  # fmt: skip
         async with gate:
@@ -729,7 +731,7 @@ def run_function_batch(
         # so one client shared by 64 agents spent most of the batch's time in that scan.
         sids = list(samples)
         tls = ssl.create_default_context()  # loaded once: each client would load the CA bundle (~20 ms) for plain HTTP
-        https = [httpx.AsyncClient(timeout=timeout_s, verify=tls) for _ in range(0, len(sids), _SAMPLES_PER_CLIENT)]
+        https = [httpx.AsyncClient(timeout=None, verify=tls) for _ in range(0, len(sids), _SAMPLES_PER_CLIENT)]
         try:
             runs = [asyncio.ensure_future(one(sid, server.base_url, https[j // _SAMPLES_PER_CLIENT], gate)) for j, sid in enumerate(sids)]
             _, late = await asyncio.wait(runs, timeout=stage_timeout_s)

@@ -235,6 +235,47 @@ def weight_buckets(model: torch.nn.Module, bucket_bytes: int) -> list[dict[str, 
     return [b for b in buckets if b]
 
 
+@contextlib.contextmanager
+def _torch_threads(n: int | None):
+    """This thread's torch threads set to ``n`` (None: left alone) meanwhile."""
+    before = torch.get_num_threads()
+    if n is not None and n != before:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)
+
+
+_IN_PROCESS: set[int] = set()  # ids of this process's live engines whose core runs in it (one at a time)
+
+
+@contextlib.contextmanager
+def _engine_core_in_process(engine: object):
+    """vLLM's engine core in the caller's process (as verl's and TRL's colocated engines run it), not in two
+    processes of its own: measured on the tiny kit, 2 cores, an engine up in 6 s instead of 30 s, without the
+    ~25 CPU-s of the two extra processes importing vllm and torch, and no message queues in /dev/shm. vLLM's
+    parallel state is one per process, so a second engine alive at the same time gets processes of its own;
+    ``AsyncLLM`` (the agent loop) always does. vLLM reads the switch when the engine is built."""
+    import vllm.envs
+
+    # an engine core in this process caches vLLM's environment for good: this engine reads it as it is now
+    vllm.envs.disable_envs_cache()
+    key, before = "VLLM_ENABLE_V1_MULTIPROCESSING", os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    inside = not _IN_PROCESS
+    os.environ[key] = "0" if inside else "1"
+    try:
+        yield
+        if inside:
+            _IN_PROCESS.add(id(engine))
+    finally:
+        if before is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = before
+
+
 def engine_shm_files() -> set[str]:
     """The /dev/shm files this process and its children (vLLM's engine core) have mapped: ours to remove."""
     import psutil
@@ -300,6 +341,7 @@ class VLLMRolloutEngine:
             "max_model_len": max_model_len,
             "logprobs_mode": "processed_logprobs",
             "worker_extension_cls": f"{__name__}.WeightSyncExtension",
+            "distributed_executor_backend": "uni",  # the model runs in the engine core's process
         }
         if block_size is not None:  # prefix caching shares whole blocks: smaller ones let short prompts share
             args["block_size"] = block_size
@@ -310,7 +352,13 @@ class VLLMRolloutEngine:
         if lora_rank > 0:  # a LoRA policy's adapter is served by vLLM's LoRA path over the frozen base
             args.update(enable_lora=True, max_loras=1, max_lora_rank=min(r for r in LORA_RANKS if r >= lora_rank))
         reap_owned_files()  # what engines of killed processes left behind
-        self.llm = LLM(model=self.model_path, **{**args, **(extra_args or {})})
+        caller_threads = torch.get_num_threads()
+        with _engine_core_in_process(self):
+            self.llm = LLM(model=self.model_path, **{**args, **(extra_args or {})})
+        # An engine core in this process set this thread's torch threads to its own (its CPU attention checks that
+        # each call runs with them): the caller's are put back, and each generation runs with the engine's.
+        self.engine_threads = torch.get_num_threads() if id(self) in _IN_PROCESS else None
+        torch.set_num_threads(caller_threads)
         self.shm_files = engine_shm_files()  # its message queues: unlinked at close if its shutdown leaves them
         self.lora_request = None  # the adapter every request runs with (None: the plain weights)
         self.adapter_dir = Path(tempfile.mkdtemp(prefix="rlstage-vllm-adapters-", dir=_shm_dir())) if lora_rank else None
@@ -357,7 +405,8 @@ class VLLMRolloutEngine:
         sampling = [self._sampling(params, base + (first + i) * params.n, stop_token_ids) for i in range(len(encoded))]
         prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in encoded]
         t_vllm = time.perf_counter()
-        outputs = self.llm.generate(prompts, sampling, use_tqdm=False, lora_request=self.lora_request)
+        with _torch_threads(self.engine_threads):
+            outputs = self.llm.generate(prompts, sampling, use_tqdm=False, lora_request=self.lora_request)
         t_vllm = time.perf_counter() - t_vllm
         out: list[Completion] = []
         for i, request in enumerate(outputs):
@@ -469,6 +518,7 @@ class VLLMRolloutEngine:
         core = getattr(llm.llm_engine, "engine_core", None)
         if core is not None and hasattr(core, "shutdown"):
             core.shutdown()
+        _IN_PROCESS.discard(id(self))
         # Seen in CI about once in three SIGTERM drills: the engine core exited and one psm_* file stayed.
         for path in self.shm_files:
             try:
