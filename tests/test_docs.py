@@ -16,7 +16,8 @@ def test_the_readme_fits_on_a_few_screens():
 
 def test_the_site_builds_strict(tmp_path):
     mkdocs = Path(sys.executable).with_name("mkdocs")
-    out = subprocess.run([str(mkdocs), "build", "--strict", "-q", "-d", str(tmp_path / "site")], cwd=REPO, capture_output=True, text=True)
+    # not -q: with it, mkdocs 1.6.1 passed --strict with a link to an anchor no page has (tried by hand)
+    out = subprocess.run([str(mkdocs), "build", "--strict", "-d", str(tmp_path / "site")], cwd=REPO, capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
     assert (tmp_path / "site" / "reference" / "config" / "index.html").is_file()
 

@@ -53,36 +53,32 @@ def _commands_processes(home: str) -> tuple[list[int], bytes]:
     return started, b" ".join(Path(f"/proc/{p}/cmdline").read_bytes() for p in started if Path(f"/proc/{p}").exists())
 
 
-def _engine_owners(started: list[int]) -> set[int]:
-    """The processes among ``started`` that registered a vLLM engine (engines/rollout/vllm_engine.py) when it started."""
+def _registries(started: list[int]) -> list[dict]:
+    """What the processes among ``started`` registered when their vLLM engine started (engines/rollout/vllm_engine.py)."""
     import json
 
-    found = set()
+    found = []
     for registry in Path("/dev/shm").glob("rlstage-owned-*.json"):
         try:
             owned = json.loads(registry.read_text())
         except (OSError, ValueError):
             continue
         if owned.get("pid") in started:
-            found.add(owned["pid"])
+            found.append(owned)
     return found
 
 
-def _engine_processes(started: list[int]) -> set[int]:
-    """The vLLM engine's processes of the command: those its policy worker (one of ``started``) registered when the
-    engine started (engines/rollout/vllm_engine.py), alive, besides any titled ``VLLM::`` among ``started``."""
-    import json
+def _engine_owners(started: list[int]) -> set[int]:
+    """The processes among ``started`` that started a vLLM engine."""
+    return {owned["pid"] for owned in _registries(started)}
 
+
+def _engine_processes(started: list[int]) -> set[int]:
+    """The vLLM engine's own processes of the command: those its policy worker (one of ``started``) registered when
+    the engine started, alive, besides any titled ``VLLM::`` among ``started``."""
     import psutil
 
-    found = set()
-    for registry in Path("/dev/shm").glob("rlstage-owned-*.json"):
-        try:
-            owned = json.loads(registry.read_text())
-        except (OSError, ValueError):
-            continue
-        if owned.get("pid") in started:
-            found |= {c for c in owned.get("children", []) if psutil.pid_exists(c)}
+    found = {c for owned in _registries(started) for c in owned.get("children", []) if psutil.pid_exists(c)}
     for pid in started:
         try:
             if "VLLM::" in " ".join(psutil.Process(pid).cmdline()):
