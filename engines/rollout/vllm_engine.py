@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -33,6 +34,8 @@ from rlstage.engines.rollout.vllm_plugin import QUIET_WAITS
 
 if TYPE_CHECKING:
     from peft import PeftModel
+
+log = logging.getLogger(__name__)
 
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
 
@@ -251,24 +254,28 @@ def _torch_threads(n: int | None):
 _IN_PROCESS: set[int] = set()  # ids of this process's live engines whose core runs in it (one at a time)
 
 
+def _may_run_inside() -> bool:
+    """Whether a new engine's core may run in this process (``_engine_core``)."""
+    return not _IN_PROCESS and not (torch.distributed.is_available() and torch.distributed.is_initialized())
+
+
 @contextlib.contextmanager
-def _engine_core_in_process(engine: object):
-    """vLLM's engine core in the caller's process (as verl's and TRL's colocated engines run it), not in two
-    processes of its own: measured on the tiny kit, 2 cores, an engine up in 6 s instead of 30 s, without the
+def _engine_core(inside: bool):
+    """vLLM's engine core in the caller's process (``inside``, as verl's and TRL's colocated engines run it), not in
+    two processes of its own: measured on the tiny kit, 2 cores, an engine up in 6 s instead of 30 s, without the
     ~25 CPU-s of the two extra processes importing vllm and torch, and no message queues in /dev/shm. vLLM's
-    parallel state is one per process, so a second engine alive at the same time gets processes of its own;
-    ``AsyncLLM`` (the agent loop) always does. vLLM reads the switch when the engine is built."""
+    parallel state is one per process, so a second engine alive at the same time gets processes of its own, as does
+    one built where torch.distributed already runs (a DeepSpeed or data-parallel trainer's group, which vLLM's own
+    would join and, at its close, destroy); ``AsyncLLM`` (the agent loop) always does. vLLM reads the switch when
+    the engine is built."""
     import vllm.envs
 
     # an engine core in this process caches vLLM's environment for good: this engine reads it as it is now
     vllm.envs.disable_envs_cache()
     key, before = "VLLM_ENABLE_V1_MULTIPROCESSING", os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
-    inside = not _IN_PROCESS
     os.environ[key] = "0" if inside else "1"
     try:
         yield
-        if inside:
-            _IN_PROCESS.add(id(engine))
     finally:
         if before is None:
             os.environ.pop(key, None)
@@ -353,8 +360,21 @@ class VLLMRolloutEngine:
             args.update(enable_lora=True, max_loras=1, max_lora_rank=min(r for r in LORA_RANKS if r >= lora_rank))
         reap_owned_files()  # what engines of killed processes left behind
         caller_threads = torch.get_num_threads()
-        with _engine_core_in_process(self):
-            self.llm = LLM(model=self.model_path, **{**args, **(extra_args or {})})
+        inside = _may_run_inside()
+        try:
+            with _engine_core(inside):
+                self.llm = LLM(model=self.model_path, **{**args, **(extra_args or {})})
+        except Exception as err:
+            if not inside:
+                raise
+            # vLLM's start-up walks every module this process imported (its CPU kernel overrides), and an object
+            # there may refuse the look (Flask's `current_app` outside an app raised): processes of its own, then
+            log.warning("vLLM engine: its core could not start in this process (%s: %s); it runs in processes of its own", type(err).__name__, str(err).splitlines()[0] if str(err) else "")
+            inside = False
+            with _engine_core(inside):
+                self.llm = LLM(model=self.model_path, **{**args, **(extra_args or {})})
+        if inside:
+            _IN_PROCESS.add(id(self))
         # An engine core in this process set this thread's torch threads to its own (its CPU attention checks that
         # each call runs with them): the caller's are put back, and each generation runs with the engine's.
         self.engine_threads = torch.get_num_threads() if id(self) in _IN_PROCESS else None
