@@ -361,9 +361,13 @@ class VLLMRolloutEngine:
         reap_owned_files()  # what engines of killed processes left behind
         caller_threads = torch.get_num_threads()
         inside = _may_run_inside()
-        try:
+
+        def build() -> None:
             with _engine_core(inside):
                 self.llm = LLM(model=self.model_path, **{**args, **(extra_args or {})})
+
+        try:
+            build()
         except Exception as err:
             if not inside:
                 raise
@@ -371,13 +375,12 @@ class VLLMRolloutEngine:
             # there may refuse the look (Flask's `current_app` outside an app raised): processes of its own, then
             log.warning("vLLM engine: its core could not start in this process (%s: %s); it runs in processes of its own", type(err).__name__, str(err).splitlines()[0] if str(err) else "")
             inside = False
-            with _engine_core(inside):
-                self.llm = LLM(model=self.model_path, **{**args, **(extra_args or {})})
+            build()
         if inside:
             _IN_PROCESS.add(id(self))
         # An engine core in this process set this thread's torch threads to its own (its CPU attention checks that
         # each call runs with them): the caller's are put back, and each generation runs with the engine's.
-        self.engine_threads = torch.get_num_threads() if id(self) in _IN_PROCESS else None
+        self.engine_threads = torch.get_num_threads() if inside else None
         torch.set_num_threads(caller_threads)
         self.shm_files = engine_shm_files()  # its message queues: unlinked at close if its shutdown leaves them
         self.lora_request = None  # the adapter every request runs with (None: the plain weights)
