@@ -12,7 +12,7 @@ from prefect import flow
 
 from rlstage.engines.preflight import preflight
 from rlstage.flows.checks import check_eval, stored_config_with
-from rlstage.flows.replay import stage_inputs
+from rlstage.flows.replay import stored_inputs
 from rlstage.flows.training import name_flow_run
 from rlstage.infra.ray_runtime import ensure_ray
 from rlstage.infra.story import publish_eval
@@ -36,13 +36,14 @@ def evaluate_run(
     preflight(cfg)
     iteration = check_eval(store, run_name, iteration)
     name_flow_run(f"{run_name} eval of iteration {iteration}")
-    prompts, policy = stage_inputs(cfg, store, "eval", iteration)  # the policy after update k
+    inputs = stored_inputs(cfg, store, "eval", iteration)  # the prompts, and the policy after update k
+    policy = inputs["policy"]
     version = eval_version(cfg)
     ensure_ray(cfg)
     check_placement(cfg)
     with held_groups(cfg, version):  # its own worker (never a training run's), started if the eval computes
         meta = {"eval_of": policy.version, "overrides": overrides}
-        result = stages.result_of(stages.TASKS["eval"](cfg, iteration, prompts, policy, version=version, meta=meta))
+        result = stages.result_of(stages.TASKS["eval"](cfg, iteration, **inputs, version=version, meta=meta))
     out = {
         "run": run_name,
         "iteration": iteration,

@@ -14,14 +14,15 @@ from prefect import flow
 
 from rlstage.engines.preflight import preflight
 from rlstage.flows.checks import check_replay, need, stored_config_with
-from rlstage.flows.training import Models, models_before, name_flow_run
+from rlstage.flows.iteration import Artifacts, iterate, models_before
+from rlstage.flows.training import name_flow_run
 from rlstage.infra.ray_runtime import ensure_ray
 from rlstage.infra.store import ArtifactStore
 from rlstage.infra.story import publish_replay, published
 from rlstage.schemas.artifacts import TIMING_COLUMNS
 from rlstage.schemas.config import ConfigError, RunConfig
 from rlstage.schemas.manifest import Manifest, PolicyRef
-from rlstage.schemas.stages import SPECS, STAGE_FILES, spec
+from rlstage.schemas.stages import STAGE_FILES, spec
 from rlstage.tasks import stages
 from rlstage.tasks.kit import initial_policy, kit_run_name
 from rlstage.tasks.runtime import policy_ref_from, store_for
@@ -47,30 +48,42 @@ def replay_version(overrides: list[str]) -> str:
     return "replay-" + hashlib.sha256(json.dumps(sorted(overrides)).encode()).hexdigest()[:10]
 
 
-def stage_inputs(cfg: RunConfig, store: ArtifactStore, stage: str, iteration: int) -> list:
-    """The stored inputs of ``stage`` at ``iteration``, by the names its spec declares.
+class _Reached(Exception):
+    def __init__(self, inputs: dict) -> None:
+        self.inputs = inputs
 
-    An input produced earlier in the same iteration (by a stage before it in the registry) is read
-    from that iteration; any other (the policy before an update, the critic, the last experience, the
-    reference) is what the iteration started from. Iteration 0 runs no train stage.
-    """
-    s = spec(stage)
-    earlier = [p for p in SPECS[: [p.name for p in SPECS].index(stage)] if p.active(cfg)]
-    before: Models | None = None
-    values = []
-    for name in s.inputs:
-        # the last selected stage before this one that provides it (filter_groups stands in for rollout, reward)
-        producer = next((p for p in reversed(earlier) if name in p.provides), None)
-        if producer is not None and producer.phase == "prepare":
-            values.append(need(store, cfg.run_name, None, producer.name))
-        elif producer is not None and iteration > 0:
-            m = need(store, cfg.run_name, iteration, producer.name)
-            values.append(policy_ref_from(m) if producer.output_ref else m)
-        else:
-            before = before or models_before(cfg, store, iteration, policy_before(cfg, store, 1))
-            # A pipelined run generates with the policy the previous iteration started from.
-            values.append(before.behaviour if s.samples and name == "policy" else getattr(before, name))
-    return values
+
+class StoredStages:
+    """An iteration's stages as the store holds them (flows/iteration.py: ``Stages``): each stage before ``target``
+    returns its committed output; ``target`` ends the walk with the inputs the iteration gives it."""
+
+    def __init__(self, cfg: RunConfig, store: ArtifactStore, iteration: int, target: str) -> None:
+        self.cfg, self.store, self.iteration, self.target = cfg, store, iteration, target
+
+    def __call__(self, stage: str, /, **inputs: Manifest | PolicyRef | None) -> Manifest | PolicyRef:
+        if stage == self.target:
+            raise _Reached(inputs)
+        m = need(self.store, self.cfg.run_name, self.iteration, stage)
+        return policy_ref_from(m) if spec(stage).output_ref else m
+
+    def ahead(self, stage: str, iteration: int, /, **inputs: Manifest | PolicyRef | None) -> None:
+        pass  # a later iteration's stage: not this walk's
+
+    def eval_due(self, iteration: int) -> bool:
+        return True  # an eval of any iteration can be asked for (rlstage eval)
+
+
+def stored_inputs(cfg: RunConfig, store: ArtifactStore, stage: str, iteration: int) -> dict[str, Manifest | PolicyRef | None]:
+    """The inputs ``stage`` has at ``iteration``, by the names its spec declares: the iteration's own code
+    (flows/iteration.py: ``iterate``) walked over the committed outputs of the stages before it. Iteration 0
+    runs no train stage."""
+    models = models_before(cfg, store, iteration, policy_before(cfg, store, 1))
+    prompts = need(store, cfg.run_name, None, "data_prep")
+    try:
+        iterate(cfg, iteration, cfg.trainer.iterations, Artifacts.start(prompts, models), StoredStages(cfg, store, iteration, stage))
+    except _Reached as reached:
+        return reached.inputs
+    raise ConfigError(f"config error: stage {stage!r} does not run at iteration {iteration} under the run's settings")
 
 
 @flow(name="rlstage-replay")
@@ -86,14 +99,14 @@ def replay(
     original = need(store, run_name, iteration, stage)
     version = replay_version(overrides)
     lineage = {"replay_of": original.artifact_id, "overrides": overrides}
-    inputs = stage_inputs(cfg, store, stage, iteration)
-    for name, value in zip(spec(stage).inputs, inputs, strict=True):
+    inputs = stored_inputs(cfg, store, stage, iteration)
+    for name, value in inputs.items():
         if value is not None:
             _check(original, name, value.artifact_id if isinstance(value, Manifest) else value.version)
     ensure_ray(cfg)
     check_placement(cfg)
     with held_groups(cfg, version):  # its own worker (never a training run's), started if the stage needs one
-        result = stages.result_of(stages.TASKS[stage](cfg, iteration, *inputs, version=version, meta=lineage))
+        result = stages.result_of(stages.TASKS[stage](cfg, iteration, **inputs, version=version, meta=lineage))
     summary = summarize(store_for(cfg), original, result.manifest)
     return {**summary, **publish_replay(cfg, summary, overrides, original.artifact_id)}
 

@@ -6,13 +6,9 @@ and config is skipped, so rerunning the flow (or the nightly deployment) never r
 
 from __future__ import annotations
 
-import contextvars
 import logging
 import os
-import threading
 import time
-from collections.abc import Callable
-from contextvars import ContextVar
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -24,12 +20,13 @@ from prefect.futures import PrefectFuture
 from prefect.logging.handlers import APILogHandler
 from prefect.settings import temporary_settings
 
-from rlstage.engines import algorithms as algos
 from rlstage.engines.preflight import preflight
 from rlstage.flows.checks import check_inputs, check_run_config, record_run_config
+from rlstage.flows.iteration import Artifacts, Models, iterate, models_before
+from rlstage.flows.overlap import IterationThread, Meanwhile, wait_event
 from rlstage.flows.retention import prune_checkpoints
 from rlstage.flows.terminal import TERMINAL, verbose
-from rlstage.infra.bookkeeping import Bookkeeper, Meanwhile
+from rlstage.infra.bookkeeping import Bookkeeper
 from rlstage.infra.drill import fault_point
 from rlstage.infra.env import apply_defaults
 from rlstage.infra.lease import run_lease
@@ -48,11 +45,11 @@ from rlstage.schemas.config import (
     parse_overrides,
 )
 from rlstage.schemas.manifest import Manifest, PolicyRef
-from rlstage.schemas.stages import SPECS, StageSpec
+from rlstage.schemas.stages import SPECS, spec
 from rlstage.tasks import stages
 from rlstage.tasks.kit import initial_policy, kit_run_name  # also registers the sft stage's task
 from rlstage.tasks.runtime import policy_ref_from, store_for
-from rlstage.workers.group import check_placement, critic_init_ref, open_group
+from rlstage.workers.group import check_placement, open_group
 from rlstage.workers.policy import MODEL_DIR
 from rlstage.workers.reward_model import open_reward_model
 
@@ -103,8 +100,8 @@ PROGRESS = "progress/iteration"  # on every iteration's MLflow step: how a later
 def _stored_metrics(store: ArtifactStore, run: str, iteration: int) -> dict[str, float]:
     """An iteration's metrics as its committed stages recorded them (timings are not stored)."""
     out: dict[str, float] = {}
-    for spec in SPECS:
-        m = store.manifest(run, iteration, spec.name) if spec.per_iteration else None
+    for s in SPECS:
+        m = store.manifest(run, iteration, s.name) if s.per_iteration else None
         out.update(m.meta.get("metrics", {}) if m is not None else {})
     return out
 
@@ -143,220 +140,94 @@ def name_flow_run(name: str) -> None:
             client.update_flow_run(ctx.flow_run.id, name=name)
 
 
-# An ended iteration's Prefect artifacts, written while a stage of a later one computes (_run_stage).
-MEANWHILE: ContextVar[Meanwhile | None] = ContextVar("rlstage_meanwhile", default=None)
-
-
-def _run_stage(
-    outcome: IterationOutcome,
-    label: str,
-    cfg: RunConfig,
-    stage: str,
-    *args,
-    wait_for: list | None = None,
-    under_way: Callable[[], None] | None = None,
-) -> tuple[stages.StageResult, PrefectFuture]:
-    """Run one stage task to its end; ``wait_for`` (the tasks that produced its inputs) draws the flow graph's edges.
-    ``under_way`` (idempotent) runs once the stage has been under way for a poll, by then the server has recorded
-    its task run's state, or else when it ends."""
-    t0 = time.perf_counter()
-    TERMINAL.status(f"  {label} {stage:<9} ...")
-    future = stages.submit_stage(cfg, stage, *args, wait_for=wait_for)
-    deferred = MEANWHILE.get()
-
-    def meanwhile() -> None:
-        if under_way is not None:
-            under_way()
-        if deferred is not None:
-            deferred.run()
-
-    result = wait_result(future, meanwhile=meanwhile)
-    if under_way is not None:
-        under_way()  # the stage ended within a poll
-    wall = time.perf_counter() - t0
-    outcome.results[stage] = result
-    outcome.wall_s[stage] = wall
-    fault_point(cfg, stage, outcome.iteration, where="kill_flow_after")
-    state = "done" if result.executed else "skipped (committed)"
-    _detail(f"  {label} {stage:<9} {state} in {wall:.2f}s")
-    return result, future
-
-
-@dataclass
-class Models:
-    """What an iteration starts from: the policy, the frozen reference, the critic, the last experience."""
-
-    policy: PolicyRef
-    ref: PolicyRef | None = None
-    critic: PolicyRef | None = None
-    prev_experience: Manifest | None = None
-    # The policy the rollout samples with: ``policy`` when synchronous; with trainer.async_staleness=1 the
-    # one the previous iteration started from (its rollout ran while that iteration's update trained).
-    rollout_policy: PolicyRef | None = None
-
-    @property
-    def behaviour(self) -> PolicyRef:
-        return self.rollout_policy or self.policy
-
-
-def models_before(cfg: RunConfig, store: ArtifactStore, iteration: int, initial: PolicyRef) -> Models:
-    """The models iteration ``iteration`` (>= 1) starts from, read from the store for k > 1."""
-    ref = initial if algos.needs_reference(cfg) else None
-    if iteration <= 1:
-        return Models(initial, ref, critic_init_ref(initial) if cfg.critic.enable else None)
-
-    def need(stage: str, k: int) -> Manifest:
-        m = store.manifest(cfg.run_name, k, stage)
-        if m is None:
-            raise ConfigError(f"run {cfg.run_name!r} has no committed {stage} for iteration {k}")
-        return m
-
-    lag = iteration - 1 - cfg.trainer.async_staleness  # the update whose policy the rollout samples with
-    return Models(
-        policy_ref_from(need("update", iteration - 1)),
-        ref,
-        policy_ref_from(need("critic", iteration - 1)) if cfg.critic.enable else None,
-        need("advantage", iteration - 1),
-        (policy_ref_from(need("update", lag)) if lag >= 1 else initial) if cfg.trainer.async_staleness else None,
-    )
-
-
 def _eval_due(cfg: RunConfig, iteration: int) -> bool:
     return iteration == 0 or iteration % cfg.trainer.eval_every == 0 or iteration == cfg.trainer.iterations
 
 
+class StageTasks:
+    """An iteration's stages as Prefect tasks whose bodies run on Ray (flows/iteration.py: ``Stages``). Each call
+    submits the stage's task with its inputs by keyword, waits for it in short steps (a signal surfaces in the
+    flow's thread), records its result and wall, and returns its output; the tasks that made its inputs in this
+    iteration draw the flow graph's edges."""
+
+    def __init__(self, cfg: RunConfig, iteration: int, last: int, outcome: IterationOutcome, a: Artifacts) -> None:
+        self.cfg, self.iteration, self.outcome, self.held = cfg, iteration, outcome, a
+        self.label = f"[iter {iteration:>3}/{last}]"
+        self.overlap = IterationThread.current()  # None when iteration_flow is called on its own
+        self._made: dict[int, tuple[Manifest | PolicyRef, PrefectFuture]] = {}  # an output -> the task that made it
+        self._ahead: PrefectFuture | None = None
+        self._update: PrefectFuture | None = None
+
+    def __call__(self, stage: str, /, **inputs: Manifest | PolicyRef | None) -> Manifest | PolicyRef:
+        s = spec(stage)
+        if not s.active(self.cfg):
+            raise RuntimeError(f"stage {stage!r} is not selected by this run's settings (schemas/stages.py: its when)")
+        if s.phase == "eval":
+            self._wait_ahead()
+        after = list({id(f): f for v in inputs.values() if (made := self._made.get(id(v))) for f in (made[1],)}.values())
+        # The next iteration opens once this one has trained: beside its eval (after the eval's first poll, so that its
+        # requests do not meet the server's recording of the eval task's start: a 2 s client retry).
+        under_way = self._trained if s.phase == "eval" else None
+        t0 = time.perf_counter()
+        TERMINAL.status(f"  {self.label} {stage:<9} ...")
+        future = stages.submit_stage(self.cfg, stage, self.iteration, wait_for=after, **inputs)
+        deferred = self.overlap.meanwhile if self.overlap is not None else None
+
+        def meanwhile() -> None:
+            if under_way is not None:
+                under_way()
+            if deferred is not None:
+                deferred.run()
+
+        result = wait_result(future, meanwhile=meanwhile)
+        if under_way is not None:
+            under_way()  # the stage ended within a poll
+        wall = time.perf_counter() - t0
+        self.outcome.results[stage] = result
+        self.outcome.wall_s[stage] = wall
+        fault_point(self.cfg, stage, self.iteration, where="kill_flow_after")
+        _detail(f"  {self.label} {stage:<9} {'done' if result.executed else 'skipped (committed)'} in {wall:.2f}s")
+        out = policy_ref_from(result.manifest) if s.output_ref else result.manifest
+        self._made[id(out)] = (out, future)
+        if stage == "update":
+            self._update = future
+        return out
+
+    def ahead(self, stage: str, iteration: int, /, **inputs: Manifest | PolicyRef | None) -> None:
+        self._ahead = stages.submit_stage(self.cfg, stage, iteration, ahead=True, **inputs)
+
+    def eval_due(self, iteration: int) -> bool:
+        return _eval_due(self.cfg, iteration)
+
+    def _wait_ahead(self) -> None:
+        if self._ahead is not None:
+            wait_result(self._ahead)  # committed under the next iteration
+            self._ahead = None
+
+    def _trained(self) -> None:
+        if self.overlap is not None:
+            self.overlap.mark_trained(self.held if self._update is not None else None, self._update)
+
+    def close(self) -> None:
+        """The iteration's stages have ended (those it submitted ahead included)."""
+        self._wait_ahead()
+        self._trained()
+        if self.overlap is not None:
+            self.overlap.stages_ended()
+
+
 @flow(name="rlstage-iteration")
 def iteration_flow(cfg: RunConfig, iteration: int, prompts: Manifest, models: Models, last: int) -> IterationOutcome:
-    """The registry's train stages in order (rollout -> reward -> [filter_groups] -> advantage -> [critic] ->
-    update), then eval when due; iteration 0 only evaluates.
-
-    Each stage takes its declared inputs by name from what the iteration holds and adds its output.
-    Pipelined (trainer.async_staleness=1): right after the rollout of iteration k, the rollout of k+1 is
-    submitted with the policy iteration k started from; it runs on the rollout role while the trainer
-    role computes advantages and trains, and iteration k+1 finds it committed.
-    """
+    """One iteration's stages (flows/iteration.py: ``iterate``), as tasks of this subflow."""
     out = IterationOutcome(iteration)
-    label = f"[iter {iteration:>3}/{last}]"
-    held: dict = {"prompts": prompts, **vars(models)}
-    made_by: dict[str, PrefectFuture] = {}  # an input made in this iteration -> the task that made it
-    ahead = opened = None
-    handoff = HANDOFF.get()
-    if handoff is not None:
-        handoff.after_previous_stages()
-    for spec in SPECS:
-        if spec.phase == "prepare" or (spec.phase == "train" and iteration == 0):
-            continue
-        if spec.phase == "eval":
-            if ahead is not None:
-                wait_result(ahead)  # committed under iteration k+1
-                ahead = None
-            # The next iteration opens once this one has trained: beside its eval when one runs (after the eval's
-            # first poll, so that its requests do not meet the server's recording of the eval task's start: the
-            # SQLite "database is locked" that costs a 2 s client retry).
-            opened = partial(handoff.trained, out, made_by.get("policy")) if handoff is not None else None
-            if not _eval_due(cfg, iteration):
-                if opened is not None:
-                    opened()
-                continue
-        if not spec.active(cfg) or any(held.get(name) is None for name in spec.inputs if name not in spec.optional):
-            continue  # not selected (dynamic sampling off), or a role this run does not have (no critic)
-        # Generation samples with the behaviour policy (the trained one unless pipelined).
-        given = {**held, "policy": models.behaviour} if spec.samples else held
-        after = list({id(f): f for name in spec.inputs if (f := made_by.get(name)) is not None}.values())
-        args = (given.get(name) for name in spec.inputs)
-        under_way = opened if spec.phase == "eval" else None
-        result, future = _run_stage(out, label, cfg, spec.name, iteration, *args, wait_for=after, under_way=under_way)
-        for name in spec.provides:
-            held[name] = _output(spec, result)
-            made_by[name] = future
-        if spec.name == "rollout" and cfg.trainer.async_staleness and iteration < last:
-            ahead = stages.submit_stage(cfg, "rollout", iteration + 1, prompts, models.policy, ahead=True)
-    if handoff is not None:
-        handoff.stages_ended()
+    overlap = IterationThread.current()
+    if overlap is not None:
+        overlap.after_previous_stages()
+    a = Artifacts.start(prompts, models)
+    run = StageTasks(cfg, iteration, last, out, a)
+    iterate(cfg, iteration, last, a, run)
+    run.close()
     return out
-
-
-class PreviousIterationFailed(RuntimeError):
-    """An iteration opened during its predecessor's eval ends without running a stage when that eval failed."""
-
-
-def wait_event(event: threading.Event) -> None:
-    """Wait in short steps: a signal then surfaces in the flow's main thread (an unbounded wait would hold it)."""
-    while not event.wait(0.05):
-        pass
-
-
-class IterationThread:
-    """One iteration's subflow, in a thread of the training flow. The loop opens iteration k+1's subflow as soon
-    as iteration k has trained, while k evaluates: opening a flow run is ~0.1-0.15 s of Prefect API round trips
-    (create its parent task run and the flow run, name it, set it Running), which then overlap k's eval instead
-    of adding to every iteration's wall. The stages of k+1 still start only once k's stages have ended (they
-    share the policy worker, and each stage's compute stays its own), so the schedule of stages is unchanged."""
-
-    def __init__(self, iteration: int, call: Callable[[], IterationOutcome], previous: IterationThread | None) -> None:
-        self.iteration = iteration
-        self.previous = previous
-        self.outcome: IterationOutcome | None = None
-        self.error: BaseException | None = None
-        self.trained_outcome: IterationOutcome | None = None
-        self.update_future: PrefectFuture | None = None  # the task that made the policy the next iteration starts from
-        self.stages_end: float | None = None  # perf_counter when the last stage ended
-        self.has_trained = threading.Event()
-        self.has_stages_ended = threading.Event()
-        self.done = threading.Event()
-        ctx = contextvars.copy_context()  # the training flow's run context: the subflow is its child
-        ctx.run(HANDOFF.set, self)
-        self._thread = threading.Thread(target=ctx.run, args=(self._run, call), name="rlstage-iteration", daemon=True)
-        self._thread.start()
-
-    def _run(self, call: Callable[[], IterationOutcome]) -> None:
-        try:
-            self.outcome = call()
-        except BaseException as err:  # raised by the training loop, in the flow's main thread
-            self.error = err
-        finally:
-            if self.stages_end is None:
-                self.stages_end = time.perf_counter()
-            self.has_stages_ended.set()
-            self.has_trained.set()
-            self.done.set()
-
-    # Called in the subflow's thread, by iteration_flow.
-    def after_previous_stages(self) -> None:
-        """Wait until the previous iteration's stages have ended; fail (running nothing) when it failed."""
-        previous = self.previous
-        if previous is None:
-            return
-        while not previous.has_stages_ended.wait(0.05):
-            if STOPPING.is_set():
-                raise KeyboardInterrupt("the flow was stopped")
-        if previous.error is not None:
-            raise PreviousIterationFailed(f"iteration {previous.iteration} failed: {previous.error}")
-
-    def trained(self, outcome: IterationOutcome, update_future: PrefectFuture | None) -> None:
-        if not self.has_trained.is_set():
-            self.trained_outcome, self.update_future = outcome, update_future
-            self.has_trained.set()
-
-    def stages_ended(self) -> None:
-        self.stages_end = time.perf_counter()
-        self.has_stages_ended.set()
-
-    def result(self) -> IterationOutcome:
-        wait_event(self.done)
-        self._thread.join()
-        if self.error is not None:
-            raise self.error
-        assert self.outcome is not None
-        return self.outcome
-
-
-# The iteration thread a subflow runs in (set in that thread's context; unset when iteration_flow is called directly).
-HANDOFF: ContextVar[IterationThread | None] = ContextVar("rlstage_iteration_handoff", default=None)
-
-
-def _output(spec: StageSpec, result: stages.StageResult) -> Manifest | PolicyRef:
-    return policy_ref_from(result.manifest) if spec.output_ref else result.manifest
 
 
 def with_model_folder(cfg: RunConfig) -> RunConfig:
@@ -441,7 +312,6 @@ def _run_iterations(cfg: RunConfig, store: ArtifactStore, first: int, last: int,
     status, stopped = "FAILED", False
     books = Bookkeeper(delay_s=BOOKKEEPING_DELAY_S)
     publish = Meanwhile()
-    publishing = MEANWHILE.set(publish)
     try:
         prep_task = stages.submit_stage(cfg, "data_prep", on_ray=False)
         prep = wait_result(prep_task)
@@ -518,26 +388,17 @@ def _run_iterations(cfg: RunConfig, store: ArtifactStore, first: int, last: int,
                     # deep copy keeps data prep's immutable values, drawing a fan-out from data prep to every iteration.
                     prompts = Manifest.model_validate_json(prep.manifest.model_dump_json())
                     call = partial(one_iteration, cfg, it, prompts, models, last, wait_for=after)
-                    run = IterationThread(it, call, previous=evaluating)
+                    run = IterationThread(it, call, previous=evaluating, meanwhile=publish)
                     open_.append(run)
                     if evaluating is not None:
                         finish(evaluating)
                     wait_event(run.has_trained)
-                    trained = run.trained_outcome
-                    if trained is None or run.update_future is None:  # iteration 0 (eval only), or it failed
+                    if run.trained is None:  # iteration 0 (eval only), or it failed
                         finish(run)
-                        trained, after, evaluating = run.outcome, [run.outcome], None  # a subflow's value stands for its run
+                        after, evaluating = [run.outcome], None  # a subflow's value stands for its run
                     else:
                         after, evaluating = [run.update_future], run  # the next one starts from this update
-                    if "update" in trained.results:
-                        r = trained.results
-                        models = Models(
-                            policy_ref_from(r["update"].manifest),
-                            models.ref,
-                            policy_ref_from(r["critic"].manifest) if "critic" in r else None,
-                            r["advantage"].manifest,
-                            models.policy if cfg.trainer.async_staleness else None,
-                        )
+                        models = run.trained.models_after(models, pipelined=bool(cfg.trainer.async_staleness))
                 if evaluating is not None:
                     finish(evaluating)
             except BaseException as err:
@@ -564,7 +425,6 @@ def _run_iterations(cfg: RunConfig, store: ArtifactStore, first: int, last: int,
         raise
     finally:
         TERMINAL.status(None)
-        MEANWHILE.reset(publishing)
         if not stopped:  # a failed run's last iterations still show in the Prefect UI; a signal's stop waits for nothing
             publish.run()
         books.close(raise_errors=False)  # a no-op after a finished run's close

@@ -60,37 +60,3 @@ class Bookkeeper:
             if raise_errors:
                 raise first
             print(f"rlstage: warning: run bookkeeping failed: {first}", file=sys.stderr)
-
-
-class Meanwhile:
-    """Jobs for the flow's own thread to run while a stage computes in a Ray worker: Prefect API writes that
-    must not meet the flow's other requests (the Prefect server's SQLite answers a write that meets another
-    with "busy", which Prefect's client retries after ~2 s) and need not hold up the next iteration's start.
-
-    Each job runs once, in the context it was deferred from (its artifacts belong to that flow run). A job's
-    failure is kept and raised by ``raise_failure``, in the flow's loop, not inside the stage it overlapped.
-    """
-
-    def __init__(self) -> None:
-        self._jobs: list[tuple[contextvars.Context, Callable[[], None]]] = []
-        self._failure: BaseException | None = None
-        self._lock = threading.Lock()  # two iterations' subflows may both be waiting on stages
-
-    def defer(self, job: Callable[[], None]) -> None:
-        with self._lock:
-            self._jobs.append((contextvars.copy_context(), job))
-
-    def run(self) -> None:
-        """Run the deferred jobs, in order; the first failure is kept, the later jobs still run."""
-        with self._lock:
-            jobs, self._jobs = self._jobs, []
-        for ctx, job in jobs:
-            try:
-                ctx.run(job)
-            except Exception as err:
-                self._failure = self._failure or err
-
-    def raise_failure(self) -> None:
-        failure, self._failure = self._failure, None
-        if failure is not None:
-            raise failure

@@ -9,12 +9,13 @@ from it: a stage's cache key hashes exactly its view, and a read outside the vie
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from pydantic import BaseModel
 
 from rlstage.schemas.config import RunConfig, entry_needs
+from rlstage.schemas.manifest import Manifest, PolicyRef
 
 # Where and how a run executes, never what a stage computes: readable by every stage, never hashed.
 # The plugin modules too: what their entries compute is keyed by the plugins' versions (tasks/runtime.py).
@@ -25,30 +26,107 @@ class UndeclaredConfigRead(RuntimeError):
     """A stage read a setting its view does not declare: its cache key would not see a change to it."""
 
 
+def keyed_if(when: Callable[[ConfigView], bool]) -> Any:
+    """An input that counts in the cache key only under these settings (read through the stage's view)."""
+    return field(default=None, metadata={"keyed_if": when})
+
+
+@dataclass(frozen=True)
+class StageInputs:
+    """What a stage reads, one field per input: an artifact (a ``Manifest``) or a model (a ``PolicyRef``). A field
+    that defaults to None is optional. The stage's task takes these as keyword parameters, its cache key holds each
+    given input's id (``key``), and replay binds them by these names."""
+
+    def key(self, view: ConfigView) -> dict[str, str]:
+        out: dict[str, str] = {}
+        for f in fields(self):
+            value, when = getattr(self, f.name), f.metadata.get("keyed_if")
+            if value is not None and (when is None or when(view)):
+                out[f.name] = value.artifact_id if isinstance(value, Manifest) else value.version
+        return out
+
+
+@dataclass(frozen=True)
+class NoInputs(StageInputs):
+    pass
+
+
+@dataclass(frozen=True)
+class RolloutInputs(StageInputs):
+    prompts: Manifest
+    policy: PolicyRef  # the behaviour policy: the trained one, or an older one when pipelined
+
+
+@dataclass(frozen=True)
+class RewardInputs(StageInputs):
+    rollouts: Manifest
+
+
+@dataclass(frozen=True)
+class FilterGroupsInputs(StageInputs):
+    prompts: Manifest
+    rollouts: Manifest
+    rewards: Manifest
+    policy: PolicyRef  # the behaviour policy, as the rollout's
+
+
+@dataclass(frozen=True)
+class AdvantageInputs(StageInputs):
+    rollouts: Manifest
+    rewards: Manifest
+    policy: PolicyRef  # the policy the update will train: its old log-probs
+    ref: PolicyRef | None = None  # the frozen reference (KL)
+    critic: PolicyRef | None = None  # the value model (GAE)
+    # the previous iteration's experience: its manifest carries the adaptive KL controller's state
+    prev_experience: Manifest | None = keyed_if(lambda v: v.algorithm.use_kl_in_reward and v.algorithm.kl_ctrl.type == "adaptive")
+
+
+@dataclass(frozen=True)
+class CriticInputs(StageInputs):
+    experience: Manifest
+    critic: PolicyRef
+
+
+@dataclass(frozen=True)
+class UpdateInputs(StageInputs):
+    experience: Manifest
+    policy: PolicyRef
+
+
+@dataclass(frozen=True)
+class EvalInputs(StageInputs):
+    prompts: Manifest
+    policy: PolicyRef
+
+
 @dataclass(frozen=True)
 class StageSpec:
+    """A stage's contract, declared once: its name, inputs, committed files and the settings it reads."""
+
     name: str
     files: tuple[str, ...]  # what it commits; the first is its main Parquet file
     reads: tuple[str, ...]  # dotted config paths its code may read (a section path covers its fields)
     # More paths that only matter for some settings, decided through the view of ``reads``.
     reads_if: Callable[[ConfigView], tuple[str, ...]] | None = None
-    inputs: tuple[str, ...] = ()  # positional inputs after (cfg, iteration): manifest input keys
-    optional: tuple[str, ...] = ()  # inputs that may be None; a stage missing another one does not run
-    output: str | None = None  # the name later stages receive its result under
-    output_ref: bool = False  # the output is a model checkpoint, passed on as a PolicyRef
-    replaces: tuple[str, ...] = ()  # earlier outputs its artifact stands in for in the stages after it
+    takes: type[StageInputs] = NoInputs  # its inputs
+    output_ref: bool = False  # its output is a model checkpoint, passed on as a PolicyRef (else its manifest)
     when: Callable[[ConfigView], bool] | None = None  # runs only under these settings (read through its view)
-    samples: bool = False  # generates with the behaviour policy (an older one when pipelined)
     phase: str = "train"  # prepare: once per run; train: the iteration chain; eval: on trainer.eval_every
     replayable: bool = False
+    # the run its artifact is committed under, when not the run's own (the kit's SFT start, shared by runs)
+    run_of: Callable[[ConfigView], str] | None = None
 
     @property
     def per_iteration(self) -> bool:
         return self.phase != "prepare"
 
     @property
-    def provides(self) -> tuple[str, ...]:
-        return ((self.output,) if self.output is not None else ()) + self.replaces
+    def inputs(self) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(self.takes))
+
+    @property
+    def optional(self) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(self.takes) if f.default is None)
 
     def active(self, cfg: RunConfig | ConfigView) -> bool:
         """Whether the run's settings select this stage at all."""
@@ -125,7 +203,6 @@ SPECS: tuple[StageSpec, ...] = (
         reads_if=lambda v: (
             ("kit.task", "kit.digits", "kit.train_size", "kit.test_size", "kit.seed") if v.data.source == "synthetic" else ()
         ),
-        output="prompts",
         phase="prepare",
     ),
     StageSpec(
@@ -135,15 +212,14 @@ SPECS: tuple[StageSpec, ...] = (
         # The multiply kit learns tool calls: its demonstrations and accuracy check run the agent loop.
         reads_if=lambda v: ("agent", "rollout.max_new_tokens") if v.kit.task == "multiply" else (),
         phase="prepare",
+        run_of=lambda v: kit_run_name(v),
     ),
     StageSpec(
         "rollout",
         files=("rollouts.parquet",),
         reads=_ROLLOUT,
         reads_if=_agent,
-        inputs=("prompts", "policy"),
-        output="rollouts",
-        samples=True,
+        takes=RolloutInputs,
         replayable=True,
     ),
     StageSpec(
@@ -151,8 +227,7 @@ SPECS: tuple[StageSpec, ...] = (
         files=("rewards.parquet",),
         reads=_REWARD,
         reads_if=_reward_extra,
-        inputs=("rollouts",),
-        output="rewards",
+        takes=RewardInputs,
         replayable=True,
     ),
     StageSpec(
@@ -161,9 +236,7 @@ SPECS: tuple[StageSpec, ...] = (
         reads=(*_ROLLOUT, *_REWARD, "algorithm.filter_groups"),
         reads_if=lambda v: _agent(v) + _reward_extra(v),
         when=lambda v: v.algorithm.filter_groups.enable,
-        inputs=("prompts", "rollouts", "rewards", "policy"),
-        replaces=("rollouts", "rewards"),
-        samples=True,
+        takes=FilterGroupsInputs,  # its artifact stands for the rollouts and rewards in the stages after it
         replayable=True,
     ),
     StageSpec(
@@ -176,9 +249,7 @@ SPECS: tuple[StageSpec, ...] = (
         # an estimator that needs sum pi^2 gets it from the old-log-prob pass (config load requires the flag)
         reads_if=lambda v: (_CRITIC_PASS if v.critic.enable else ())
         + (("actor.calculate_sum_pi_squared",) if _needs_sum_pi_squared(v) else ()),
-        inputs=("rollouts", "rewards", "policy", "ref", "critic", "prev_experience"),
-        optional=("ref", "critic", "prev_experience"),
-        output="experience",
+        takes=AdvantageInputs,
         replayable=True,
     ),
     StageSpec(
@@ -186,8 +257,7 @@ SPECS: tuple[StageSpec, ...] = (
         files=("metrics.parquet",),
         reads=(*_CRITIC_TRAIN, "trainer.seed", *_WORKER),
         reads_if=lambda v: _TOTAL_STEPS if _decays(v.critic.optim) else (),
-        inputs=("experience", "critic"),
-        output="critic",
+        takes=CriticInputs,
         output_ref=True,
     ),
     StageSpec(
@@ -200,8 +270,7 @@ SPECS: tuple[StageSpec, ...] = (
             "algorithm.rollout_correction",
         ),  # fmt: skip
         reads_if=lambda v: _TOTAL_STEPS if _decays(v.actor.optim) else (),
-        inputs=("experience", "policy"),
-        output="policy",
+        takes=UpdateInputs,
         output_ref=True,
         replayable=True,
     ),
@@ -210,7 +279,7 @@ SPECS: tuple[StageSpec, ...] = (
         files=("eval.parquet",),
         reads=("data.eval_size", "trainer.eval_n", *_SAMPLING, *_ENGINE, "agent.enable", "reward", *_WORKER),
         reads_if=_eval_extra,
-        inputs=("prompts", "policy"),
+        takes=EvalInputs,
         phase="eval",
         replayable=True,
     ),

@@ -30,7 +30,7 @@ from rlstage.schemas.config import RunConfig
 from rlstage.schemas.manifest import PolicyRef
 from rlstage.schemas.stages import ConfigView, kit_run_name
 from rlstage.tasks.runtime import policy_ref_from
-from rlstage.tasks.stages import StageOutput, StageResult, run_stage, stage_task
+from rlstage.tasks.stages import StageOutput, StageResult, stage_task
 
 
 def greedy_accuracy(model, tokenizer, prompts: list[str], answers: list[str], data_source: str) -> float:
@@ -76,65 +76,61 @@ def tool_demonstrations(cfg: ConfigView, tokenizer, rows: list[dict]) -> list[tu
 
 
 @stage_task("sft")
-def sft_warm_start(cfg: ConfigView) -> StageResult:
-    """Train (or reuse) the SFT checkpoint of the tiny kit, committed under the kit's own run."""
+def sft_warm_start(cfg: ConfigView) -> StageOutput:
+    """Train the SFT checkpoint of the tiny kit, committed under the kit's own run (spec.run_of): the agent settings
+    are in the multiply kit's view only, so addition kits keep their checkpoints."""
+    torch.set_num_threads(cfg.model.torch_threads)
+    k, s = cfg.kit, cfg.sft
+    train, test = datasets.make_task_splits(k.task, k.digits, k.train_size, k.test_size, k.seed)
+    tok = build_char_tokenizer()
+    model = build_tiny_llama(k, tok)
+    examples = list(zip(train.column("prompt").to_pylist(), train.column("ground_truth").to_pylist(), strict=True))
+    ds = test.column("data_source")[0].as_py()
+    prompts, answers = test.column("prompt").to_pylist(), test.column("ground_truth").to_pylist()
+    # Early stopping looks at a slice of the test split; the reported accuracy is on all of it.
+    probe = (prompts[: s.eval_size], answers[: s.eval_size])
+    agent = cfg.kit.task == "multiply" and cfg.agent.enable  # tool-call demonstrations
+    test_rows = test.to_pylist()
+    tool_metrics: dict[str, float] = {}
 
-    def produce() -> StageOutput:
-        torch.set_num_threads(cfg.model.torch_threads)
-        k, s = cfg.kit, cfg.sft
-        train, test = datasets.make_task_splits(k.task, k.digits, k.train_size, k.test_size, k.seed)
-        tok = build_char_tokenizer()
-        model = build_tiny_llama(k, tok)
-        examples = list(zip(train.column("prompt").to_pylist(), train.column("ground_truth").to_pylist(), strict=True))
-        ds = test.column("data_source")[0].as_py()
-        prompts, answers = test.column("prompt").to_pylist(), test.column("ground_truth").to_pylist()
-        # Early stopping looks at a slice of the test split; the reported accuracy is on all of it.
-        probe = (prompts[: s.eval_size], answers[: s.eval_size])
-        agent = cfg.kit.task == "multiply" and cfg.agent.enable  # tool-call demonstrations
-        test_rows = test.to_pylist()
-        tool_metrics: dict[str, float] = {}
-
-        def accuracy(rows: list[dict] | None = None) -> float:
-            if agent:
-                acc, tool_metrics_now = agent_accuracy(cfg, model, tok, rows if rows is not None else test_rows)
-                tool_metrics.clear()  # the last check's (the full test split's) are reported
-                tool_metrics.update(tool_metrics_now)
-                return acc
-            return greedy_accuracy(model, tok, *(probe if rows is not None else (prompts, answers)), ds)
-
-        post = Poster(kit_run_name(cfg))  # the step on the terminal's status line (infra/progress.py)
-        probe_acc: list[float] = []
-
-        def should_stop(step: int, loss: float) -> bool:
-            shown = f", held-out accuracy {probe_acc[-1]:.2f}" if probe_acc else ""
-            post(f"step {step}/{s.steps}, loss {loss:.3f}{shown}")
-            if s.target_accuracy is None or step % s.eval_every:
-                return False
-            probe_acc.append(accuracy(test_rows[: s.eval_size]))
-            return probe_acc[-1] >= s.target_accuracy
-
-        train_kw = {"steps": s.steps, "batch_size": s.batch_size, "lr": s.lr, "seed": s.seed, "should_stop": should_stop}
+    def accuracy(rows: list[dict] | None = None) -> float:
         if agent:
-            losses = sft_train_ids(model, tok, tool_demonstrations(cfg, tok, train.to_pylist()), **train_kw)
-        else:
-            losses = sft_train(model, tok, examples, **train_kw)
-        acc = accuracy()
-        with tempfile.TemporaryDirectory() as tmp:
-            save_model_dir(model, tok, tmp)
-            blobs = {f"model/{p.relative_to(tmp)}": p.read_bytes() for p in sorted(Path(tmp).rglob("*")) if p.is_file()}
-        return StageOutput(
-            blobs=blobs,
-            metrics={
-                "sft/final_loss": losses[-1] if losses else float("nan"),
-                "sft/test_accuracy": acc,
-                "sft/steps": len(losses),
-                **{f"sft/{name}": v for name, v in tool_metrics.items() if name.startswith(("tool_calls/", "num_turns/"))},
-            },
-            meta={"parameters": sum(p.numel() for p in model.parameters())},
-        )
+            acc, tool_metrics_now = agent_accuracy(cfg, model, tok, rows if rows is not None else test_rows)
+            tool_metrics.clear()  # the last check's (the full test split's) are reported
+            tool_metrics.update(tool_metrics_now)
+            return acc
+        return greedy_accuracy(model, tok, *(probe if rows is not None else (prompts, answers)), ds)
 
-    # The agent settings are in the multiply kit's view only, so addition kits keep their checkpoints.
-    return run_stage(cfg, "sft", None, {}, produce, run=kit_run_name(cfg))
+    post = Poster(kit_run_name(cfg))  # the step on the terminal's status line (infra/progress.py)
+    probe_acc: list[float] = []
+
+    def should_stop(step: int, loss: float) -> bool:
+        shown = f", held-out accuracy {probe_acc[-1]:.2f}" if probe_acc else ""
+        post(f"step {step}/{s.steps}, loss {loss:.3f}{shown}")
+        if s.target_accuracy is None or step % s.eval_every:
+            return False
+        probe_acc.append(accuracy(test_rows[: s.eval_size]))
+        return probe_acc[-1] >= s.target_accuracy
+
+    train_kw = {"steps": s.steps, "batch_size": s.batch_size, "lr": s.lr, "seed": s.seed, "should_stop": should_stop}
+    if agent:
+        losses = sft_train_ids(model, tok, tool_demonstrations(cfg, tok, train.to_pylist()), **train_kw)
+    else:
+        losses = sft_train(model, tok, examples, **train_kw)
+    acc = accuracy()
+    with tempfile.TemporaryDirectory() as tmp:
+        save_model_dir(model, tok, tmp)
+        blobs = {f"model/{p.relative_to(tmp)}": p.read_bytes() for p in sorted(Path(tmp).rglob("*")) if p.is_file()}
+    return StageOutput(
+        blobs=blobs,
+        metrics={
+            "sft/final_loss": losses[-1] if losses else float("nan"),
+            "sft/test_accuracy": acc,
+            "sft/steps": len(losses),
+            **{f"sft/{name}": v for name, v in tool_metrics.items() if name.startswith(("tool_calls/", "num_turns/"))},
+        },
+        meta={"parameters": sum(p.numel() for p in model.parameters())},
+    )
 
 
 def initial_policy(cfg: RunConfig, sft: StageResult | None) -> PolicyRef:

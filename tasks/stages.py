@@ -13,7 +13,9 @@ clients and its settings for every task (~0.14 s a stage, measured on a no-op ta
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import inspect
 import logging
 import os
 import time
@@ -46,7 +48,21 @@ from rlstage.infra.ray_runtime import get_unless_stopping
 from rlstage.schemas import artifacts as A
 from rlstage.schemas.config import RunConfig
 from rlstage.schemas.manifest import Manifest, PolicyRef
-from rlstage.schemas.stages import ConfigView, spec, stage_view, whole_config
+from rlstage.schemas.stages import (
+    AdvantageInputs,
+    ConfigView,
+    CriticInputs,
+    EvalInputs,
+    FilterGroupsInputs,
+    RewardInputs,
+    RolloutInputs,
+    StageInputs,
+    StageSpec,
+    UpdateInputs,
+    spec,
+    stage_view,
+    whole_config,
+)
 from rlstage.tasks.runtime import code_version, stage_config_hash, stage_key, store_for
 from rlstage.workers.group import PolicyGroup, open_group
 from rlstage.workers.roles import Generator, Trainer
@@ -119,20 +135,45 @@ def run_stage(
 # calling process (replay, eval, data prep), or in a Ray worker with ON_RAY's (submit_stage's iterations).
 TASKS: dict[str, Task] = {}
 ON_RAY: dict[str, Task] = {}
-BODIES: dict[str, Callable[..., StageResult]] = {}
+BODIES: dict[str, Callable[..., StageOutput]] = {}
+
+
+@dataclass(frozen=True)
+class StageCall:
+    """One call of a stage: what its task was given, as its body and cache key receive it."""
+
+    stage: str
+    iteration: int | None
+    inputs: StageInputs
+    version: str = "main"
+    meta: dict | None = None
+    options: dict = field(default_factory=dict)  # the body's own keyword options (the rollout's ``ahead``)
+
+
+def execute(cfg: RunConfig, call: StageCall) -> StageResult:
+    """Run ``call``'s stage on its config view: skipped when its output is committed under the same key (the
+    stage's view and the ids of its inputs), else its body produces the output and it is committed."""
+    s, view = spec(call.stage), stage_view(cfg, call.stage)
+    body = BODIES[call.stage]
+    if s.per_iteration:
+        produce = functools.partial(body, view, call.iteration, call.inputs, call.version, **call.options)
+    else:
+        produce = functools.partial(body, view)
+    run = s.run_of(view) if s.run_of is not None else None
+    return run_stage(view, call.stage, call.iteration, call.inputs.key(view), produce, run=run, version=call.version, meta=call.meta)
 
 
 @ray.remote(max_retries=0)  # a lost worker fails the Prefect task, whose retry (visible in Prefect) runs it again
-def _stage_process(name: str, cfg: RunConfig, args: tuple, kwargs: dict) -> StageResult:
+def _stage_process(cfg: RunConfig, call: StageCall) -> StageResult:
     load_plugins(cfg.plugins)  # this worker process registers what the run's plugins register
-    return BODIES[name](stage_view(cfg, name), *args, **kwargs)
+    return execute(cfg, call)
 
 
-def _run_on_ray(name: str, cfg: RunConfig, args: tuple, kwargs: dict) -> StageResult:
-    """Run stage ``name``'s body in a Ray worker with the stage's resources; its own exception is raised
-    here as it was raised there (its one-line message, the retry condition's type)."""
-    res = cfg.ray.resources(name)
-    ref = _stage_process.options(num_cpus=res.num_cpus, num_gpus=res.num_gpus).remote(name, cfg, args, kwargs)
+def _run_on_ray(cfg: RunConfig, call: StageCall) -> StageResult:
+    """Run ``call`` in a Ray worker with the stage's resources; its own exception is raised here as it was raised
+    there (its one-line message, the retry condition's type)."""
+    res = cfg.ray.resources(call.stage)
+    ref = _stage_process.options(num_cpus=res.num_cpus, num_gpus=res.num_gpus).remote(cfg, call)
     try:
         return get_unless_stopping(ref)
     except ray.exceptions.RayTaskError as err:
@@ -144,26 +185,52 @@ def _run_on_ray(name: str, cfg: RunConfig, args: tuple, kwargs: dict) -> StageRe
 LOG_META = "log"  # manifest meta: lines a stage's workers logged (agent.function's failures and refused requests)
 
 
-def stage_task(name: str) -> Callable[[Callable[..., StageResult]], Task]:
-    """Register ``body`` as the task of registry stage ``name``: called with the run config, it runs
-    ``body`` on the stage's config view (reads outside it raise ``UndeclaredConfigRead``)."""
-    spec(name)  # a task for an undeclared stage fails at import
+def _task_signature(s: StageSpec, body: Callable) -> inspect.Signature:
+    """A stage task's parameters, from its spec: the run config, the iteration, each input by keyword (an optional
+    one defaults to None), ``version``, ``meta``, then the body's own keyword options."""
+    P = inspect.Parameter
+    params = [P("cfg", P.POSITIONAL_OR_KEYWORD, annotation=RunConfig)]
+    if s.per_iteration:
+        params.append(P("iteration", P.POSITIONAL_OR_KEYWORD, annotation=int))
+    for f in dataclasses.fields(s.takes):
+        default = None if f.default is None else P.empty
+        params.append(P(f.name, P.KEYWORD_ONLY, default=default, annotation=f.type))
+    params += [P("version", P.KEYWORD_ONLY, default="main", annotation=str), P("meta", P.KEYWORD_ONLY, default=None)]
+    params += [p for p in inspect.signature(body).parameters.values() if p.kind is P.KEYWORD_ONLY]
+    return inspect.Signature(params)
 
-    def register(body: Callable[..., StageResult]) -> Task:
-        def as_task(execute: Callable[[RunConfig, tuple, dict], StageResult]) -> Task:
-            @functools.wraps(body)  # Prefect binds the task's parameters by the body's signature
-            def run(cfg: RunConfig, *args, **kwargs) -> StageResult | State:
-                result = execute(cfg, args, kwargs)
+
+def stage_task(name: str) -> Callable[[Callable[..., StageOutput]], Task]:
+    """Register ``body`` as the task of registry stage ``name``. A per-iteration stage's body is called as
+    ``body(view, iteration, inputs, version, **options)`` with its spec's input record, a run's preparation
+    stage's as ``body(view)``; it returns what to commit, and is called only when nothing is committed under
+    the stage's key. The task's parameters are derived from the spec (``_task_signature``)."""
+    s = spec(name)  # a task for an undeclared stage fails at import
+
+    def register(body: Callable[..., StageOutput]) -> Task:
+        signature = _task_signature(s, body)
+        options = {p.name for p in signature.parameters.values() if p.kind is p.KEYWORD_ONLY} - {"version", "meta"}
+        options -= set(s.inputs)
+
+        def as_task(run_call: Callable[[RunConfig, StageCall], StageResult]) -> Task:
+            def run(cfg: RunConfig, iteration: int | None = None, **kwargs) -> StageResult | State:
+                given = {k: kwargs.pop(k) for k in s.inputs if k in kwargs}
+                version, meta = kwargs.pop("version", "main"), kwargs.pop("meta", None)
+                call = StageCall(name, iteration, s.takes(**given), version, meta, {k: kwargs[k] for k in options if k in kwargs})
+                result = run_call(cfg, call)
                 if result.executed:  # what the stage's workers had to say, in the task run's log (one line each)
                     _log_lines(name, result.manifest.meta.get(LOG_META) or [])
                 return result if result.executed else cached(result)
 
+            run.__signature__ = signature  # Prefect binds the task's parameters by it
+            run.__name__, run.__doc__, run.__module__ = body.__name__, body.__doc__, body.__module__
+            run.__qualname__ = body.__qualname__
             # The store's manifest decides reuse (run_stage); Prefect only reports it, so it caches nothing itself.
             return task(name=name, cache_policy=NO_CACHE, persist_result=False)(run)
 
         BODIES[name] = body
-        TASKS[name] = as_task(lambda cfg, args, kwargs: body(stage_view(cfg, name), *args, **kwargs))
-        ON_RAY[name] = as_task(lambda cfg, args, kwargs: _run_on_ray(name, cfg, args, kwargs))
+        TASKS[name] = as_task(execute)
+        ON_RAY[name] = as_task(_run_on_ray)
         return TASKS[name]
 
     return register
@@ -196,32 +263,29 @@ def result_of(returned: StageResult | State) -> StageResult:
 
 # ---------------------------------------------------------------- data prep
 @stage_task("data_prep")
-def data_prep(cfg: ConfigView) -> StageResult:
-    def produce() -> StageOutput:
-        d = cfg.data
-        if d.source == "synthetic":
-            train, test = datasets.make_task_splits(
-                cfg.kit.task, cfg.kit.digits, cfg.kit.train_size, cfg.kit.test_size, cfg.kit.seed
-            )
-        else:
-            train, test = datasets.prepare_splits(d.source, d.train_path, d.test_path, d.source_settings)
-        # As verl's filter_overlong_prompts (or its default, an error): in the policy's rendered prompt tokens.
-        tok = agent_tokenizer(cfg)
-        refuse = not d.filter_overlong_prompts
-        where = {s: datasets.split_label(d.source, p, s) if refuse else None for s, p in (("train", d.train_path), ("test", d.test_path))}
-        train, train_dropped = datasets.drop_overlong(train, tok, d.max_prompt_length, where["train"])
-        test, test_dropped = datasets.drop_overlong(test, tok, d.max_prompt_length, where["test"])
-        return StageOutput(
-            tables={"train.parquet": train, "test.parquet": test},
-            metrics={
-                "data/train_prompts": train.num_rows,
-                "data/test_prompts": test.num_rows,
-                "data/train_dropped_overlong": train_dropped,
-                "data/test_dropped_overlong": test_dropped,
-            },
+def data_prep(cfg: ConfigView) -> StageOutput:
+    d = cfg.data
+    if d.source == "synthetic":
+        train, test = datasets.make_task_splits(
+            cfg.kit.task, cfg.kit.digits, cfg.kit.train_size, cfg.kit.test_size, cfg.kit.seed
         )
-
-    return run_stage(cfg, "data_prep", None, {}, produce)
+    else:
+        train, test = datasets.prepare_splits(d.source, d.train_path, d.test_path, d.source_settings)
+    # As verl's filter_overlong_prompts (or its default, an error): in the policy's rendered prompt tokens.
+    tok = agent_tokenizer(cfg)
+    refuse = not d.filter_overlong_prompts
+    where = {s: datasets.split_label(d.source, p, s) if refuse else None for s, p in (("train", d.train_path), ("test", d.test_path))}
+    train, train_dropped = datasets.drop_overlong(train, tok, d.max_prompt_length, where["train"])
+    test, test_dropped = datasets.drop_overlong(test, tok, d.max_prompt_length, where["test"])
+    return StageOutput(
+        tables={"train.parquet": train, "test.parquet": test},
+        metrics={
+            "data/train_prompts": train.num_rows,
+            "data/test_prompts": test.num_rows,
+            "data/train_dropped_overlong": train_dropped,
+            "data/test_dropped_overlong": test_dropped,
+        },
+    )
 
 
 def _read(cfg: ConfigView, manifest: Manifest, name: str) -> pa.Table:
@@ -248,25 +312,12 @@ def prompts_per_round(cfg: ConfigView) -> int:
 
 
 @stage_task("rollout")
-def rollout(
-    cfg: ConfigView,
-    iteration: int,
-    prompts: Manifest,
-    policy: PolicyRef,
-    version: str = "main",
-    meta: dict | None = None,
-    ahead: bool = False,
-) -> StageResult:
+def rollout(cfg: ConfigView, iteration: int, x: RolloutInputs, version: str, *, ahead: bool = False) -> StageOutput:
     """``ahead``: submitted by a pipelined run while the trainer trains the previous iteration; it then asks
     nothing of the trainer (the weights come from the store), so it computes beside the update."""
-
-    def produce() -> StageOutput:
-        train = _read(cfg, prompts, "train.parquet")
-        rows = prompt_batch(train.num_rows, iteration, prompts_per_round(cfg), cfg.data.shuffle_seed)
-        return generate_round(cfg, iteration, train.take(rows).to_pylist(), policy, version, ahead=ahead)
-
-    inputs = {"prompts": prompts.artifact_id, "policy": policy.version}
-    return run_stage(cfg, "rollout", iteration, inputs, produce, version=version, meta=meta)
+    train = _read(cfg, x.prompts, "train.parquet")
+    rows = prompt_batch(train.num_rows, iteration, prompts_per_round(cfg), cfg.data.shuffle_seed)
+    return generate_round(cfg, iteration, train.take(rows).to_pylist(), x.policy, version, ahead=ahead)
 
 
 def generate_round(
@@ -490,60 +541,41 @@ def _reward_extra(sample_ids: pa.ChunkedArray, extras: list[dict | None], real: 
 
 
 @stage_task("reward")
-def reward(
-    cfg: ConfigView, iteration: int, rollouts: Manifest, version: str = "main", meta: dict | None = None
-) -> StageResult:
-    def produce() -> StageOutput:
-        return score_round(cfg, _read(cfg, rollouts, "rollouts.parquet"))
-
-    return run_stage(cfg, "reward", iteration, {"rollouts": rollouts.artifact_id}, produce, version=version, meta=meta)
+def reward(cfg: ConfigView, iteration: int, x: RewardInputs, version: str) -> StageOutput:
+    return score_round(cfg, _read(cfg, x.rollouts, "rollouts.parquet"))
 
 
 # ---------------------------------------------------------------- filter_groups (DAPO dynamic sampling)
 @stage_task("filter_groups")
-def filter_groups(
-    cfg: ConfigView,
-    iteration: int,
-    prompts: Manifest,
-    rollouts: Manifest,
-    rewards_m: Manifest,
-    policy: PolicyRef,
-    version: str = "main",
-    meta: dict | None = None,
-) -> StageResult:
+def filter_groups(cfg: ConfigView, iteration: int, x: FilterGroupsInputs, version: str) -> StageOutput:
     """Drop the groups without signal from the rollout and reward stages' round, generate and score further
     rounds of ``data.gen_batch_size`` prompts until ``data.prompts_per_iteration`` groups have signal, and commit the trimmed batch
     (which the later stages read in place of the rollouts and rewards) with every round's groups and verdicts."""
     fg, per_round = cfg.algorithm.filter_groups, prompts_per_round(cfg)
+    train = _read(cfg, x.prompts, "train.parquet")
+    generated_by: list[dict] = []
 
-    def produce() -> StageOutput:
-        train = _read(cfg, prompts, "train.parquet")
-        generated_by: list[dict] = []
+    def extra_round(round_: int) -> dynamic_sampling.GenRound:
+        rows = extra_prompt_batch(train.num_rows, iteration, round_, per_round, cfg.data.shuffle_seed, fg.max_num_gen_batches)
+        gen = generate_round(cfg, iteration, train.take(rows).to_pylist(), x.policy, version, round_)
+        generated_by.append(gen.meta["generated_by"])
+        table = gen.tables["rollouts.parquet"]
+        return dynamic_sampling.GenRound(table, score_round(cfg, table).tables["rewards.parquet"])
 
-        def extra_round(round_: int) -> dynamic_sampling.GenRound:
-            rows = extra_prompt_batch(train.num_rows, iteration, round_, per_round, cfg.data.shuffle_seed, fg.max_num_gen_batches)
-            gen = generate_round(cfg, iteration, train.take(rows).to_pylist(), policy, version, round_)
-            generated_by.append(gen.meta["generated_by"])
-            table = gen.tables["rollouts.parquet"]
-            return dynamic_sampling.GenRound(table, score_round(cfg, table).tables["rewards.parquet"])
-
-        first = dynamic_sampling.GenRound(_read(cfg, rollouts, "rollouts.parquet"), _read(cfg, rewards_m, "rewards.parquet"))
-        sel = dynamic_sampling.select_groups(first, extra_round, cfg.data.prompts_per_iteration, fg.max_num_gen_batches, fg.metric)
-        extra = sel.rounds[1:]
-        return StageOutput(
-            tables={
-                "groups.parquet": sel.groups,
-                "rollouts.parquet": sel.rollouts,
-                "rewards.parquet": sel.rewards,
-                "extra_rollouts.parquet": pa.concat_tables([r.rollouts for r in extra]) if extra else first.rollouts.slice(0, 0),
-                "extra_rewards.parquet": pa.concat_tables([r.rewards for r in extra]) if extra else first.rewards.slice(0, 0),
-            },
-            metrics=sel.metrics(),
-            meta={"generated_by": generated_by} if generated_by else {},
-        )
-
-    inputs = {"prompts": prompts.artifact_id, "rollouts": rollouts.artifact_id, "rewards": rewards_m.artifact_id, "policy": policy.version}
-    return run_stage(cfg, "filter_groups", iteration, inputs, produce, version=version, meta=meta)
+    first = dynamic_sampling.GenRound(_read(cfg, x.rollouts, "rollouts.parquet"), _read(cfg, x.rewards, "rewards.parquet"))
+    sel = dynamic_sampling.select_groups(first, extra_round, cfg.data.prompts_per_iteration, fg.max_num_gen_batches, fg.metric)
+    extra = sel.rounds[1:]
+    return StageOutput(
+        tables={
+            "groups.parquet": sel.groups,
+            "rollouts.parquet": sel.rollouts,
+            "rewards.parquet": sel.rewards,
+            "extra_rollouts.parquet": pa.concat_tables([r.rollouts for r in extra]) if extra else first.rollouts.slice(0, 0),
+            "extra_rewards.parquet": pa.concat_tables([r.rewards for r in extra]) if extra else first.rewards.slice(0, 0),
+        },
+        metrics=sel.metrics(),
+        meta={"generated_by": generated_by} if generated_by else {},
+    )
 
 
 # ---------------------------------------------------------------- advantage
@@ -581,75 +613,44 @@ def _forwards(
 
 
 @stage_task("advantage")
-def advantage(
-    cfg: ConfigView,
-    iteration: int,
-    rollouts: Manifest,
-    rewards_m: Manifest,
-    policy: PolicyRef,
-    ref: PolicyRef | None = None,
-    critic: PolicyRef | None = None,
-    prev_experience: Manifest | None = None,
-    version: str = "main",
-    meta: dict | None = None,
-) -> StageResult:
-    """Old log-probs, optional ref log-probs / values / KL-in-reward, then the advantage estimator.
-
-    ``ref`` is the frozen starting policy (KL), ``critic`` the value model (GAE), ``prev_experience``
-    the previous iteration's experience, whose manifest carries the adaptive KL controller's state.
-    """
-    a = cfg.algorithm
-
-    def produce() -> StageOutput:
-        samples = experience.line_up(_read(cfg, rollouts, "rollouts.parquet"), _read(cfg, rewards_m, "rewards.parquet"))
-        group = open_group(cfg, version)
-        group.arm("advantage", iteration)
-        hold_policy(group, cfg, policy)
-        fwd = _forwards(cfg, group, samples, policy, ref, critic)
-        exp = experience.compute_experience(
-            samples,
-            fwd,
-            a,
-            kl_state=prev_experience.meta.get("kl_ctrl") if prev_experience is not None else None,
-            off_policy=rollouts.inputs.get("policy") != policy.version,
-            max_logprob_gap=cfg.rollout.max_logprob_gap,
-            engine=cfg.rollout.engine,
-            iteration=iteration,
-        )
-        served = {role: group.role_info(role) for role, held in (("ref", ref), ("critic", critic)) if held is not None}
-        meta = {"served_on": served} if served else {}
-        if exp.kl_state is not None:
-            meta["kl_ctrl"] = exp.kl_state
-        return StageOutput(tables={"experience.parquet": exp.table}, metrics=exp.metrics, meta=meta)
-
-    inputs = {"rollouts": rollouts.artifact_id, "rewards": rewards_m.artifact_id, "policy": policy.version}
-    inputs.update({k: v.version for k, v in (("ref", ref), ("critic", critic)) if v is not None})
-    if prev_experience is not None and a.use_kl_in_reward and a.kl_ctrl.type == "adaptive":
-        inputs["prev_experience"] = prev_experience.artifact_id
-    return run_stage(cfg, "advantage", iteration, inputs, produce, version=version, meta=meta)
+def advantage(cfg: ConfigView, iteration: int, x: AdvantageInputs, version: str) -> StageOutput:
+    """Old log-probs, optional ref log-probs / values / KL-in-reward, then the advantage estimator."""
+    samples = experience.line_up(_read(cfg, x.rollouts, "rollouts.parquet"), _read(cfg, x.rewards, "rewards.parquet"))
+    group = open_group(cfg, version)
+    group.arm("advantage", iteration)
+    hold_policy(group, cfg, x.policy)
+    fwd = _forwards(cfg, group, samples, x.policy, x.ref, x.critic)
+    exp = experience.compute_experience(
+        samples,
+        fwd,
+        cfg.algorithm,
+        kl_state=x.prev_experience.meta.get("kl_ctrl") if x.prev_experience is not None else None,
+        off_policy=x.rollouts.inputs.get("policy") != x.policy.version,
+        max_logprob_gap=cfg.rollout.max_logprob_gap,
+        engine=cfg.rollout.engine,
+        iteration=iteration,
+    )
+    served = {role: group.role_info(role) for role, held in (("ref", x.ref), ("critic", x.critic)) if held is not None}
+    meta = {"served_on": served} if served else {}
+    if exp.kl_state is not None:
+        meta["kl_ctrl"] = exp.kl_state
+    return StageOutput(tables={"experience.parquet": exp.table}, metrics=exp.metrics, meta=meta)
 
 
 # ---------------------------------------------------------------- critic
 @stage_task("critic")
-def critic_update(
-    cfg: ConfigView, iteration: int, experience: Manifest, critic: PolicyRef, version: str = "main", meta: dict | None = None
-) -> StageResult:
+def critic_update(cfg: ConfigView, iteration: int, x: CriticInputs, version: str) -> StageOutput:
     """Fit the value model to this iteration's returns; the worker commits the new critic checkpoint."""
-
-    def produce() -> StageOutput:
-        group = open_group(cfg, version)
-        hold_critic(group, cfg, critic)
-        metrics = group.call(Trainer.critic_update, critic.version, experience.model_dump(mode="json"), iteration, role="critic")
-        return StageOutput(
-            tables={"metrics.parquet": A.metrics_table(metrics)},
-            metrics=metrics,
-            # critic_ref: what a pruned critic is rebuilt from
-            meta={"critic_ref": critic.model_dump(mode="json"), "trained_on": group.role_info("critic")},
-            commit_in_worker=lambda commit, tables: group.commit("critic", commit, tables),
-        )
-
-    inputs = {"experience": experience.artifact_id, "critic": critic.version}
-    return run_stage(cfg, "critic", iteration, inputs, produce, version=version, meta=meta)
+    group = open_group(cfg, version)
+    hold_critic(group, cfg, x.critic)
+    metrics = group.call(Trainer.critic_update, x.critic.version, x.experience.model_dump(mode="json"), iteration, role="critic")
+    return StageOutput(
+        tables={"metrics.parquet": A.metrics_table(metrics)},
+        metrics=metrics,
+        # critic_ref: what a pruned critic is rebuilt from
+        meta={"critic_ref": x.critic.model_dump(mode="json"), "trained_on": group.role_info("critic")},
+        commit_in_worker=lambda commit, tables: group.commit("critic", commit, tables),
+    )
 
 
 # ---------------------------------------------------------------- update
@@ -675,100 +676,89 @@ def hold_critic(group: PolicyGroup, cfg: ConfigView, ref: PolicyRef) -> None:
 
 
 @stage_task("update")
-def update(
-    cfg: ConfigView, iteration: int, experience: Manifest, policy: PolicyRef, version: str = "main", meta: dict | None = None
-) -> StageResult:
-    def produce() -> StageOutput:
-        group = open_group(cfg, version)
-        hold_policy(group, cfg, policy)
-        checkpoint = is_checkpoint(cfg, iteration)
-        # The worker reads the experience itself; between checkpoints only the metrics are stored.
-        metrics = group.update(policy.version, experience, iteration, checkpoint)
-        return StageOutput(
-            tables={"metrics.parquet": A.metrics_table(metrics)},
-            metrics=metrics,
-            meta={
-                "policy_ref": policy.model_dump(mode="json"),
-                "between_checkpoints": not checkpoint,
-                "trained_on": group.query_all(Trainer.info),
-            },
-            commit_in_worker=lambda commit, tables: group.commit("policy", commit, tables),
-        )
-
-    inputs = {"experience": experience.artifact_id, "policy": policy.version}
-    return run_stage(cfg, "update", iteration, inputs, produce, version=version, meta=meta)
+def update(cfg: ConfigView, iteration: int, x: UpdateInputs, version: str) -> StageOutput:
+    group = open_group(cfg, version)
+    hold_policy(group, cfg, x.policy)
+    checkpoint = is_checkpoint(cfg, iteration)
+    # The worker reads the experience itself; between checkpoints only the metrics are stored.
+    metrics = group.update(x.policy.version, x.experience, iteration, checkpoint)
+    return StageOutput(
+        tables={"metrics.parquet": A.metrics_table(metrics)},
+        metrics=metrics,
+        meta={
+            "policy_ref": x.policy.model_dump(mode="json"),
+            "between_checkpoints": not checkpoint,
+            "trained_on": group.query_all(Trainer.info),
+        },
+        commit_in_worker=lambda commit, tables: group.commit("policy", commit, tables),
+    )
 
 
 # ---------------------------------------------------------------- eval
 @stage_task("eval")
-def evaluate(
-    cfg: ConfigView, iteration: int, prompts: Manifest, policy: PolicyRef, version: str = "main", meta: dict | None = None
-) -> StageResult:
-    def produce() -> StageOutput:
-        hold_point(cfg, f"eval:{iteration}")
-        test = _read(cfg, prompts, "test.parquet")
-        if cfg.data.eval_size is not None:
-            test = test.slice(0, cfg.data.eval_size)
-        batch = test.to_pylist()
-        group = open_group(cfg, version)
-        group.arm("eval", iteration)
-        group.acquire_rollout(policy, update_hash(cfg))
-        comps, stats = _complete(cfg, group, policy.version, batch, _sampling(cfg, iteration, n=1, greedy=True))
-        log = stats.pop("log", [])  # agent.function: its failures and refused requests, for the stage's log
-        # Tool use of the greedy answers (agent mode): held-out tool-call success rate and friends.
-        agent = agent_metrics(comps, stats, prefix="val/") if cfg.agent.enable else {}
-        if cfg.trainer.eval_n > 0:
-            params = _sampling(cfg, iteration, n=cfg.trainer.eval_n)
-            sampled, sampled_stats = _complete(cfg, group, policy.version, batch, params)
-            comps += sampled
-            log += sampled_stats.get("log", [])
-        rows = rewards.completion_rows(batch, comps)
-        # An agent function's own reward (agent.function) is the sample's score, as in the reward stage: the rule
-        # scores only the rows without one.
-        scores = [c.get("agent_reward") for c in comps]
-        correct_at: list[float | None] = [None] * len(comps)  # each rule's own bar for a correct answer
-        for i, r in rule_results(cfg, rows, [sc is None for sc in scores]).items():
-            scores[i], correct_at[i] = r.score, rewards.correct_at(r.reward_fn)
-        correct = [eval_metrics.is_correct(s, c) for s, c in zip(scores, correct_at, strict=True)]
-        greedy_n = len(batch)
-        table = pa.table(
-            {
-                "prompt_id": [batch[c["prompt_index"]]["prompt_id"] for c in comps],
-                "sample_index": [-1] * greedy_n + [c["sample_index"] for c in comps[greedy_n:]],
-                "response_text": [c["text"] for c in comps],
-                "score": pa.array(scores, pa.float32()),
-            },
-            schema=A.EVAL,
-        )
-        metrics: dict[str, float] = dict(agent)
-        sources = [r["data_source"] for r in rows]
-        metrics.update(eval_metrics.gsm8k_answer_metrics(rows[:greedy_n]))  # the format a real model learns first
-        for ds in sorted(set(sources)):
-            g = [s for s, src in zip(scores[:greedy_n], sources[:greedy_n], strict=True) if src == ds]
-            metrics[f"val-core/{ds}/reward/mean@1"] = float(np.mean(g))
-        if cfg.trainer.eval_n > 0:  # the sampled answers, as verl reports them (engines/metrics.py)
-            uids = [c["prompt_index"] for c in comps[greedy_n:]]
-            infos: dict[str, list] = {"reward": scores[greedy_n:]}
-            fns = [cfg.reward.function or rewards.default_reward_fn(src, cfg.reward.by_data_source) for src in sources[greedy_n:]]
-            preds = eval_metrics.extract_answers(rows[greedy_n:], fns)
-            if preds is not None:
-                infos["pred"] = preds
-            elif cfg.trainer.eval_require_maj:  # a verl parquet's sources, known only now
-                missing = sorted({f for f in fns if f not in eval_metrics.ANSWER_EXTRACTORS})
-                raise ValueError(
-                    f"trainer.eval_require_maj: reward function(s) {', '.join(missing)} of the held-out data extract no "
-                    "answer for maj@N to vote on; set reward.function to one that does, or trainer.eval_require_maj=false"
-                )
-            nested = eval_metrics.validation_metrics(sources[greedy_n:], uids, infos)
-            metrics.update(eval_metrics.flatten_validation_metrics(nested))
-            metrics.update(eval_metrics.pass_at_k_metrics(sources[greedy_n:], uids, correct[greedy_n:]))
-        # the share of greedy answers scored correct; with a partial-credit rule the mean score differs
-        metrics["val/accuracy"] = float(np.mean(correct[:greedy_n]))
-        metrics["val/reward_mean"] = float(np.mean(scores[:greedy_n]))
-        return StageOutput(tables={"eval.parquet": table}, metrics=metrics, meta={LOG_META: log} if log else {})
-
-    inputs = {"prompts": prompts.artifact_id, "policy": policy.version}
-    return run_stage(cfg, "eval", iteration, inputs, produce, version=version, meta=meta)
+def evaluate(cfg: ConfigView, iteration: int, x: EvalInputs, version: str) -> StageOutput:
+    prompts, policy = x.prompts, x.policy
+    hold_point(cfg, f"eval:{iteration}")
+    test = _read(cfg, prompts, "test.parquet")
+    if cfg.data.eval_size is not None:
+        test = test.slice(0, cfg.data.eval_size)
+    batch = test.to_pylist()
+    group = open_group(cfg, version)
+    group.arm("eval", iteration)
+    group.acquire_rollout(policy, update_hash(cfg))
+    comps, stats = _complete(cfg, group, policy.version, batch, _sampling(cfg, iteration, n=1, greedy=True))
+    log = stats.pop("log", [])  # agent.function: its failures and refused requests, for the stage's log
+    # Tool use of the greedy answers (agent mode): held-out tool-call success rate and friends.
+    agent = agent_metrics(comps, stats, prefix="val/") if cfg.agent.enable else {}
+    if cfg.trainer.eval_n > 0:
+        params = _sampling(cfg, iteration, n=cfg.trainer.eval_n)
+        sampled, sampled_stats = _complete(cfg, group, policy.version, batch, params)
+        comps += sampled
+        log += sampled_stats.get("log", [])
+    rows = rewards.completion_rows(batch, comps)
+    # An agent function's own reward (agent.function) is the sample's score, as in the reward stage: the rule
+    # scores only the rows without one.
+    scores = [c.get("agent_reward") for c in comps]
+    correct_at: list[float | None] = [None] * len(comps)  # each rule's own bar for a correct answer
+    for i, r in rule_results(cfg, rows, [sc is None for sc in scores]).items():
+        scores[i], correct_at[i] = r.score, rewards.correct_at(r.reward_fn)
+    correct = [eval_metrics.is_correct(s, c) for s, c in zip(scores, correct_at, strict=True)]
+    greedy_n = len(batch)
+    table = pa.table(
+        {
+            "prompt_id": [batch[c["prompt_index"]]["prompt_id"] for c in comps],
+            "sample_index": [-1] * greedy_n + [c["sample_index"] for c in comps[greedy_n:]],
+            "response_text": [c["text"] for c in comps],
+            "score": pa.array(scores, pa.float32()),
+        },
+        schema=A.EVAL,
+    )
+    metrics: dict[str, float] = dict(agent)
+    sources = [r["data_source"] for r in rows]
+    metrics.update(eval_metrics.gsm8k_answer_metrics(rows[:greedy_n]))  # the format a real model learns first
+    for ds in sorted(set(sources)):
+        g = [s for s, src in zip(scores[:greedy_n], sources[:greedy_n], strict=True) if src == ds]
+        metrics[f"val-core/{ds}/reward/mean@1"] = float(np.mean(g))
+    if cfg.trainer.eval_n > 0:  # the sampled answers, as verl reports them (engines/metrics.py)
+        uids = [c["prompt_index"] for c in comps[greedy_n:]]
+        infos: dict[str, list] = {"reward": scores[greedy_n:]}
+        fns = [cfg.reward.function or rewards.default_reward_fn(src, cfg.reward.by_data_source) for src in sources[greedy_n:]]
+        preds = eval_metrics.extract_answers(rows[greedy_n:], fns)
+        if preds is not None:
+            infos["pred"] = preds
+        elif cfg.trainer.eval_require_maj:  # a verl parquet's sources, known only now
+            missing = sorted({f for f in fns if f not in eval_metrics.ANSWER_EXTRACTORS})
+            raise ValueError(
+                f"trainer.eval_require_maj: reward function(s) {', '.join(missing)} of the held-out data extract no "
+                "answer for maj@N to vote on; set reward.function to one that does, or trainer.eval_require_maj=false"
+            )
+        nested = eval_metrics.validation_metrics(sources[greedy_n:], uids, infos)
+        metrics.update(eval_metrics.flatten_validation_metrics(nested))
+        metrics.update(eval_metrics.pass_at_k_metrics(sources[greedy_n:], uids, correct[greedy_n:]))
+    # the share of greedy answers scored correct; with a partial-credit rule the mean score differs
+    metrics["val/accuracy"] = float(np.mean(correct[:greedy_n]))
+    metrics["val/reward_mean"] = float(np.mean(scores[:greedy_n]))
+    return StageOutput(tables={"eval.parquet": table}, metrics=metrics, meta={LOG_META: log} if log else {})
 
 
 def _retryable(task, task_run, state) -> bool:

@@ -3,6 +3,8 @@ key changes exactly when a setting in that view changes."""
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import typing
 from pathlib import Path
 
@@ -16,21 +18,25 @@ from rlstage.engines.models.tinykit import build_char_tokenizer, build_tiny_llam
 from rlstage.engines.registry import NAMED_SETTINGS, REGISTRIES
 from rlstage.engines.training.actor import TorchActor
 from rlstage.engines.training.critic import TorchCritic
+from rlstage.flows.iteration import Artifacts
 from rlstage.schemas.config import ConfigError, KitConfig, RunConfig, build_config, load_config, merge_dicts
+from rlstage.schemas.manifest import Manifest, PolicyRef
 from rlstage.schemas.stages import (
     EXECUTION,
     REPLAYABLE,
     SPECS,
     STAGE_FILES,
     STAGES,
+    AdvantageInputs,
     ConfigView,
     UndeclaredConfigRead,
     covers,
+    spec,
     stage_view,
     view_paths,
 )
 from rlstage.tasks import kit as _kit  # noqa: F401  (registers the sft stage's task)
-from rlstage.tasks.stages import TASKS, StageOutput, run_stage
+from rlstage.tasks.stages import BODIES, TASKS, StageOutput, run_stage
 from rlstage.workers.group import total_update_steps
 
 REPO = Path(__file__).resolve().parent.parent
@@ -222,9 +228,9 @@ def test_registry_derives_the_stage_lists_and_every_stage_has_one_task():
         "critic": "metrics.parquet", "update": "metrics.parquet", "eval": "eval.parquet",
     }  # fmt: skip
     assert REPLAYABLE == ("rollout", "reward", "filter_groups", "advantage", "update", "eval")
-    outputs = {name for s in SPECS for name in s.provides} | {"ref", "prev_experience"}  # what an iteration starts from
+    held = {f.name for f in dataclasses.fields(Artifacts)}  # what an iteration holds, by the names stages take
     for s in SPECS:
-        assert set(s.inputs) <= outputs, s.name
+        assert set(s.inputs) <= held, s.name
         for path in s.reads:  # every declared path is a setting
             node: typing.Any = RunConfig()
             for part in path.split("."):
@@ -251,7 +257,7 @@ def test_reading_an_undeclared_setting_names_the_stage_and_the_path():
 def test_a_stage_body_reading_outside_its_view_fails_before_producing(tmp_path):
     """The data_prep body under a view without its conditional kit paths: the real code's read fails."""
     cfg = load_config(None, [f"store.root={tmp_path}"])
-    body = TASKS["data_prep"].fn.__wrapped__
+    body = BODIES["data_prep"]  # the stage's own code, given a narrower view than its spec declares
     narrow = ConfigView(cfg, "data_prep", ("data.source", "data.test_path", "data.train_path"))
     with pytest.raises(UndeclaredConfigRead, match="stage 'data_prep' read config 'kit.task'"):
         body(narrow)
@@ -344,3 +350,22 @@ def test_a_run_whose_schedule_reads_its_length_cannot_change_it(tmp_path):
                 record_run_config(store_for(longer), longer)
         else:
             record_run_config(store_for(longer), longer)
+
+
+def test_a_stage_tasks_parameters_and_cache_key_inputs_come_from_its_spec():
+    """The task's keyword parameters are its spec's inputs (an optional one defaults to None); inputs given by
+    position are refused; the cache key holds each given input's id, the last experience only under adaptive KL."""
+    params = inspect.signature(TASKS["advantage"].fn).parameters
+    assert list(params) == ["cfg", "iteration", *spec("advantage").inputs, "version", "meta"]
+    assert [n for n, p in params.items() if p.default is None and n != "meta"] == ["ref", "critic", "prev_experience"]
+    assert list(inspect.signature(TASKS["rollout"].fn).parameters)[-1] == "ahead"  # the body's own option
+    assert list(inspect.signature(TASKS["data_prep"].fn).parameters) == ["cfg", "version", "meta"]
+    m = Manifest(run="r", iteration=1, stage="rollout", artifact_id="ro", key="k", config_hash="c", code_version="v", created_at="t")
+    pol, ref = PolicyRef(version="p"), PolicyRef(version="f")
+    x = AdvantageInputs(rollouts=m, rewards=m, policy=pol, ref=ref, prev_experience=m)
+    view = stage_view(load_config(None, []), "advantage")
+    assert x.key(view) == {"rollouts": "ro", "rewards": "ro", "policy": "p", "ref": "f"}
+    kl = load_config(None, ["algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive"])
+    assert x.key(stage_view(kl, "advantage"))["prev_experience"] == "ro"
+    with pytest.raises(TypeError):
+        TASKS["update"].fn(load_config(None, []), 1, m, pol)  # by position: never

@@ -5,6 +5,8 @@ metric step is logged once.
 The previous release is built from this repository's own history (``git archive`` of its commit) into a wheel,
 installed into an environment of its own, and its CLI writes a one-iteration run (store + MLflow database).
 Every release keeps this test against its predecessor: update ``CHANGELOG.md``'s newest released section.
+Stores written by the unreleased main since ``MAIN_STORES`` are checked the same way: the stage contracts were
+rewritten after it (each declared once, schemas/stages.py), and its stores' cache keys must hold.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from tests_support import (
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parent.parent
 RUN = "upgraded"
+MAIN_STORES = ("0.2.0.dev0", "f4444b1")  # (version, commit): main before the stage contracts were declared once
 
 
 def previous_release() -> tuple[str, str]:
@@ -59,7 +62,8 @@ def _late_setting(path: str) -> bool:
     return (model.model_fields[leaf].json_schema_extra or {}) == HASHED_WHEN_SET
 
 
-def test_a_run_of_the_previous_release_continues_replays_and_evaluates(prefect_api, tmp_path):
+@pytest.mark.parametrize("written_by", ["previous release", "main"])
+def test_a_run_of_the_previous_release_continues_replays_and_evaluates(prefect_api, tmp_path, written_by):
     from mlflow import MlflowClient
 
     from rlstage.flows.evaluate import evaluate_run
@@ -67,7 +71,9 @@ def test_a_run_of_the_previous_release_continues_replays_and_evaluates(prefect_a
     from rlstage.flows.replay import replay
     from rlstage.infra.store import ArtifactStore
 
-    version, commit = previous_release()
+    version, commit = previous_release() if written_by == "previous release" else MAIN_STORES
+    # 0.1.0 installed its modules at the top level (engines, flows, ...); later code is one package, rlstage
+    top = "" if version == "0.1.0" else "rlstage."
     old_py = env_with_wheel(build_wheel(_source_of(commit, tmp_path / "prev"), tmp_path / "dist"), tmp_path / "env")
     store_root, db = tmp_path / "store", tmp_path / "mlflow.db"
     args = [*tiny_overrides(), *moving_overrides(), "trainer.iterations=1", f"run_name={RUN}", f"store.root={store_root}"]
@@ -76,9 +82,10 @@ def test_a_run_of_the_previous_release_continues_replays_and_evaluates(prefect_a
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_HOME", "RLSTAGE_", "MLFLOW_", "PYTHONPATH"))}
     env["RLSTAGE_HOME"] = str(tmp_path / "home")
     (work := tmp_path / "work").mkdir()
-    old = subprocess.run([old_py, "-m", "flows.cli", "train", *args], cwd=work, env=env, capture_output=True, text=True, timeout=600)
+    old = subprocess.run([old_py, "-m", f"{top}flows.cli", "train", *args], cwd=work, env=env, capture_output=True, text=True, timeout=600)
     assert old.returncode == 0, (version, old.stdout[-2000:], old.stderr[-3000:])
-    shown = subprocess.run([old_py, "-c", "import engines, importlib.metadata as m; print(m.version('rlstage'))"], cwd=work, env=env, capture_output=True, text=True)
+    probe = f"import {top}engines, importlib.metadata as m; print(m.version('rlstage'))"
+    shown = subprocess.run([old_py, "-c", probe], cwd=work, env=env, capture_output=True, text=True)
     assert shown.stdout.strip() == version, shown.stderr[-2000:]  # the run was written by that release's code
 
     store = ArtifactStore(str(store_root))

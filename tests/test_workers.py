@@ -266,11 +266,11 @@ def test_rollout_placed_apart_takes_weights_by_handoff_and_overlaps_the_trainer(
 
     @flow(task_runner=ThreadPoolTaskRunner(max_workers=2))
     def both():
-        u = stages.update.submit(held, 1, experience, start, version="overlap")
+        u = stages.update.submit(held, 1, experience=experience, policy=start, version="overlap")
         deadline = time.monotonic() + 300
         while not (markers / "held-update-1").exists() and time.monotonic() < deadline:
             time.sleep(0.05)
-        e = stages.evaluate.submit(held, 1, prompts, after, version="overlap")
+        e = stages.evaluate.submit(held, 1, prompts=prompts, policy=after, version="overlap")
         try:
             e.result()
         finally:
