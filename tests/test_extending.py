@@ -187,3 +187,6 @@ def test_the_pages_config_trains_an_iteration_with_all_four_plugins(prefect_api,
     assert max(abs(a) for a in advantages) <= 2.0 + 1e-6  # the estimator's max_abs
     with pytest.raises(ConfigError, match=r"plugins\.0: 'clipped_grpo' comes from the stored config"):
         stored_config(store, "extended")
+    # named again, as the page's replay names them: loaded, and the same versions as the run recorded
+    again = stored_config(store, "extended", [f"plugins=[{','.join(PLUGINS)}]"])
+    assert again.reward.function == "digit_match" and again.data.source == "csv_qa"
