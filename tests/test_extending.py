@@ -1,0 +1,192 @@
+"""The examples of docs/extending.md: each plugin registers its entry and computes what its docstring says on a
+tiny input, the page includes every example file, and the page's config trains one iteration with all four."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlstage.engines import algorithms as algos
+from rlstage.engines import plugins
+from rlstage.engines.data import datasets
+from rlstage.engines.preflight import check_registered_names
+from rlstage.engines.registry import REGISTRIES
+from rlstage.engines.rewards import rules
+from rlstage.flows.checks import stored_config
+from rlstage.infra.store import ArtifactStore
+from rlstage.schemas.config import ALLOWED_CALLABLES_ENV, ConfigError, load_config
+from tests_support import source_path, tiny_overrides
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLES = REPO / "docs" / "examples" / "extending"
+CONFIG = EXAMPLES / "extended.yaml"
+# module -> (registry kind, the name it registers)
+PLUGINS = {
+    "clipped_grpo": ("advantage estimator", "clipped_grpo"),
+    "ppo_l2": ("policy loss", "ppo_l2"),
+    "digit_match": ("reward function", "digit_match"),
+    "csv_source": ("data source", "csv_qa"),
+}
+
+
+@pytest.fixture(scope="module")
+def examples(tmp_path_factory):
+    """The examples folder on the path, as the page's PYTHONPATH puts it; what they register is forgotten after the
+    module (a plugin is imported once a process: engines/plugins.py)."""
+    before = {kind: set(registry) for kind, registry in REGISTRIES.items()}
+    sources = dict(rules.DATA_SOURCE_FNS)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.syspath_prepend(str(EXAMPLES))
+        mp.delenv(ALLOWED_CALLABLES_ENV, raising=False)  # nothing is allow-listed: the refusal below is the rule's
+        mp.setenv("XDG_CONFIG_HOME", str(tmp_path_factory.mktemp("xdg")))
+        yield
+    for kind, registry in REGISTRIES.items():
+        for name in set(registry) - before.get(kind, set(registry)):
+            registry.remove(name)
+    rules.DATA_SOURCE_FNS.clear()
+    rules.DATA_SOURCE_FNS.update(sources)
+    for module in PLUGINS:
+        sys.modules.pop(module, None)
+        plugins._IMPORTED.discard(module)
+
+
+def _config(*overrides: str):
+    """The page's config as the CLI loads it: the model, then its plugins and names against the registries."""
+    cfg = load_config(str(CONFIG), list(overrides))
+    check_registered_names(cfg)
+    return cfg
+
+
+def test_the_page_includes_every_example_file():
+    page = (REPO / "docs" / "extending.md").read_text()
+    included = set(re.findall(r'^--8<-- "examples/extending/([\w.]+)"$', page, re.M))
+    shown = {p.name for p in EXAMPLES.iterdir() if p.suffix in (".py", ".yaml")}
+    assert included == shown and set(PLUGINS) <= {Path(n).stem for n in shown}
+
+
+def test_each_example_registers_its_entry(examples):
+    cfg = _config()  # loads the plugins the config lists
+    assert cfg.plugins == list(PLUGINS)
+    for module, (kind, name) in PLUGINS.items():
+        assert REGISTRIES[kind].entry(name).module == module
+    assert rules.DATA_SOURCE_FNS["my_org/arith"] == "digit_match"  # data_sources= of its decorator
+    with pytest.raises(ConfigError, match=r"^config error: algorithm\.adv_estimator\.max_abs: Input should be greater than 0$"):
+        _config("algorithm.adv_estimator={name: clipped_grpo, max_abs: 0}")
+    with pytest.raises(ConfigError, match=r"^config error: actor\.policy_loss\.clip: ppo_l2 takes no clip \(its settings: clip_ratio, l2_coef\)$"):
+        _config("actor.policy_loss={name: ppo_l2, clip: 0.2}")
+    with pytest.raises(ConfigError, match=r"^config error: rollout\.n: .*needs groups"):
+        _config("rollout.n=1", "actor.ppo_mini_batch_size=32", "actor.micro_batch_size=32")
+
+
+def test_the_estimator_normalises_and_clips_within_each_group(examples):
+    cfg = _config("algorithm.adv_estimator={name: clipped_grpo, max_abs: 0.5}")
+    rewards = torch.tensor([[0.0, 2.0], [0.0, 0.0], [0.0, 1.0], [0.0, 3.0], [0.0, 5.0]])
+    mask = torch.tensor([[1, 1], [1, 1], [1, 0], [1, 1], [1, 1]])
+    adv, returns = algos.compute_advantage(
+        "clipped_grpo",
+        token_level_rewards=rewards,
+        response_mask=mask,
+        index=["a", "a", "b", "b", "c"],
+        settings=algos.adv_estimator_settings(cfg.algorithm.adv_estimator),
+    )
+    # group a: scores 2, 0 (mean 1, std 1.414): +-0.707, clipped to +-0.5; b: 1, 3 likewise; c alone: 0
+    expected = torch.tensor([[0.5, 0.5], [-0.5, -0.5], [-0.5, 0.0], [0.5, 0.5], [0.0, 0.0]])
+    assert torch.allclose(adv, expected) and torch.equal(adv, returns)
+
+
+def test_the_loss_is_the_surrogate_plus_its_penalty(examples):
+    cfg = _config()
+    loss_fn = algos.get_policy_loss("ppo_l2")
+    settings = algos.policy_loss_settings(cfg.actor.policy_loss).model_dump()
+    log_prob = torch.tensor([[-1.0, -2.0, -3.0]], requires_grad=True)
+    adv, mask = torch.tensor([[1.0, 1.0, 1.0]]), torch.tensor([[1, 1, 0]])
+    loss, metrics = loss_fn(log_prob.detach(), log_prob, adv, mask, "token-mean", **settings)
+    assert loss.item() == pytest.approx(-1.0) and metrics["ppo_l2/penalty"].item() == 0  # ratio 1: -A
+    old = log_prob.detach() - torch.tensor([[0.1, 0.5, 0.0]])  # ratios e^0.1 (inside the clip) and e^0.5 (clipped)
+    loss, metrics = loss_fn(old, log_prob, adv, mask, "token-mean", **settings)
+    surrogate = (-torch.tensor(0.1).exp() - 1.2) / 2
+    assert loss.item() == pytest.approx((surrogate + 0.1 * (0.01 + 0.25) / 2).item(), rel=1e-5)
+    assert metrics["pg_clipfrac"].item() == pytest.approx(0.5)
+    loss.backward()
+    assert log_prob.grad[0, 2] == 0 and log_prob.grad[0, 0] != 0  # off the mask: no gradient; clipped: the penalty's
+
+
+def test_the_reward_scores_in_the_sandboxed_scorer_by_name_and_by_data_source(examples):
+    _config()
+    rows = [
+        {"response_text": "80</s>", "ground_truth": "80", "data_source": "my_org/arith", "extra_info": "{}"},
+        {"response_text": "81 and more", "ground_truth": "80", "data_source": "my_org/arith", "extra_info": "{}"},
+        {"response_text": "", "ground_truth": "153", "data_source": "my_org/arith", "extra_info": "{}"},
+    ]
+    for function in ("digit_match", None):  # named by reward.function, or picked by the rows' data_source
+        scored = rules.score_batch(rows, timeout_s=30, function=function)
+        assert [r.error for r in scored] == [None] * 3
+        assert [r.score for r in scored] == pytest.approx([1.0, 0.45, 0.0])
+        assert [r.metrics for r in scored] == [{"acc": 1.0}, {"acc": 0.0}, {"acc": 0.0}]
+        assert {r.reward_fn for r in scored} == {"digit_match"}
+    assert rules.correct_at("digit_match") == 1.0
+
+
+def test_the_data_source_reads_the_csv_files(examples, tmp_path):
+    cfg = _config()
+    train, test = datasets.prepare_splits(
+        cfg.data.source, str(REPO / cfg.data.train_path), str(REPO / cfg.data.test_path), cfg.data.source_settings
+    )
+    assert (train.num_rows, test.num_rows) == (200, 40)
+    first = train.slice(0, 1).to_pylist()[0]
+    assert first == {
+        "prompt_id": "csv-train-0",
+        "prompt": "What is 51+29? ",
+        "messages": None,
+        "data_source": "my_org/arith",
+        "ground_truth": "80",
+        "extra_info": json.dumps({"split": "train", "index": 0}),
+    }
+    bad = tmp_path / "bad.csv"
+    bad.write_text("question,answer\nWhat is 1+1? ,\n")
+    with pytest.raises(datasets.DatasetError, match=r"bad\.csv: row 1 has no 'question' or no 'answer'$"):
+        datasets.load_prompts("csv_qa", str(bad))
+    chat = datasets.load_prompts("csv_qa", str(REPO / cfg.data.test_path), chat=True)
+    assert chat.column("messages")[0].as_py() == [{"role": "user", "content": "What is 66+51? "}]
+
+
+@pytest.mark.integration
+def test_the_pages_config_trains_an_iteration_with_all_four_plugins(prefect_api, migrated_home, tmp_path, examples):
+    """The page's command, as written but for the tiny kit's short settings: one iteration trained with the
+    plugins' estimator, loss, reward and data, recorded in run.json; the stored config names code to import, so
+    a later command that does not name the plugins again is refused."""
+    (tmp_path / "docs").symlink_to(REPO / "docs")  # the page runs from the repository root
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_HOME", "RLSTAGE_", "MLFLOW_"))}
+    home = tmp_path / "home"
+    migrated_home(home)
+    env.update(PYTHONPATH=os.pathsep.join([str(EXAMPLES), source_path()]), RLSTAGE_HOME=str(home))
+    store_root = tmp_path / "store"
+    run = ["train", "-c", "docs/examples/extending/extended.yaml", *tiny_overrides(), "trainer.iterations=1"]
+    run += [f"store.root={store_root}", "data.eval_size=8"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "rlstage.flows.cli", *run], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400
+    )
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-3000:])
+    store = ArtifactStore(str(store_root))
+    assert sorted(store.get_json("extended", "run.json")["plugins"]) == sorted(PLUGINS)
+    prep = store.manifest("extended", None, "data_prep")
+    assert prep.meta["metrics"]["data/train_prompts"] == 200
+    rewarded = store.read_table(store.manifest("extended", 1, "reward"), "rewards.parquet")
+    assert set(rewarded.column("reward_fn").to_pylist()) == {"digit_match"}
+    update = store.manifest("extended", 1, "update")
+    assert "ppo_l2/penalty" in update.meta["metrics"]  # the plugin's loss trained it
+    experience = store.read_table(store.manifest("extended", 1, "advantage"), "experience.parquet")
+    advantages = [a for row in experience.column("advantages").to_pylist() for a in row]
+    assert max(abs(a) for a in advantages) <= 2.0 + 1e-6  # the estimator's max_abs
+    with pytest.raises(ConfigError, match=r"plugins\.0: 'clipped_grpo' comes from the stored config"):
+        stored_config(store, "extended")
+    # named again, as the page's replay names them: loaded, and the same versions as the run recorded
+    again = stored_config(store, "extended", [f"plugins=[{','.join(PLUGINS)}]"])
+    assert again.reward.function == "digit_match" and again.data.source == "csv_qa"
