@@ -61,14 +61,14 @@ def side(name: str, engine: FirstTurnCalls, rows: list[dict], params: SamplingPa
     else:
         out, stats = run_function_batch(engine, fmt, calculator_agent, rows, params, AgentLimits(), tool_schemas=lambda r: [CALCULATOR_TOOL])
     wall = time.perf_counter() - t0
-    turns = sum(r["num_turns"] for r in out)
+    turns = sum(r.num_turns for r in out)
     return {
         "samples_per_s": len(out) / wall,
         "engine_utilisation": stats["model_s"] / stats["wall_s"],  # the share of the wall in the engine's generate
         "wall_s": wall,
         "generate_calls": engine.calls,
         "requests_per_call": turns / max(1, engine.calls),
-        "multi_turn_share": sum(r["num_turns"] > 1 for r in out) / len(out),
+        "multi_turn_share": sum(r.num_turns > 1 for r in out) / len(out),
     }
 
 

@@ -20,7 +20,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import pyarrow as pa
@@ -34,7 +34,7 @@ from prefect.states import Completed, State
 from rlstage.engines import algorithms as algos
 from rlstage.engines import experience
 from rlstage.engines import metrics as eval_metrics
-from rlstage.engines.agents.loop import agent_metrics
+from rlstage.engines.agents.loop import AgentCompletion, agent_metrics
 from rlstage.engines.agents.tools import agent_tokenizer
 from rlstage.engines.data import datasets, dynamic_sampling
 from rlstage.engines.data.cursor import extra_prompt_batch, prompt_batch
@@ -43,6 +43,7 @@ from rlstage.engines.models import chat
 from rlstage.engines.plugins import load_plugins
 from rlstage.engines.rewards import reward_model
 from rlstage.engines.rewards import rules as rewards
+from rlstage.engines.rollout.base import Completion, SamplingParams
 from rlstage.infra.drill import fault_point, hold_point
 from rlstage.infra.ray_runtime import get_unless_stopping
 from rlstage.schemas import artifacts as A
@@ -65,7 +66,7 @@ from rlstage.schemas.stages import (
 )
 from rlstage.tasks.runtime import code_version, stage_config_hash, stage_key, store_for
 from rlstage.workers.group import PolicyGroup, open_group
-from rlstage.workers.roles import Generator, Trainer
+from rlstage.workers.roles import Trainer
 
 
 @dataclass
@@ -292,17 +293,17 @@ def _read(cfg: ConfigView, manifest: Manifest, name: str) -> pa.Table:
     return store_for(cfg).read_table(manifest, name)
 
 
-def _sampling(cfg: ConfigView, iteration: int, n: int | None = None, greedy: bool = False, round_: int = 0) -> dict:
+def _sampling(cfg: ConfigView, iteration: int, n: int | None = None, greedy: bool = False, round_: int = 0) -> SamplingParams:
     r = cfg.rollout
-    return {
-        "n": r.n if n is None else n,
-        "temperature": 0.0 if greedy else r.temperature,
-        "top_p": r.top_p,
-        "top_k": r.top_k,
-        "max_new_tokens": r.max_new_tokens,
+    return SamplingParams(
+        n=r.n if n is None else n,
+        temperature=0.0 if greedy else r.temperature,
+        top_p=r.top_p,
+        top_k=r.top_k,
+        max_new_tokens=r.max_new_tokens,
         # dynamic sampling's extra rounds (round_ >= 1) draw apart from every iteration's first round
-        "seed": r.seed * 100_003 + iteration + round_ * 1_000_003,
-    }
+        seed=r.seed * 100_003 + iteration + round_ * 1_000_003,
+    )
 
 
 # ---------------------------------------------------------------- rollout
@@ -338,12 +339,12 @@ def generate_round(
     if cfg.algorithm.adv_estimator.name == "remax":
         # ReMax's baseline: one greedy answer per prompt, scored like the samples (sample_index -1).
         greedy, _ = _complete(cfg, group, policy.version, batch, _sampling(cfg, iteration, n=1, greedy=True, round_=round_))
-        comps += [{**c, "sample_index": -1} for c in greedy]
+        comps += [replace(c, sample_index=-1) for c in greedy]
     table = _rollouts_table(batch, comps, iteration, round_, prompts_per_round(cfg))
     lengths = np.array(table.column("response_length").to_pylist())
     clipped = np.array([f == "length" for f in table.column("finish_reason").to_pylist()])
     # Multi-turn: turns, tool calls and their failures, model vs tool time (the stage's own lengths win).
-    agent = agent_metrics([c for c in comps if c["sample_index"] >= 0], stats) if cfg.agent.enable else {}
+    agent = agent_metrics([c for c in comps if c.sample_index >= 0], stats) if cfg.agent.enable else {}
     return StageOutput(
         tables={"rollouts.parquet": table},
         meta={"generated_by": group.generator_info(), **({LOG_META: log} if log else {})},
@@ -359,43 +360,45 @@ def generate_round(
     )
 
 
-def _complete(cfg: ConfigView, group: PolicyGroup, version: str, batch: list[dict], params: dict) -> tuple[list[dict], dict]:
+def _complete(cfg: ConfigView, group: PolicyGroup, version: str, batch: list[dict], params: SamplingParams) -> tuple[list[Completion], dict]:
     """Completions of prompts-table rows: single-turn, or multi-turn tool-calling rollouts (agent.enable)."""
     if cfg.agent.enable:
-        return group.generate(Generator.agent_generate, version, batch, params)
+        return group.agent_generate(version, batch, params)
     # Chat messages through the policy's chat template (verl's way); plain-text rows as they stand.
     prompt_ids = chat.render_batch(agent_tokenizer(cfg), batch)
-    return group.generate(Generator.generate_ids, version, prompt_ids, params), {}
+    return group.generate_ids(version, prompt_ids, params), {}
 
 
 _AGENT_COLUMNS = ("turn_bounds", "truncated", "num_turns", "tool_calls", "tool_errors", "tool_timeouts", "agent_reward", "turn_seconds")
 
 
-def _rollouts_table(batch: list[dict], comps: list[dict], iteration: int, round_: int, per_round: int) -> pa.Table:
+def _rollouts_table(batch: list[dict], comps: list[Completion], iteration: int, round_: int, per_round: int) -> pa.Table:
     # an extra round's samples and groups are told apart from the first round's (which may share a prompt)
     tag = f"{iteration}" if round_ == 0 else f"{iteration}.{round_}"
     cols: dict[str, list] = {name: [] for name in A.ROLLOUTS.names}
     for c in comps:
-        p = batch[c["prompt_index"]]
-        k = c["sample_index"]
+        agent = c if isinstance(c, AgentCompletion) else None  # a multi-turn rollout's columns; null otherwise
+        p = batch[c.prompt_index]
+        k = c.sample_index
         cols["sample_id"].append(f"{p['prompt_id']}/{tag}/{'greedy' if k < 0 else k}")
         cols["prompt_id"].append(p["prompt_id"])
-        cols["group_id"].append(round_ * per_round + c["prompt_index"])
-        cols["sample_index"].append(c["sample_index"])
+        cols["group_id"].append(round_ * per_round + c.prompt_index)
+        cols["sample_index"].append(c.sample_index)
         for k in ("prompt", "data_source", "ground_truth", "extra_info"):
             cols[k].append(p[k])
-        cols["prompt_ids"].append(c["prompt_ids"])
-        cols["response_ids"].append(c["response_ids"])
-        cols["response_mask"].append(c.get("response_mask") or [1] * len(c["response_ids"]))
-        cols["messages_json"].append(c.get("messages"))  # agent completions only, null otherwise
+        cols["prompt_ids"].append(c.prompt_ids)
+        cols["response_ids"].append(c.response_ids)
+        cols["response_mask"].append((agent.response_mask if agent else None) or [1] * len(c.response_ids))
+        cols["messages_json"].append(agent.messages_json if agent else None)
         for k in _AGENT_COLUMNS:
-            cols[k].append(c.get(k))
-        cols["failure"].append(c["agent_status"] if c.get("agent_status") not in (None, "ok") else None)
-        cols["response_text"].append(c["text"])
-        cols["rollout_log_probs"].append(c["log_probs"])
-        cols["finish_reason"].append(c["finish_reason"])
-        cols["prompt_length"].append(len(c["prompt_ids"]))
-        cols["response_length"].append(len(c["response_ids"]))
+            cols[k].append(getattr(agent, k) if agent else None)
+        status = agent.agent_status if agent else None
+        cols["failure"].append(status if status not in (None, "ok") else None)
+        cols["response_text"].append(c.text)
+        cols["rollout_log_probs"].append(c.log_probs)
+        cols["finish_reason"].append(c.finish_reason)
+        cols["prompt_length"].append(len(c.prompt_ids))
+        cols["response_length"].append(len(c.response_ids))
     return pa.table(cols, schema=A.ROLLOUTS)
 
 
@@ -718,7 +721,7 @@ def evaluate(cfg: ConfigView, iteration: int, x: EvalInputs, version: str) -> St
     rows = rewards.completion_rows(batch, comps)
     # An agent function's own reward (agent.function) is the sample's score, as in the reward stage: the rule
     # scores only the rows without one.
-    scores = [c.get("agent_reward") for c in comps]
+    scores = [c.agent_reward if isinstance(c, AgentCompletion) else None for c in comps]
     correct_at: list[float | None] = [None] * len(comps)  # each rule's own bar for a correct answer
     for i, r in rule_results(cfg, rows, [sc is None for sc in scores]).items():
         scores[i], correct_at[i] = r.score, rewards.correct_at(r.reward_fn)
@@ -726,9 +729,9 @@ def evaluate(cfg: ConfigView, iteration: int, x: EvalInputs, version: str) -> St
     greedy_n = len(batch)
     table = pa.table(
         {
-            "prompt_id": [batch[c["prompt_index"]]["prompt_id"] for c in comps],
-            "sample_index": [-1] * greedy_n + [c["sample_index"] for c in comps[greedy_n:]],
-            "response_text": [c["text"] for c in comps],
+            "prompt_id": [batch[c.prompt_index]["prompt_id"] for c in comps],
+            "sample_index": [-1] * greedy_n + [c.sample_index for c in comps[greedy_n:]],
+            "response_text": [c.text for c in comps],
             "score": pa.array(scores, pa.float32()),
         },
         schema=A.EVAL,
@@ -740,7 +743,7 @@ def evaluate(cfg: ConfigView, iteration: int, x: EvalInputs, version: str) -> St
         g = [s for s, src in zip(scores[:greedy_n], sources[:greedy_n], strict=True) if src == ds]
         metrics[f"val-core/{ds}/reward/mean@1"] = float(np.mean(g))
     if cfg.trainer.eval_n > 0:  # the sampled answers, as verl reports them (engines/metrics.py)
-        uids = [c["prompt_index"] for c in comps[greedy_n:]]
+        uids = [c.prompt_index for c in comps[greedy_n:]]
         infos: dict[str, list] = {"reward": scores[greedy_n:]}
         fns = [cfg.reward.function or rewards.default_reward_fn(src, cfg.reward.by_data_source) for src in sources[greedy_n:]]
         preds = eval_metrics.extract_answers(rows[greedy_n:], fns)

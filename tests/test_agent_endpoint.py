@@ -81,22 +81,22 @@ def run_fn(fn, engine=None, rows=ROWS, params=PARAMS, limits=AgentLimits(), **kw
 def test_the_trainers_tokens_are_the_engines_for_a_trajectory_that_would_re_tokenize_differently():
     engine = ScriptedEngine()
     out, stats = run_fn(calculator_agent, engine)
-    assert len(out) == 6 and all(o["agent_status"] == "ok" and o["agent_reward"] is None for o in out)
+    assert len(out) == 6 and all(o.agent_status == "ok" and o.agent_reward is None for o in out)
     by_prompt = {tuple(p): (r, lp) for p, r, lp in engine.calls}
     for o in out:
-        assert o["num_turns"] == 2 and o["tool_calls"] == 1 and o["finish_reason"] == "stop"
-        first = by_prompt[tuple(o["prompt_ids"])]
+        assert o.num_turns == 2 and o.tool_calls == 1 and o.finish_reason == "stop"
+        first = by_prompt[tuple(o.prompt_ids)]
         n1 = len(first[0])
-        env = o["turn_bounds"][1]
-        second = by_prompt[tuple(o["prompt_ids"] + o["response_ids"][: env["end"]])]
+        env = o.turn_bounds[1]
+        second = by_prompt[tuple(o.prompt_ids + o.response_ids[: env["end"]])]
         # Exactly the engine's ids and log-probs on the policy's turns, the rendered tool turn between them, masked.
-        assert o["response_ids"] == first[0] + o["response_ids"][n1 : env["end"]] + second[0]
-        assert o["log_probs"][:n1] == first[1] and o["log_probs"][env["end"] :] == second[1]
-        assert o["response_mask"] == [1] * n1 + [0] * (env["end"] - n1) + [1] * len(second[0])
-        assert o["response_ids"][n1 : env["end"]] == ids(f"\nR:{o['text']}\nA:")
+        assert o.response_ids == first[0] + o.response_ids[n1 : env["end"]] + second[0]
+        assert o.log_probs[:n1] == first[1] and o.log_probs[env["end"] :] == second[1]
+        assert o.response_mask == [1] * n1 + [0] * (env["end"] - n1) + [1] * len(second[0])
+        assert o.response_ids[n1 : env["end"]] == ids(f"\nR:{o.text}\nA:")
         # Re-tokenizing the conversation's text would lose the special tokens the engine sampled.
-        text = FMT.render(json.loads(o["messages"]), generation_prompt=False)
-        assert FMT.encode(text)[: len(o["prompt_ids"]) + len(o["response_ids"])] != o["prompt_ids"] + o["response_ids"]
+        text = FMT.render(json.loads(o.messages_json), generation_prompt=False)
+        assert FMT.encode(text)[: len(o.prompt_ids) + len(o.response_ids)] != o.prompt_ids + o.response_ids
     assert stats["batches"] == 2  # every sample's first turn in one batch, every second turn in another
 
 
@@ -114,11 +114,11 @@ def test_the_function_agent_and_the_built_in_loop_store_the_same_trajectories(li
     fn_rows, _ = run_fn(calculator_agent, limits=limits)
     loop_rows, _ = run_agent_batch(ScriptedEngine(), FMT, TOOLS, ROWS, PARAMS, limits)
     keys = (
-        "prompt_ids", "response_ids", "response_mask", "log_probs", "turn_bounds", "messages", "text", "finish_reason",
+        "prompt_ids", "response_ids", "response_mask", "log_probs", "turn_bounds", "messages_json", "text", "finish_reason",
         "truncated", "num_turns", "tool_calls", "tool_errors",
     )  # fmt: skip
-    assert [{k: r[k] for k in keys} for r in fn_rows] == [{k: r[k] for k in keys} for r in loop_rows]
-    assert {r["finish_reason"] for r in fn_rows} == {finish}
+    assert [{k: getattr(r, k) for k in keys} for r in fn_rows] == [{k: getattr(r, k) for k in keys} for r in loop_rows]
+    assert {r.finish_reason for r in fn_rows} == {finish}
 
 
 async def streaming_calculator_agent(client, sample) -> float | None:
@@ -148,9 +148,9 @@ async def streaming_calculator_agent(client, sample) -> float | None:
 def test_a_streaming_agent_stores_the_trajectories_of_a_plain_one():
     streamed, _ = run_fn(streaming_calculator_agent)
     plain, _ = run_fn(calculator_agent)
-    assert all(o["agent_status"] == "ok" for o in streamed) and any(o["tool_calls"] for o in streamed)
-    keys = ("prompt_ids", "response_ids", "response_mask", "log_probs", "turn_bounds", "messages", "finish_reason", "tool_calls")
-    assert [{k: r[k] for k in keys} for r in streamed] == [{k: r[k] for k in keys} for r in plain]
+    assert all(o.agent_status == "ok" for o in streamed) and any(o.tool_calls for o in streamed)
+    keys = ("prompt_ids", "response_ids", "response_mask", "log_probs", "turn_bounds", "messages_json", "finish_reason", "tool_calls")
+    assert [{k: getattr(r, k) for k in keys} for r in streamed] == [{k: getattr(r, k) for k in keys} for r in plain]
 
 
 def test_on_the_hf_engine_the_endpoint_samples_as_the_built_in_loop(tiny_engine):
@@ -160,8 +160,8 @@ def test_on_the_hf_engine_the_endpoint_samples_as_the_built_in_loop(tiny_engine)
     loop_rows, loop_stats = run_agent_batch(tiny_engine, FMT, TOOLS, ROWS, params, AgentLimits(), window_s=5.0)
     assert fn_stats["batches"] == loop_stats["batches"]
     for f, b in zip(fn_rows, loop_rows, strict=True):
-        assert (f["prompt_ids"], f["response_ids"], f["response_mask"]) == (b["prompt_ids"], b["response_ids"], b["response_mask"])
-        assert f["log_probs"] == pytest.approx(b["log_probs"], abs=1e-6)
+        assert (f.prompt_ids, f.response_ids, f.response_mask) == (b.prompt_ids, b.response_ids, b.response_mask)
+        assert f.log_probs == pytest.approx(b.log_probs, abs=1e-6)
 
 
 class FirstTurnScripted:
@@ -202,18 +202,18 @@ def test_on_the_vllm_engine_the_endpoint_records_vllms_tokens_and_matches_the_bu
         loop_rows, _ = run_agent_batch(FirstTurnScripted(vllm), FMT, TOOLS, ROWS, params, AgentLimits(), window_s=5.0)
     finally:
         vllm.close()
-    assert [(r["response_ids"], r["log_probs"]) for r in fn_rows] == [(r["response_ids"], r["log_probs"]) for r in loop_rows]
+    assert [(r.response_ids, r.log_probs) for r in fn_rows] == [(r.response_ids, r.log_probs) for r in loop_rows]
     for r in fn_rows:
-        last = r["turn_bounds"][-1]
-        assert r["num_turns"] == 2 and last["role"] == "assistant"
+        last = r.turn_bounds[-1]
+        assert r.num_turns == 2 and last["role"] == "assistant"
         # The second turn is one of the completions vLLM produced for this context (a prompt's two samples share it).
-        context = r["prompt_ids"] + r["response_ids"][: last["start"]]
+        context = r.prompt_ids + r.response_ids[: last["start"]]
         produced = [(list(c.response_ids), list(c.log_probs)) for c in engine.later if list(c.prompt_ids) == context]
-        assert (r["response_ids"][last["start"] :], r["log_probs"][last["start"] :]) in produced
+        assert (r.response_ids[last["start"] :], r.log_probs[last["start"] :]) in produced
         # The trainer's recompute on the stored tokens matches vLLM's sampling log-probs.
         with torch.no_grad():
-            logp, _ = response_log_probs(model, build_inputs([r["prompt_ids"]], [r["response_ids"]], TOK.pad_token_id), 1.0)
-        assert r["log_probs"][last["start"] :] == pytest.approx(logp[0, last["start"] : last["end"]].tolist(), abs=1e-3)
+            logp, _ = response_log_probs(model, build_inputs([r.prompt_ids], [r.response_ids], TOK.pad_token_id), 1.0)
+        assert r.log_probs[last["start"] :] == pytest.approx(logp[0, last["start"] : last["end"]].tolist(), abs=1e-3)
 
 
 def test_rollouts_stored_before_agent_reward_read_with_it_null():
@@ -253,11 +253,11 @@ def test_an_agent_that_raises_hangs_or_returns_garbage_is_a_failed_sample_counte
 
     with caplog.at_level(logging.WARNING, logger="rlstage.engines.agents.endpoint"):
         out, stats = run_fn(agent, rows=rows, timeout_s=1.0)
-    status = [o["agent_status"] for o in out]
+    status = [o.agent_status for o in out]
     assert status == ["ok", "ok", "raised", "raised", "timeout", "timeout", "bad_return", "bad_return"]
     for o in out[2:]:
-        assert o["agent_reward"] == 0.0 and set(o["response_mask"]) == {0} and o["response_ids"]
-    assert set(out[2]["response_ids"]) - {0} and out[4]["prompt_ids"]  # the raiser's turn is kept, the hung one gets a stub
+        assert o.agent_reward == 0.0 and set(o.response_mask) == {0} and o.response_ids
+    assert set(out[2].response_ids) - {0} and out[4].prompt_ids  # the raiser's turn is kept, the hung one gets a stub
     m = agent_metrics(out, stats)
     assert (m["agent/status/ok"], m["agent/status/raised"], m["agent/status/timeout"], m["agent/status/bad_return"]) == (2, 2, 2, 2)
     lines = [r.getMessage() for r in caplog.records]
@@ -275,8 +275,8 @@ def test_a_reward_beyond_float32_is_a_bad_return_not_an_inf_in_the_table():
         return values[ik(sample)[0]]
 
     out, _ = run_fn(agent, rows=rows)
-    assert [o["agent_status"] for o in out] == ["bad_return"] * 8 + ["ok"] * 2
-    assert [o["agent_reward"] for o in out] == [0.0] * 8 + [3.0e38] * 2
+    assert [o.agent_status for o in out] == ["bad_return"] * 8 + ["ok"] * 2
+    assert [o.agent_reward for o in out] == [0.0] * 8 + [3.0e38] * 2
 
 
 def test_an_agent_that_swallows_its_cancellation_is_a_timeout_at_its_own_bound():
@@ -299,9 +299,9 @@ def test_an_agent_that_swallows_its_cancellation_is_a_timeout_at_its_own_bound()
                     tried_after.append(type(err).__name__)
 
     out, _ = run_fn(stubborn, timeout_s=1.0)
-    assert [o["agent_status"] for o in out] == ["ok", "ok", "timeout", "timeout", "ok", "ok"]
+    assert [o.agent_status for o in out] == ["ok", "ok", "timeout", "timeout", "ok", "ok"]
     for o in out[2:4]:
-        assert o["agent_reward"] == 0.0 and set(o["response_mask"]) == {0}
+        assert o.agent_reward == 0.0 and set(o.response_mask) == {0}
     assert "answered" not in tried_after
 
 
@@ -318,8 +318,8 @@ def test_a_blocking_agent_is_charged_its_own_stall_and_the_others_are_not():
         return await calculator_agent(client, sample)
 
     out, _ = run_fn(blocks, timeout_s=1.0)
-    assert [o["agent_status"] for o in out] == ["ok", "ok", "timeout", "ok", "ok", "ok"]
-    assert out[2]["agent_reward"] == 0.0
+    assert [o.agent_status for o in out] == ["ok", "ok", "timeout", "ok", "ok", "ok"]
+    assert out[2].agent_reward == 0.0
 
 
 def test_base_exceptions_from_an_agent_are_failed_samples_and_a_round_has_its_own_bound(caplog):
@@ -339,7 +339,7 @@ def test_base_exceptions_from_an_agent_are_failed_samples_and_a_round_has_its_ow
 
     with caplog.at_level(logging.WARNING, logger="rlstage.engines.agents.endpoint"):
         out, _ = run_fn(escapes, timeout_s=30.0, stage_timeout_s=1.0)
-    assert [o["agent_status"] for o in out] == ["raised", "raised", "raised", "ok", "timeout", "timeout"]
+    assert [o.agent_status for o in out] == ["raised", "raised", "raised", "ok", "timeout", "timeout"]
     lines = [r.getMessage() for r in caplog.records]
     assert any("raised KeyboardInterrupt: from the agent" in x for x in lines)
     assert any("raised SystemExit: from the agent" in x for x in lines)
@@ -364,9 +364,9 @@ def test_an_over_long_first_prompt_is_refused_and_only_its_sample_fails(caplog):
 
     with caplog.at_level(logging.WARNING, logger="rlstage.engines.agents.endpoint"):
         out, stats = run_fn(long_winded, limits=AgentLimits(max_prompt_tokens=256))
-    assert [o["agent_status"] for o in out] == ["ok", "ok", "too_long", "too_long", "too_long", "too_long"]
+    assert [o.agent_status for o in out] == ["ok", "ok", "too_long", "too_long", "too_long", "too_long"]
     for o in out[2:]:
-        assert o["agent_reward"] == 0.0 and set(o["response_mask"]) == {0}
+        assert o.agent_reward == 0.0 and set(o.response_mask) == {0}
     assert len(seen) == 4 and all("400" in m and "data.max_prompt_length is 256" in m for m in seen)
     assert stats["rejected/prompt_too_long"] == 4.0
 
@@ -408,7 +408,7 @@ def test_bad_requests_get_a_4xx_and_a_log_line_and_the_batch_goes_on(caplog):
 
     with caplog.at_level(logging.WARNING, logger="rlstage.engines.agents.endpoint"):
         out, stats = run_fn(agent, timeout_s=30.0)
-    assert [o["agent_status"] for o in out] == ["ok"] * 6 and all(o["num_turns"] == 2 for o in out)
+    assert [o.agent_status for o in out] == ["ok"] * 6 and all(o.num_turns == 2 for o in out)
     assert got["1"][0] == 404 and "gpt-4o" in got["1"][1]["message"]
     assert got["2"][0] == 400 and got["2"][1]["code"] == "invalid_tools"
     assert got["noid1"] == got["noid2"] == 400 and got["closed1"] == got["closed2"] == 409
@@ -450,7 +450,7 @@ def test_only_a_samples_own_client_writes_its_trajectory():
     assert stats["rejected/invalid_api_key"] == 4.0
     plain, _ = run_fn(calculator_agent, timeout_s=30.0)
     # the victim's trajectory is its own agent's, as in a batch without the intruder
-    assert [o["response_ids"] for o in out] == [o["response_ids"] for o in plain] and "99" not in str(out[2]["messages"])
+    assert [o.response_ids for o in out] == [o.response_ids for o in plain] and "99" not in str(out[2].messages_json)
 
 
 def test_refused_requests_are_all_counted_and_the_first_few_of_a_sample_logged(caplog):
@@ -474,7 +474,7 @@ def test_refused_requests_are_all_counted_and_the_first_few_of_a_sample_logged(c
 
     with caplog.at_level(logging.WARNING, logger="rlstage.engines.agents.endpoint"):
         out, stats = run_fn(flood, timeout_s=30.0)
-    assert stats["rejected/model_not_found"] == 21.0 and [o["agent_status"] for o in out] == ["ok"] * 6
+    assert stats["rejected/model_not_found"] == 21.0 and [o.agent_status for o in out] == ["ok"] * 6
     lines = [r.getMessage() for r in caplog.records if "agent endpoint:" in r.getMessage()]
     first = [x for x in lines if "-0-0" in x]
     assert len(first) == WARNINGS_PER_SAMPLE + 1 and "counted in agent/rejected/<code>, not logged" in first[-1]
@@ -498,7 +498,7 @@ def test_tool_calls_in_a_first_requests_history_reach_the_trained_prompt():
         return 1.0
 
     out, _ = run_fn(replays, timeout_s=30.0)
-    prompt = TOK.decode(out[0]["prompt_ids"])
+    prompt = TOK.decode(out[0].prompt_ids)
     assert '<tool_call>{"name": "calculator", "arguments": {"expression": "2*3"}}</tool_call>' in prompt, prompt
     assert "6" in prompt.split("</tool_call>", 1)[1] and "and now?" in prompt
 
@@ -520,8 +520,8 @@ def test_a_request_that_rewrites_earlier_turns_is_refused():
 
     out, stats = run_fn(agent, rows=ROWS[:1], params=SamplingParams(n=1, max_new_tokens=120))
     assert seen == [400] and stats["rejected/not_a_continuation"] == 1
-    assert out[0]["agent_status"] == "ok" and out[0]["agent_reward"] == 1.0 and out[0]["num_turns"] == 2
-    assert json.loads(out[0]["messages"])[2] == {"role": "user", "content": "go on"}
+    assert out[0].agent_status == "ok" and out[0].agent_reward == 1.0 and out[0].num_turns == 2
+    assert json.loads(out[0].messages_json)[2] == {"role": "user", "content": "go on"}
 
 
 def test_malformed_messages_are_a_400_not_a_crash():
@@ -536,7 +536,7 @@ def test_malformed_messages_are_a_400_not_a_crash():
         return await calculator_agent(client, sample)
 
     out, _ = run_fn(agent, rows=ROWS[:1], params=SamplingParams(n=1, max_new_tokens=120))
-    assert got == [(400, "invalid_messages")] * 3 and out[0]["agent_status"] == "ok"
+    assert got == [(400, "invalid_messages")] * 3 and out[0].agent_status == "ok"
 
 
 class BrokenEngine(ScriptedEngine):

@@ -20,7 +20,7 @@ from rlstage.engines.agents.loop import (
     run_agent_batch,
     run_requests,
 )
-from rlstage.engines.agents.policies import BatchingPolicy, Generation
+from rlstage.engines.agents.policies import AgentPolicy, BatchingPolicy, Generation
 from rlstage.engines.agents.tools import (
     CALCULATOR_PARAMETERS,
     CalculatorError,
@@ -45,7 +45,7 @@ def call(name: str, **arguments) -> str:
     return "<tool_call>" + json.dumps({"name": name, "arguments": arguments}, separators=(",", ":")) + "</tool_call>"
 
 
-class ScriptedPolicy:
+class ScriptedPolicy(AgentPolicy):
     """A policy whose turns are text from ``script(context_text, key)``; token k gets log-prob -(k+1)/100."""
 
     def __init__(self, script, stop: bool = True) -> None:
@@ -72,7 +72,7 @@ def calculator_script(context: str, key: int = 0) -> str:
 
 
 def request(script_or_policy, tools=(CALC,), limits=AgentLimits(), question="What is 12*34?", extra_info=None, key=0):
-    policy = script_or_policy if hasattr(script_or_policy, "generate") else ScriptedPolicy(script_or_policy)
+    policy = script_or_policy if isinstance(script_or_policy, AgentPolicy) else ScriptedPolicy(script_or_policy)
     offered = sample_tools({t.name: t for t in tools}, extra_info)
     return AgentRequest(
         0, 0, [{"role": "user", "content": question}], offered, FMT, policy, SamplingParams(max_new_tokens=200), limits, key=key
@@ -310,9 +310,9 @@ def test_hf_batching_policy_matches_the_engine_and_batches_concurrent_requests(t
     params = SamplingParams(n=1, temperature=0.0, max_new_tokens=12)
     out, stats = run_agent_batch(tiny_engine, FMT, {"calculator": CALC}, rows, params, AgentLimits())
     direct = tiny_engine.generate_ids([FMT.prompt_ids([{"role": "user", "content": r["prompt"]}]) for r in rows], params)
-    assert [o["response_ids"][: o["turn_bounds"][0]["end"]] for o in out] == [c.response_ids for c in direct]
+    assert [o.response_ids[: o.turn_bounds[0]["end"]] for o in out] == [c.response_ids for c in direct]
     for o, c in zip(out, direct, strict=True):
-        assert o["log_probs"][: len(c.log_probs)] == pytest.approx(c.log_probs, abs=1e-5)
+        assert o.log_probs[: len(c.log_probs)] == pytest.approx(c.log_probs, abs=1e-5)
     assert stats["batches"] >= 1 and stats["model_s"] > 0
     m = agent_metrics(out, stats)
     for name in ("num_turns/mean", "tool_calls/mean", "tool_calls/errors", "tool_calls/timeouts", "response_length/mean", "timing_s/gen_model", "timing_s/gen_tools"):
@@ -479,7 +479,7 @@ def test_tool_demonstrations_are_masked_like_rollouts():
 # ---------------------------------------------------------------- vLLM's async interface behind the loop
 
 
-class FirstTurnScripted:
+class FirstTurnScripted(AgentPolicy):
     """Turn 1 is a scripted tool call; later turns come from ``inner`` (a real engine)."""
 
     def __init__(self, inner) -> None:

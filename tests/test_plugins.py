@@ -342,27 +342,79 @@ def test_tools_registered_by_a_plugin_are_named_by_their_name(plugin_dir):
         )
 
 
-def test_rollout_engines_registered_by_a_plugin_are_named_by_rollout_engine(plugin_dir):
-    from rlstage.workers.policy import rollout_engine
+TWIN_ENGINE = """
+from rlstage.engines.rollout.base import RolloutEngine
+from rlstage.engines.rollout.engines import register_rollout_engine
 
-    mod = _module(
-        plugin_dir,
-        "from rlstage.engines.rollout.engines import register_rollout_engine\n\n\n"
-        "@register_rollout_engine('hf_twin')\ndef hf_twin(cfg, model, tokenizer, path, current=None):\n"
-        "    return ('twin', path)\n",
-    )
+
+class Twin(RolloutEngine):
+    def __init__(self, path):
+        self.path = path
+
+    def generate_ids(self, encoded, params):
+        return []
+
+    def load_weights(self, source):
+        self.path = source
+        return 0.0
+
+
+class Half(RolloutEngine):  # no load_weights
+    def generate_ids(self, encoded, params):
+        return []
+
+
+class Bare:  # not a RolloutEngine at all
+    def generate_ids(self, encoded, params):
+        return []
+
+
+@register_rollout_engine('hf_twin')
+def hf_twin(cfg, model, tokenizer, path, current=None):
+    return Twin(path)
+
+
+@register_rollout_engine('half')
+def half(cfg, model, tokenizer, path, current=None):
+    return Half()
+
+
+@register_rollout_engine('bare')
+def bare(cfg, model, tokenizer, path, current=None):
+    return Bare()
+"""
+
+
+def test_rollout_engines_registered_by_a_plugin_are_named_by_rollout_engine(plugin_dir):
+    from rlstage.engines.rollout.base import RolloutEngine
+    from rlstage.engines.rollout.engines import build_rollout_engine
+
+    mod = _module(plugin_dir, TWIN_ENGINE)
     with pytest.raises(
         ConfigError,
         match=r"^config error: rollout\.engine: unknown rollout engine 'hf_twin'; registered: hf, vllm",
     ):
         _load("rollout.engine=hf_twin")
     cfg = _load(f"plugins=[{mod}]", "rollout.engine=hf_twin")
-    assert rollout_engine(cfg, None, None, "weights") == (
-        "twin",
-        "weights",
-    )  # the worker builds the registered one
+    engine = build_rollout_engine(cfg, None, None, "weights")  # the worker builds the registered one
+    assert isinstance(engine, RolloutEngine) and engine.path == "weights" and engine.batch_size == 1024
+    engine.close()  # the interface's default: nothing to release
     assert stage_config_hash(cfg, "rollout") != view_hash(cfg, "rollout")
     assert stage_config_hash(cfg, "update") == view_hash(cfg, "update")  # the update does not generate
+
+
+def test_a_plugin_engine_that_is_no_rollout_engine_is_refused_at_its_build_naming_what_it_lacks(plugin_dir):
+    from rlstage.engines.rollout.engines import build_rollout_engine
+
+    mod = _module(plugin_dir, TWIN_ENGINE)
+    with pytest.raises(TypeError, match=r"abstract method '?load_weights"):  # Python's own refusal of a half subclass
+        build_rollout_engine(_load(f"plugins=[{mod}]", "rollout.engine=half"), None, None, "weights")
+    with pytest.raises(TypeError) as err:
+        build_rollout_engine(_load(f"plugins=[{mod}]", "rollout.engine=bare"), None, None, "weights")
+    assert str(err.value) == (
+        "rollout.engine=bare: its factory returned a Bare, not a RolloutEngine (rlstage.engines.rollout.base): "
+        "it lacks generate, load_weights, close"
+    )
 
 
 # ---------------------------------------------------------------- estimators' settings, declared needs and traits

@@ -21,14 +21,15 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
 
 import ray
 from ray.exceptions import ActorUnavailableError
 from ray.util.placement_group import get_placement_group, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from rlstage.engines.rollout.base import Completion, SamplingParams
 from rlstage.engines.rollout.engines import engine_traits
 from rlstage.infra.ray_runtime import CLUSTER_LOST, RAY_NAMESPACE
 from rlstage.infra.store import store_identity
@@ -37,8 +38,11 @@ from rlstage.schemas.manifest import Manifest, PolicyRef
 from rlstage.schemas.stages import ConfigView, whole_config
 from rlstage.workers import pool
 from rlstage.workers.policy import CRITIC_INIT, PolicyWorker, every_rank_generates
-from rlstage.workers.roles import Trainer, Worker, method_name
+from rlstage.workers.roles import Generator, Trainer, Worker, method_name
 from rlstage.workers.rollout import RolloutWorker
+
+if TYPE_CHECKING:
+    from rlstage.engines.agents.loop import AgentCompletion
 
 log = logging.getLogger("rlstage")
 RESTART_WAIT_S = 120.0  # how long a call waits for Ray to restart a killed worker (7-19 s seen on 2 cores)
@@ -172,28 +176,31 @@ class PolicyGroup:
         handoff = self.call(Trainer.handoff, ref.version) if ask_trainer else None
         _wait_restart(lambda: ray.get([a.acquire.remote(ref.model_dump(mode="json"), handoff) for a in behind]))
 
-    def generate(self, method: Callable[..., Any], version: str, items: list, params: dict) -> Any:
-        """A generation call (``Generator.generate_ids`` or ``Generator.agent_generate``) on the role that generates. Over several
-        rollout actors, or over the trainer ranks when each generates (``ranks_generate``), the prompts are split
-        in contiguous shares, each sampled with its global prompt indices (``first_prompt``), so the completions
-        equal one actor's, in the same order."""
-        name = method_name(method)
-        generators = self.rollouts or (self.ranks if self.ranks_generate and name == "generate_ids" else [])
+    def generate_ids(self, version: str, prompt_ids: list[list[int]], params: SamplingParams) -> list[Completion]:
+        """Completions of rendered prompts on the role that generates. Over several rollout actors, or over the
+        trainer ranks when each generates (``ranks_generate``), the prompts are split in contiguous shares, each
+        sampled with its global prompt indices (``first_prompt``), so the completions equal one actor's, in the same
+        order."""
+        generators = self.rollouts or (self.ranks if self.ranks_generate else [])
         if not generators:
-            return self.call(method, version, items, params)
-        shares = self._shares(len(items), params["n"], len(generators)) if name == "generate_ids" and items else [(0, len(items))]
+            return self.call(Generator.generate_ids, version, prompt_ids, params)
+        shares = self._shares(len(prompt_ids), params.n, len(generators)) if prompt_ids else [(0, 0)]
         actors = generators[: len(shares)]
 
         def calls() -> list:  # submitted again on each try: a restarted actor needs a new call, not the failed one
             return [
-                getattr(a, name).remote(version, items[lo:hi], {**params, "first_prompt": lo})
-                if name == "generate_ids"
-                else getattr(a, name).remote(version, items[lo:hi], params)
+                a.generate_ids.remote(version, prompt_ids[lo:hi], replace(params, first_prompt=lo))
                 for a, (lo, hi) in zip(actors, shares, strict=True)
             ]
 
-        parts = _wait_restart(lambda: ray.get(calls()))
-        return parts[0] if len(parts) == 1 else [c for part in parts for c in part]
+        return [c for part in _wait_restart(lambda: ray.get(calls())) for c in part]
+
+    def agent_generate(self, version: str, rows: list[dict], params: SamplingParams) -> tuple[list[AgentCompletion], dict]:
+        """Multi-turn rollouts of prompts-table rows and their stats, all on one actor (the first rollout actor, else
+        rank 0): its agent loop batches every row's turns together."""
+        if not self.rollouts:
+            return self.call(Generator.agent_generate, version, rows, params)
+        return _wait_restart(lambda: ray.get(self.rollouts[0].agent_generate.remote(version, rows, params)))
 
     def _shares(self, prompts: int, n: int, actors: int) -> list[tuple[int, int]]:
         """Contiguous prompt ranges, one per generating actor, cut at the HF engine's batch bounds."""

@@ -20,8 +20,8 @@ import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 import torch
@@ -36,8 +36,8 @@ from rlstage.engines.models.lora import (
     with_adapters,
 )
 from rlstage.engines.plugins import load_plugins
-from rlstage.engines.rollout.engines import ROLLOUT_ENGINES, engine_traits
-from rlstage.engines.rollout.hf import SamplingParams
+from rlstage.engines.rollout.base import Completion, RolloutEngine, SamplingParams
+from rlstage.engines.rollout.engines import build_rollout_engine, engine_traits
 from rlstage.engines.training.actor import DataParallelTorchActor, TorchActor
 from rlstage.engines.training.checkpoint import load_trainer_state, save_trainer_state
 from rlstage.engines.training.critic import TorchCritic
@@ -56,6 +56,9 @@ from rlstage.schemas.manifest import (
     unsafe_checkpoint_file,
 )
 from rlstage.workers.pool import binding
+
+if TYPE_CHECKING:
+    from rlstage.engines.agents.loop import AgentCompletion
 
 ROLES = ("policy", "ref", "critic")
 CRITIC_INIT = "critic-init:"  # a critic version made from a policy checkpoint plus a fresh value head
@@ -131,12 +134,6 @@ def load_policy_model(cfg: RunConfig, store: ArtifactStore, ref: PolicyRef, path
             torch.manual_seed(cfg.trainer.seed)
             return with_adapters(model, cfg.model).eval(), ref
     return model, None
-
-
-def rollout_engine(cfg: RunConfig, model, tokenizer, path: str, current=None):
-    """The ``rollout.engine`` for weights just loaded from ``path`` (``model`` holds them in memory): its registered
-    factory (engines/rollout/engines.py), given the engine held so far, which a running engine reuses."""
-    return ROLLOUT_ENGINES.entry(cfg.rollout.engine).obj(cfg, model, tokenizer, path, current)
 
 
 def warm_binding() -> tuple | None:
@@ -231,7 +228,7 @@ class PolicyWorker:
         self.tokenizer = None
         self.model = None
         self.actor: TorchActor | None = None
-        self.rollout = None  # HFRolloutEngine or VLLMRolloutEngine (rollout.engine)
+        self.rollout: RolloutEngine | None = None  # rollout.engine's, where this rank generates
         self.ref_model = None
         self.base: PolicyRef | None = None  # a LoRA policy's base (its reference policy), else None
         self.critic: TorchCritic | None = None
@@ -455,7 +452,7 @@ class PolicyWorker:
                 self.actor.load_state_dict(state)
             # Rank 0 generates unless the rollout role is placed apart; the other ranks too where they can.
             colocated = self.cfg.ray.rollout_placement == "colocated" and (self.rank == 0 or every_rank_generates(self.cfg))
-            self.rollout = rollout_engine(self.cfg, self.model, self.tokenizer, self._engine_dir(path), self.rollout) if colocated else None
+            self.rollout = build_rollout_engine(self.cfg, self.model, self.tokenizer, self._engine_dir(path), self.rollout) if colocated else None
         elif role == "ref":
             with loading():
                 self.ref_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval().requires_grad_(False).to(device)
@@ -509,22 +506,19 @@ class PolicyWorker:
 
     def _sync_policy_weights(self) -> None:
         """After an update: ZeRO-3's gathered weights into rank 0's whole model (a no-op for other engines)."""
-        engine = getattr(self.actor, "engine", None)
-        if engine is None or self.cfg.actor.zero_stage != 3:
-            return
         # a gather every rank takes part in; ranks 1..N-1 train their partition only and keep no whole copy
-        self.actor.gather_into(self.model if engine.module is not self.model else None)
+        self.actor.gather_into(None if self.actor.trained_module is self.model else self.model)
 
     def _push_rollout_weights(self) -> None:
-        """After an update: the trained weights into a separate rollout engine (HF shares the model), in memory
-        (vLLM: shared-memory buckets; a LoRA policy: its adapter), whether or not this update staged a checkpoint."""
-        if not hasattr(self.rollout, "load_weights"):
-            return
-        self.rollout.load_weights(self.model)
+        """After an update: the trained weights into this rank's rollout engine, in memory (vLLM: shared-memory
+        buckets; a LoRA policy: its adapter; HF shares the model: nothing to take), whether or not this update staged
+        a checkpoint."""
+        if self.rollout is not None:
+            self.rollout.load_weights(self.model)
 
     def close(self) -> None:
         """Call before ``ray.kill``: a vLLM engine killed with the actor leaves ~400 MB of /dev/shm/psm_* behind."""
-        if hasattr(self.rollout, "close"):
+        if self.rollout is not None:
             self.rollout.close()
         shutil.rmtree(self.scratch, ignore_errors=True)
 
@@ -533,25 +527,24 @@ class PolicyWorker:
             raise RuntimeError(f"worker holds {role} version {self.versions[role]}, stage needs {version}")
 
     # ------------------------------------------------------------------ compute
-    def generate_ids(self, version: str, prompt_ids: list[list[int]], params: dict) -> list[dict]:
+    def generate_ids(self, version: str, prompt_ids: list[list[int]], params: SamplingParams) -> list[Completion]:
         """Completions of rendered prompts (the stage renders chat messages with the policy's template)."""
         self._require(version)
         self.drill.point("rollout" if self.rank == 0 else f"rank{self.rank}")
-        return [asdict(c) for c in self.rollout.generate_ids(prompt_ids, SamplingParams(**params))]
+        return self.rollout.generate_ids(prompt_ids, params)
 
-    def agent_generate(self, version: str, rows: list[dict], params: dict) -> tuple[list[dict], dict]:
+    def agent_generate(self, version: str, rows: list[dict], params: SamplingParams) -> tuple[list[AgentCompletion], dict]:
         """Multi-turn tool-calling rollouts of prompts-table rows (``agent`` config); completions and timings."""
         self._require(version)
         self.drill.point("rollout")
         from rlstage.engines.agents.endpoint import run_agents
 
-        return run_agents(self.rollout, self.cfg.agent, rows, SamplingParams(**params), self.cfg.data.source_settings, self.cfg.data.max_prompt_length)
+        return run_agents(self.rollout, self.cfg.agent, rows, params, self.cfg.data.source_settings, self.cfg.data.max_prompt_length)
 
     def _scorer(self) -> TorchActor:
         """What computes the policy's log-probs: the train engine, or under ZeRO-3 a bare actor over rank 0's
         whole weights (a partitioned forward would wait for the other ranks to gather with it)."""
-        engine = getattr(self.actor, "engine", None)
-        return self.actor if engine is None or engine.module is self.model else self._bare(self.model)
+        return self.actor if self.actor.trained_module is self.model else self._bare(self.model)
 
     def _bare(self, model) -> TorchActor:
         """The actor's no-grad passes (its batching, temperature and micro-batch sizes) on ``model``, no optimizer."""

@@ -9,9 +9,13 @@ role with the same signatures. As verl declares its actor (``verl/workers/actor/
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import pyarrow as pa
+
+if TYPE_CHECKING:
+    from rlstage.engines.agents.loop import AgentCompletion
+    from rlstage.engines.rollout.base import Completion, SamplingParams
 
 
 class Worker(Protocol):
@@ -33,11 +37,12 @@ class Worker(Protocol):
 
 
 class Generator(Worker, Protocol):
-    """A role that samples completions with the policy version it holds (the rollout role, or rank 0)."""
+    """A role that samples completions with the policy version it holds (the rollout role, or rank 0). The
+    records cross Ray as the dataclasses they are (engines/rollout/base.py, engines/agents/loop.py)."""
 
-    def generate_ids(self, version: str, prompt_ids: list[list[int]], params: dict) -> list[dict]: ...
+    def generate_ids(self, version: str, prompt_ids: list[list[int]], params: SamplingParams) -> list[Completion]: ...
 
-    def agent_generate(self, version: str, rows: list[dict], params: dict) -> tuple[list[dict], dict]: ...
+    def agent_generate(self, version: str, rows: list[dict], params: SamplingParams) -> tuple[list[AgentCompletion], dict]: ...
 
 
 class Rollout(Generator, Protocol):

@@ -11,15 +11,15 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from rlstage.engines.models.lora import save_hf
 from rlstage.engines.plugins import load_plugins
-from rlstage.engines.rollout.engines import engine_traits
-from rlstage.engines.rollout.hf import SamplingParams
+from rlstage.engines.rollout.base import Completion, RolloutEngine, SamplingParams
+from rlstage.engines.rollout.engines import build_rollout_engine, engine_traits
 from rlstage.infra.drill import WorkerDrill
 from rlstage.infra.store import ArtifactStore
 from rlstage.schemas.config import RunConfig
@@ -32,10 +32,12 @@ from rlstage.workers.policy import (
     node_id,
     placed_where,
     preload_model_libraries,
-    rollout_engine,
     scratch_dir,
     warm_binding,
 )
+
+if TYPE_CHECKING:
+    from rlstage.engines.agents.loop import AgentCompletion
 
 
 class RolloutWorker:
@@ -53,7 +55,7 @@ class RolloutWorker:
         self.source: str | None = None  # how the held weights arrived: "handoff", "store" or "path"
         self.tokenizer = None
         self.model = None
-        self.rollout = None
+        self.rollout: RolloutEngine | None = None
         self.scratch = scratch_dir("rollout", self.cfg.run_name)
         self.busy: list[tuple[float, float]] = []  # (start, end) of each generate call, for overlap checks
         self.drill = WorkerDrill(self.cfg)
@@ -111,7 +113,7 @@ class RolloutWorker:
                 save_hf(model, self.tokenizer, path)
         # the HF engine generates on the actor's GPU; vLLM loads its own copy from the folder
         self.model = model.requires_grad_(False).to(compute_device() if in_memory else "cpu")
-        self.rollout = rollout_engine(self.cfg, self.model, self.tokenizer, str(path), self.rollout)
+        self.rollout = build_rollout_engine(self.cfg, self.model, self.tokenizer, str(path), self.rollout)
         self.held = ref.version
         return ref.version
 
@@ -119,21 +121,21 @@ class RolloutWorker:
         if self.held != version:
             raise RuntimeError(f"rollout worker holds policy version {self.held}, stage needs {version}")
 
-    def generate_ids(self, version: str, prompt_ids: list[list[int]], params: dict) -> list[dict]:
+    def generate_ids(self, version: str, prompt_ids: list[list[int]], params: SamplingParams) -> list[Completion]:
         """Completions of rendered prompts (the stage renders chat messages with the policy's template)."""
         self._require(version)
         self.drill.point("rollout")
         t0 = time.time()
-        out = [asdict(c) for c in self.rollout.generate_ids(prompt_ids, SamplingParams(**params))]
+        out = self.rollout.generate_ids(prompt_ids, params)
         self.busy.append((t0, time.time()))
         return out
 
-    def agent_generate(self, version: str, rows: list[dict], params: dict) -> tuple[list[dict], dict]:
+    def agent_generate(self, version: str, rows: list[dict], params: SamplingParams) -> tuple[list[AgentCompletion], dict]:
         self._require(version)
         self.drill.point("rollout")
         from rlstage.engines.agents.endpoint import run_agents
 
-        return run_agents(self.rollout, self.cfg.agent, rows, SamplingParams(**params), self.cfg.data.source_settings, self.cfg.data.max_prompt_length)
+        return run_agents(self.rollout, self.cfg.agent, rows, params, self.cfg.data.source_settings, self.cfg.data.max_prompt_length)
 
     def busy_intervals(self) -> list[tuple[float, float]]:
         return list(self.busy)
@@ -143,6 +145,6 @@ class RolloutWorker:
         return {**placed_where(), "weights": self.source}
 
     def close(self) -> None:
-        if hasattr(self.rollout, "close"):
+        if self.rollout is not None:
             self.rollout.close()
         shutil.rmtree(self.scratch, ignore_errors=True)

@@ -35,8 +35,15 @@ from typing import Any
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from rlstage.engines.agents.loop import AgentLimits, ChatFormat, Trajectory, row_messages, run_agent_config
-from rlstage.engines.agents.policies import BatchingPolicy, RolloutEngine
+from rlstage.engines.agents.loop import (
+    AgentCompletion,
+    AgentLimits,
+    ChatFormat,
+    Trajectory,
+    row_messages,
+    run_agent_config,
+)
+from rlstage.engines.agents.policies import BatchingPolicy
 from rlstage.engines.agents.tools import (
     CALL_CLOSE,
     CALL_OPEN,
@@ -48,7 +55,7 @@ from rlstage.engines.agents.tools import (
     sample_tools,
 )
 from rlstage.engines.rewards.rules import FLOAT32_MAX
-from rlstage.engines.rollout.hf import SamplingParams
+from rlstage.engines.rollout.base import RolloutEngine, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -683,11 +690,11 @@ def run_function_batch(
     window_s: float = 0.05,
     settings: dict | None = None,
     stage_timeout_s: float | None = None,
-) -> tuple[list[dict], dict[str, Any]]:
-    """``params.n`` runs of the agent ``function`` on every row against the endpoint; completion dicts and stats.
+) -> tuple[list[AgentCompletion], dict[str, Any]]:
+    """``params.n`` runs of the agent ``function`` on every row against the endpoint; their completions and stats.
 
-    A completion dict is ``Trajectory.to_row()`` plus ``agent_reward`` (the function's reward, None: the rule
-    scores the answer) and ``agent_status`` (OK or the kind of failure). A failed sample gets reward 0.0 and no
+    A completion carries ``agent_reward`` (the function's reward, None: the rule scores the answer) and
+    ``agent_status`` (OK or the kind of failure). A failed sample gets reward 0.0 and no
     trained tokens.
     """
     import httpx
@@ -695,7 +702,7 @@ def run_function_batch(
 
     server = endpoint_server()
     token = secrets.token_hex(6)  # this batch's prefix of its sample ids
-    policy = BatchingPolicy(engine, max_batch=getattr(engine, "batch_size", 1024), window_s=window_s)
+    policy = BatchingPolicy(engine, max_batch=engine.batch_size, window_s=window_s)
     samples = {f"{token}-{i}-{k}": (i, k) for i in range(len(rows)) for k in range(params.n)}
     records = {sid: SampleRecord(key=i * params.n + k) for sid, (i, k) in samples.items()}
     keys = {sid: secrets.token_urlsafe(24) for sid in samples}  # each sample's client's API key, checked per request
@@ -761,7 +768,7 @@ def run_function_batch(
     if endpoint.engine_error is not None:
         raise endpoint.engine_error
     rejected = server.rejected - before  # a request without a sample id names no batch: counted by the one running
-    out: list[dict] = []
+    out: list[AgentCompletion] = []
     for sid, (i, k) in samples.items():
         reward, status = results[sid]
         t = endpoint.finish(records[sid])
@@ -770,9 +777,7 @@ def run_function_batch(
         if status != OK or t is None:
             status = status if status != OK else NO_REQUEST  # returned without a single request: nothing to train
             t = _failed(t, i, k, fmt, row_messages(rows[i]))
-        row = t.to_row()
-        row["agent_reward"], row["agent_status"] = reward, status
-        out.append(row)
+        out.append(t.completion(reward, status))
     stats = {
         "wall_s": time.perf_counter() - t0,
         "model_s": policy.model_s,
@@ -791,7 +796,7 @@ def run_agents(
     params: SamplingParams,
     source_settings: dict | None = None,
     max_prompt_tokens: int | None = None,
-) -> tuple[list[dict], dict[str, Any]]:
+) -> tuple[list[AgentCompletion], dict[str, Any]]:
     """The ``agent`` config section's rollouts: ``agent.function`` against the endpoint (its samples carry the run's
     ``data.source_settings``), else the built-in loop."""
     if agent.function is None:

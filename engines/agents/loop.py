@@ -25,10 +25,10 @@ import json
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from rlstage.engines.agents.policies import AgentPolicy, BatchingPolicy, Generation, RolloutEngine
+from rlstage.engines.agents.policies import AgentPolicy, BatchingPolicy, Generation
 from rlstage.engines.agents.tools import (
     LIMIT,
     OK,
@@ -43,7 +43,7 @@ from rlstage.engines.agents.tools import (
     resolve_template,
     sample_tools,
 )
-from rlstage.engines.rollout.hf import SamplingParams
+from rlstage.engines.rollout.base import Completion, RolloutEngine, SamplingParams
 
 
 class AgentState(enum.Enum):
@@ -141,6 +141,25 @@ class ChatFormat:
 
 
 @dataclass
+class AgentCompletion(Completion):
+    """A multi-turn rollout as the rollout stage stores it: ``Completion``'s fields (``text`` is the last assistant
+    message, ``log_probs`` 0.0 on the tokens the policy did not sample) and the turns' own."""
+
+    response_mask: list[int]  # 1 on the tokens the policy sampled, 0 on tool output and template tokens
+    messages_json: str  # the whole conversation, as JSON
+    turn_bounds: list[dict]
+    turn_seconds: list[float]
+    truncated: bool
+    num_turns: int
+    tool_calls: int
+    tool_errors: int
+    tool_timeouts: int
+    tool_status: dict[str, int]
+    agent_reward: float | None = None  # an agent function's own reward (None: the reward rule scores the answer)
+    agent_status: str | None = None  # how an agent function's run ended ("ok" or its failure); None in the built-in loop
+
+
+@dataclass
 class Trajectory:
     prompt_index: int
     sample_index: int
@@ -176,11 +195,29 @@ class Trajectory:
         self.turn_bounds.append({"role": role, "start": start, "end": len(self.response_ids)})
         self.turn_seconds.append(seconds)
 
-    def to_row(self) -> dict:
-        """The completion dict the rollout stage stores (``Completion`` keys plus the agent fields)."""
-        row = asdict(self)
-        row["messages"] = json.dumps(self.messages, ensure_ascii=False)
-        return row
+    def completion(self, agent_reward: float | None = None, agent_status: str | None = None) -> AgentCompletion:
+        """The record the rollout stage stores (with an agent function's reward and status, when one ran)."""
+        return AgentCompletion(
+            prompt_index=self.prompt_index,
+            sample_index=self.sample_index,
+            prompt_ids=list(self.prompt_ids),
+            response_ids=list(self.response_ids),
+            log_probs=list(self.log_probs),
+            text=self.text,
+            finish_reason=self.finish_reason,
+            response_mask=list(self.response_mask),
+            messages_json=json.dumps(self.messages, ensure_ascii=False),
+            turn_bounds=[dict(b) for b in self.turn_bounds],
+            turn_seconds=list(self.turn_seconds),
+            truncated=self.truncated,
+            num_turns=self.num_turns,
+            tool_calls=self.tool_calls,
+            tool_errors=self.tool_errors,
+            tool_timeouts=self.tool_timeouts,
+            tool_status=dict(self.tool_status),
+            agent_reward=agent_reward,
+            agent_status=agent_status,
+        )
 
 
 # ---------------------------------------------------------------- one request
@@ -286,14 +323,11 @@ async def run_requests(requests: Sequence[AgentRequest], max_concurrency: int = 
 
     async def one(req: AgentRequest) -> Trajectory:
         async with gate:
-            opener, closer = getattr(req.policy, "open_request", None), getattr(req.policy, "close_request", None)
-            if opener is not None:
-                opener()
+            req.policy.open_request()
             try:
                 traj = await req.run()
             finally:
-                if closer is not None:
-                    closer()
+                req.policy.close_request()
             traj.done_seq = next(seq)
             return traj
 
@@ -323,9 +357,9 @@ def run_agent_batch(
     max_concurrency: int = 1024,
     window_s: float = 0.05,
     tool_workers: int = 8,
-) -> tuple[list[dict], dict[str, float]]:
-    """``params.n`` agent rollouts of every row on ``engine``; completion dicts and timing stats."""
-    policy = BatchingPolicy(engine, max_batch=getattr(engine, "batch_size", 1024), window_s=window_s)
+) -> tuple[list[AgentCompletion], dict[str, float]]:
+    """``params.n`` agent rollouts of every row on ``engine``; their completions and timing stats."""
+    policy = BatchingPolicy(engine, max_batch=engine.batch_size, window_s=window_s)
     executor = ThreadPoolExecutor(tool_workers, thread_name_prefix="rlstage-tool")
     requests = [
         AgentRequest(
@@ -355,30 +389,30 @@ def run_agent_batch(
         "tool_wait_s": sum(t.tool_s for t in trajs),
         "batches": float(len(policy.batch_sizes)),
     }
-    return [t.to_row() for t in trajs], stats
+    return [t.completion() for t in trajs], stats
 
 
-def agent_metrics(rows: Sequence[dict], stats: dict[str, float] | None = None, prefix: str = "") -> dict[str, float]:
-    """verl-style metrics of a batch of agent completions (dicts from ``Trajectory.to_row``)."""
+def agent_metrics(rows: Sequence[AgentCompletion], stats: dict[str, float] | None = None, prefix: str = "") -> dict[str, float]:
+    """verl-style metrics of a batch of agent completions."""
     n = max(1, len(rows))
-    calls = sum(r["tool_calls"] for r in rows)
-    errors = sum(r["tool_errors"] for r in rows)
+    calls = sum(r.tool_calls for r in rows)
+    errors = sum(r.tool_errors for r in rows)
     out = {
-        "num_turns/mean": sum(r["num_turns"] for r in rows) / n,
-        "num_turns/max": float(max((r["num_turns"] for r in rows), default=0)),
+        "num_turns/mean": sum(r.num_turns for r in rows) / n,
+        "num_turns/max": float(max((r.num_turns for r in rows), default=0)),
         "tool_calls/mean": calls / n,
         "tool_calls/errors": float(errors),
-        "tool_calls/timeouts": float(sum(r["tool_timeouts"] for r in rows)),
+        "tool_calls/timeouts": float(sum(r.tool_timeouts for r in rows)),
         "tool_calls/success_rate": (calls - errors) / calls if calls else 0.0,
-        "response_length/mean": sum(len(r["response_ids"]) for r in rows) / n,
-        "response_length/policy_tokens_mean": sum(sum(r["response_mask"]) for r in rows) / n,
-        "rollout/truncated_ratio": sum(bool(r["truncated"]) for r in rows) / n,
+        "response_length/mean": sum(len(r.response_ids) for r in rows) / n,
+        "response_length/policy_tokens_mean": sum(sum(r.response_mask) for r in rows) / n,
+        "rollout/truncated_ratio": sum(bool(r.truncated) for r in rows) / n,
     }
-    for status in sorted({s for r in rows for s in r["tool_status"]}):
-        out[f"tool_calls/status/{status}"] = float(sum(r["tool_status"].get(status, 0) for r in rows))
+    for status in sorted({s for r in rows for s in r.tool_status}):
+        out[f"tool_calls/status/{status}"] = float(sum(r.tool_status.get(status, 0) for r in rows))
     for reason in FINISH_REASONS:
-        out[f"rollout/finish/{reason}"] = sum(r["finish_reason"] == reason for r in rows) / n
-    statuses = [r["agent_status"] for r in rows if "agent_status" in r]  # agent.function runs
+        out[f"rollout/finish/{reason}"] = sum(r.finish_reason == reason for r in rows) / n
+    statuses = [r.agent_status for r in rows if r.agent_status is not None]  # agent.function runs
     for status in sorted(set(statuses)):
         out[f"agent/status/{status}"] = float(statuses.count(status))
     if stats is not None:
@@ -393,7 +427,7 @@ def agent_metrics(rows: Sequence[dict], stats: dict[str, float] | None = None, p
 
 def run_agent_config(
     engine: RolloutEngine, agent: Any, rows: Sequence[dict], params: SamplingParams
-) -> tuple[list[dict], dict[str, float]]:
+) -> tuple[list[AgentCompletion], dict[str, float]]:
     """``run_agent_batch`` with everything taken from the ``agent`` config section (the built-in loop; with
     ``agent.function`` set, workers call ``engines/agents/endpoint.py: run_agents`` instead)."""
     from rlstage.engines.agents.tools import load_tools, resolve_template
@@ -410,7 +444,7 @@ def run_agent_config(
 # ---------------------------------------------------------------- demonstrations for SFT
 
 
-class TeacherPolicy:
+class TeacherPolicy(AgentPolicy):
     """Replays given assistant turns (``turns[key][k]`` is request ``key``'s k-th turn), each ended by eos."""
 
     def __init__(self, fmt: ChatFormat, turns: Sequence[Sequence[str]]) -> None:

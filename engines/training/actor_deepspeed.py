@@ -277,12 +277,18 @@ class DeepSpeedActor(TorchActor):
                 out[name] = copies[id(t)]
         return out
 
+    @property
+    def trained_module(self) -> torch.nn.Module:
+        return self.engine.module
+
     def gather_into(self, target: torch.nn.Module | None) -> None:
         """ZeRO-3: gather the trained parameters (a collective: call it on every rank) and copy them straight into
         ``target``'s tensors of the same names (no CPU copy of the whole model in between); ``None`` (a rank that
-        keeps no whole copy) only takes part in the gather."""
+        keeps no whole copy) only takes part in the gather. ZeRO 0-2 keep whole parameters: nothing to gather."""
         import deepspeed
 
+        if self.cfg.zero_stage != 3:
+            return
         module = self.engine.module
         with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None), torch.no_grad():
             if target is None:
