@@ -9,7 +9,7 @@ from transformers import AutoTokenizer
 
 from rlstage.engines.models.lora import save_hf
 from rlstage.flows.checks import check_eval, stored_config_with
-from rlstage.flows.replay import stage_inputs
+from rlstage.flows.replay import stored_inputs
 from rlstage.flows.retention import stored_checkpoints
 from rlstage.schemas.config import ConfigError
 from rlstage.workers.policy import fetch_model, load_policy_model
@@ -19,7 +19,7 @@ def export_policy(store_root: str, run: str, iteration: int | None, out: str | P
     """Write the policy after update ``iteration`` (default: the last; 0: the start) into ``out``."""
     store, cfg = stored_config_with(store_root, run, [], "an export")
     iteration = check_eval(store, run, iteration)
-    _, policy = stage_inputs(cfg, store, "eval", iteration)  # the policy the eval of that iteration scores
+    policy = stored_inputs(cfg, store, "eval", iteration)["policy"]  # the policy the eval of that iteration scores
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"config error: --out {out} exists and is not empty")
