@@ -164,7 +164,8 @@ class StageTasks:
             raise RuntimeError(f"stage {stage!r} is not selected by this run's settings (schemas/stages.py: its when)")
         if s.phase == "eval":
             self._wait_ahead()
-        after = list({id(f): f for v in inputs.values() if (made := self._made.get(id(v))) for f in (made[1],)}.values())
+        made = [self._made[id(v)][1] for v in inputs.values() if id(v) in self._made]
+        after = list({id(f): f for f in made}.values())  # filter_groups' one task made both rollouts and rewards
         # The next iteration opens once this one has trained: beside its eval (after the eval's first poll, so that its
         # requests do not meet the server's recording of the eval task's start: a 2 s client retry).
         under_way = self._trained if s.phase == "eval" else None

@@ -210,14 +210,13 @@ def stage_task(name: str) -> Callable[[Callable[..., StageOutput]], Task]:
 
     def register(body: Callable[..., StageOutput]) -> Task:
         signature = _task_signature(s, body)
-        options = {p.name for p in signature.parameters.values() if p.kind is p.KEYWORD_ONLY} - {"version", "meta"}
-        options -= set(s.inputs)
 
         def as_task(run_call: Callable[[RunConfig, StageCall], StageResult]) -> Task:
             def run(cfg: RunConfig, iteration: int | None = None, **kwargs) -> StageResult | State:
                 given = {k: kwargs.pop(k) for k in s.inputs if k in kwargs}
                 version, meta = kwargs.pop("version", "main"), kwargs.pop("meta", None)
-                call = StageCall(name, iteration, s.takes(**given), version, meta, {k: kwargs[k] for k in options if k in kwargs})
+                # what is left are the body's own options: an unknown one fails at the body's call
+                call = StageCall(name, iteration, s.takes(**given), version, meta, kwargs)
                 result = run_call(cfg, call)
                 if result.executed:  # what the stage's workers had to say, in the task run's log (one line each)
                     _log_lines(name, result.manifest.meta.get(LOG_META) or [])
