@@ -181,8 +181,32 @@ def _load(args) -> object:
     from rlstage.engines.preflight import check_registered_names
     from rlstage.schemas.config import load_config
 
-    cfg = load_config(args.config, args.overrides)
+    if getattr(args, "verl", False):
+        cfg = _load_verl(args)
+    else:
+        cfg = load_config(args.config, args.overrides)
     check_registered_names(cfg)  # names looked up in the engines' registries: part of loading the config
+    return cfg
+
+
+def _load_verl(args) -> object:
+    """A verl recipe, translated (flows/verl_recipe.py): what it dropped in a line each, then its rlstage settings."""
+    import yaml
+
+    from rlstage.flows.verl_recipe import config_tree, translate
+    from rlstage.schemas.config import build_config
+
+    recipe = translate(args.config, args.overrides)
+    cfg = build_config(config_tree(recipe))
+    noted = [line for line in recipe.mapped if line.endswith(")") or args.verbose]
+    print(f"rlstage: verl recipe: {len(recipe.mapped)} settings mapped, {len(recipe.dropped)} keys dropped, "
+          f"{len(recipe.passthrough)} rlstage settings as given", flush=True)  # fmt: skip
+    for line in noted:
+        print(f"rlstage: verl mapped {line}", flush=True)
+    for line in recipe.dropped:
+        print(f"rlstage: verl dropped {line}", flush=True)
+    resolved = yaml.safe_dump(config_tree(recipe), sort_keys=False, default_flow_style=None).rstrip()
+    print("rlstage: the recipe as rlstage settings (the rest are rlstage's defaults):\n" + resolved, flush=True)
     return cfg
 
 
@@ -241,6 +265,11 @@ def cmd_train(args) -> int:
     from rlstage.infra.lease import check_lease
 
     cfg = _load(args)
+    if getattr(args, "dry_run", False):
+        from rlstage.schemas.config import config_to_yaml
+
+        print(config_to_yaml(cfg), end="", flush=True)
+        return 0
     store = _check_new_run(cfg)
     check_policy(store, cfg, last_completed_iteration(store, cfg.run_name))  # what the run would start from
     check_lease(store, cfg.run_name)  # a run already running: refused before a server starts or a flow run exists
@@ -428,9 +457,13 @@ def _summary(result: dict) -> None:
 
     trained = [h for h in result["history"] if "critic/score/max" in h]
     if trained and all(flat_rewards(h) for h in trained):
+        same = trained[-1]["critic/score/max"] == trained[-1]["critic/score/min"]
+        scored = f"every sample of every iteration scored {trained[-1]['critic/score/max']:g}" if same else (
+            "in every iteration each group's samples all scored the same"
+        )  # fmt: skip
         print(
-            f"warning: every sample of every iteration scored {trained[-1]['critic/score/max']:g}: no group had a "
-            "signal to learn from (check the reward function against a few answers: rlstage inspect RUN -q worst)"
+            f"warning: {scored}: no group had a signal to learn from "
+            "(check the reward function against a few answers: rlstage inspect RUN -q worst)"
         )
     print(f"artifacts: {result['store']}/{result['run']}")
     print(f"mlflow: {result['mlflow']}")
@@ -620,6 +653,10 @@ def build_parser() -> _Parser:
         p = sub.add_parser(name, help=helptext)
         p.add_argument("-c", "--config", type=Path, default=None, help="YAML config (default: the demo's)")
         p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.optim.lr=1e-5")
+        if name == "train":
+            p.add_argument("--verl", action="store_true", help="the config and overrides are a verl recipe's keys "
+                           "(e.g. actor_rollout_ref.actor.ppo_mini_batch_size=64), translated to rlstage's")  # fmt: skip
+            p.add_argument("--dry-run", action="store_true", help="check the config and print it in full; start nothing")
         p.set_defaults(fn=fn)
     p = sub.add_parser("nightly", help="continue a run by K iterations with its stored config")
     p.add_argument("run", help="run name")

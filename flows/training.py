@@ -114,7 +114,10 @@ _progress.addHandler(APILogHandler())
 
 
 def flat_rewards(metrics: dict) -> bool:
-    """Every sample of the iteration scored the same (all 0, say): no group has an advantage to learn from."""
+    """Every group of the iteration scored the same within itself (all 0, say): no group has an advantage to learn
+    from. Iterations stored before the per-group share was a metric are judged by the whole batch's range."""
+    if "reward/flat_group_share" in metrics:
+        return metrics["reward/flat_group_share"] == 1.0
     hi, lo = metrics.get("critic/score/max"), metrics.get("critic/score/min")
     return hi is not None and lo is not None and hi == lo
 
@@ -375,7 +378,7 @@ def _run_iterations(cfg: RunConfig, store: ArtifactStore, first: int, last: int,
                 _emit(
                     f"iteration {it:>3}: "
                     + (f"train reward {score:.3f} | " if score is not None else "")
-                    + ("every sample scored the same: no signal to learn from | " if flat_rewards(metrics) else "")
+                    + ("every group scored the same within itself: no signal to learn from | " if flat_rewards(metrics) else "")
                     + (f"held-out accuracy {acc:.3f} | " if acc is not None else "")
                     + (f"held-out mean reward {val_reward:.3f} | " if credit else "")
                     + f"{history[-1]['wall_s']:.1f}s, executed {len(outcome.executed)} stage(s)"

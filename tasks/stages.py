@@ -511,12 +511,22 @@ def score_round(cfg: ConfigView, table: pa.Table) -> StageOutput:
             "critic/score/mean": float(scores.mean()),
             "critic/score/max": float(scores.max()),
             "critic/score/min": float(scores.min()),
+            "reward/flat_group_share": _flat_group_share(table.column("group_id").to_numpy()[real], scores),
             "reward/errors": float(sum(e is not None for e in errors)),
             "reward/timeouts": float(sum(e is not None and e.startswith("timeout") for e in errors)),
             **sources,
             **shaping,
         },
     )
+
+
+def _flat_group_share(groups: np.ndarray, scores: np.ndarray) -> float:
+    """The share of prompt groups whose samples all scored the same: a group-relative advantage is 0 in each."""
+    ids, inverse = np.unique(groups, return_inverse=True)
+    lo, hi = np.full(len(ids), np.inf), np.full(len(ids), -np.inf)
+    np.minimum.at(lo, inverse, scores)
+    np.maximum.at(hi, inverse, scores)
+    return float((lo == hi).mean()) if len(ids) else 0.0
 
 
 REWARD_EXTRA = "reward_extra.parquet"  # a dict-returning reward's other keys, one column each (absent without any)
