@@ -385,10 +385,20 @@ def cmd_data_prep(args) -> int:
 def cmd_init(args) -> int:
     from rlstage.flows.init import InitChoices, write_config
 
+    from rlstage.flows.init import absolute
+
     run_name = args.run_name or args.out.stem
-    choices = InitChoices(args.model, args.train, args.test, args.reward, args.prompt_column, args.answer_column, run_name)
+    reward = args.reward
+    if reward and ".py:" in reward:  # a reward file, read from wherever the run trains
+        reward = f"{absolute(reward.rsplit(':', 1)[0])}:{reward.rsplit(':', 1)[1]}"
+    choices = InitChoices(
+        absolute(args.model), absolute(args.train), absolute(args.test), reward, args.prompt_column, args.answer_column,
+        run_name, args.data_source, tuple(args.overrides),
+    )  # fmt: skip
     written = write_config(choices, args.out)
     print(f"wrote {written.path}: run {written.run_name} on {args.model}, data.source={written.source}")
+    if written.estimate:
+        print(f"  {written.estimate}")
     print(f"  next: rlstage train -c {written.path}")
     return 0
 
@@ -698,6 +708,9 @@ def build_parser() -> _Parser:
     p.add_argument("--reward", default=None, help="how answers are scored: exact_match, gsm8k_flexible, ... or module:function")
     p.add_argument("-o", "--out", type=Path, default=Path("rlstage.yaml"), help="the config file to write (new)")
     p.add_argument("--run-name", default=None, help="the run's name (default: the file's stem)")
+    p.add_argument("--data-source", default=None, choices=["jsonl", "parquet", "verl_parquet", "gsm8k"],
+                   help="the files' format (default: parquet by the .parquet suffix, else jsonl)")  # fmt: skip
+    p.add_argument("overrides", nargs="*", help="settings written over the starting points, e.g. rollout.max_new_tokens=32")
     p.set_defaults(fn=cmd_init)
     p = sub.add_parser("reward-model", help="train a tiny reward model for the kit's task on its SFT policy's samples")
     p.add_argument("-c", "--config", type=Path, default=None, help="YAML config of the run it is for (its kit and SFT)")

@@ -33,6 +33,17 @@ TUNE_NEXT: dict[str, Any] = {
 }
 
 
+# Without a GPU: an iteration of a ~100M-parameter model in minutes on a few cores (init prints its estimate).
+CPU_SIZES: dict[str, Any] = {
+    "rollout.n": 4,
+    "rollout.max_new_tokens": 64,
+    "data.prompts_per_iteration": 4,
+    "data.eval_size": 16,
+    "actor.ppo_mini_batch_size": 16,
+    "trainer.iterations": 10,
+}
+
+
 @dataclass(frozen=True)
 class InitChoices:
     model: str
@@ -42,15 +53,59 @@ class InitChoices:
     prompt_column: str = "prompt"
     answer_column: str = "answer"
     run_name: str = "mine"
+    data_source: str | None = None  # None: by the train file's suffix (parquet or jsonl)
+    overrides: tuple[str, ...] = ()  # dotted settings written over the starting points
 
 
 def _source_of(path: str) -> str:
     return "parquet" if path.endswith(".parquet") else "jsonl"
 
 
+def absolute(path: str) -> str:
+    """A path of the config as an absolute one: the file is read from wherever `rlstage train` runs."""
+    return str(Path(path).expanduser().resolve())
+
+
+def context_of(model: str) -> int | None:
+    """The model's context length in tokens from its config.json (None: a GGUF file, or none is named)."""
+    try:
+        config = json.loads((Path(model) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        if isinstance(config.get(key), int) and config[key] > 0:
+            return config[key]
+    return None
+
+
+def _has_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def fitted(context: int | None, tune: dict[str, Any]) -> dict[str, Any]:
+    """The prompt and response lengths of ``tune`` cut to fit ``context``: a quarter of it for the response."""
+    prompt, new = tune["data.max_prompt_length"], tune["rollout.max_new_tokens"]
+    if context is None or prompt + new <= context:
+        return {}
+    new = min(new, max(8, context // 4))
+    return {"data.max_prompt_length": context - new, "rollout.max_new_tokens": new}
+
+
 def _short(text: str, limit: int = 100) -> str:
     first = " ".join(text.split()).split(". ")[0].rstrip(".")
     return first if len(first) <= limit else first[: limit - 3].rstrip() + "..."
+
+
+def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        if isinstance(v, dict) and v:
+            out |= _flat(v, f"{prefix}{k}.")
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
 
 
 def _nest(flat: dict[str, Any]) -> dict[str, Any]:
@@ -76,7 +131,7 @@ def _lines(flat: dict[str, Any], helps: dict[str, str], tune_from: str) -> list[
     for dotted, value in flat.items():
         *parents, leaf = dotted.split(".")
         if dotted == tune_from:
-            lines += ["", "# ---- tune these next (starting points for a small model on a CPU)"]
+            lines += ["", "# ---- tune these next (starting points for a small model; smaller where this machine has no GPU)"]
         common = 0
         while common < min(len(opened), len(parents)) and opened[common] == parents[common]:
             common += 1
@@ -88,30 +143,51 @@ def _lines(flat: dict[str, Any], helps: dict[str, str], tune_from: str) -> list[
     return lines
 
 
+def _help(key: str) -> str:
+    from rlstage.schemas.config import nearest_setting
+
+    try:
+        return help_of(key)
+    except KeyError:
+        near = nearest_setting(key)
+        raise ConfigError(f"config error: {key}: not a setting" + (f"; did you mean {near}?" if near else "")) from None
+
+
 def render(choices: InitChoices) -> str:
     from rlstage.engines.data.datasets import ColumnSettings
 
+    from rlstage.schemas.config import parse_overrides
+
+    source = choices.data_source or _source_of(choices.train)
     first: dict[str, Any] = {
         "run_name": choices.run_name,
         "model.path": choices.model,
-        "data.source": _source_of(choices.train),
+        "data.source": source,
         "data.train_path": choices.train,
         "data.test_path": choices.test,
-        "data.source_settings.prompt_column": choices.prompt_column,
-        "data.source_settings.answer_column": choices.answer_column,
+        **({"data.source_settings.prompt_column": choices.prompt_column, "data.source_settings.answer_column": choices.answer_column}
+           if source in ("jsonl", "parquet") else {}),
         "reward.function": choices.reward,
-    }
+    }  # fmt: skip
     # each section once: the settings to tune of a section the first ones open go there, the others after
-    tune = dict(TUNE_NEXT)
+    tune = {**TUNE_NEXT, **(CPU_SIZES if not _has_gpu() else {})}
+    tune |= fitted(context_of(choices.model), tune)
+    given = _flat(parse_overrides(list(choices.overrides)))
+    first |= {k: v for k, v in given.items() if k in first}
+    tune |= {k: v for k, v in given.items() if k not in first}
     flat: dict[str, Any] = {}
     for section in dict.fromkeys(k.split(".")[0] for k in first):
         flat |= {k: v for k, v in [*first.items(), *tune.items()] if k.split(".")[0] == section}
     rest = {k: v for k, v in tune.items() if k not in flat}
+    flat, rest = _flat(_nest(flat)), _flat(_nest(rest))  # a section's settings together: YAML keeps one block a key
     columns = ColumnSettings.model_fields
-    helps = {k: help_of(k) for k in [*first, *tune] if not k.startswith("data.source_settings.")}
-    helps |= {f"data.source_settings.{name}": columns[name].description or "" for name in ("prompt_column", "answer_column")}
+    first = {k: v for k, v in first.items() if v is not None or k == "reward.function"}
+    helps = {k: _help(k) for k in [*first, *tune] if not k.startswith("data.source_settings.")}
+    helps |= {k: columns[k.rsplit(".", 1)[1]].description or "" if k.rsplit(".", 1)[1] in columns else "" for k in [*first, *tune]
+              if k.startswith("data.source_settings.")}  # fmt: skip
     lines = [
         "# rlstage config written by `rlstage init`. Train: rlstage train -c <this file>",
+        "# Its paths are absolute: the file trains from any folder.",
         "# Every setting, its default and the stages that read it: docs/reference/config.md",
         "",
         *_lines(flat | rest, helps, next(iter(rest))),
@@ -124,6 +200,7 @@ class RunConfigSummary:
     run_name: str
     source: str
     path: str
+    estimate: str | None = None
 
 
 def write_config(choices: InitChoices, out: Path) -> RunConfigSummary:
@@ -144,7 +221,36 @@ def write_config(choices: InitChoices, out: Path) -> RunConfigSummary:
 
     preflight(cfg)
     out.write_text(text)
-    return RunConfigSummary(cfg.run_name, cfg.data.source, str(out))
+    return RunConfigSummary(cfg.run_name, cfg.data.source, str(out), estimate(cfg))
+
+
+def estimate(cfg: Any) -> str | None:
+    """A rough time per iteration on this machine, from one short generation of the model at the rollout's batch:
+    a line for the user, or None where it cannot be measured (a GPU, a GGUF file, no model folder)."""
+    import time
+
+    import torch
+
+    if torch.cuda.is_available() or not cfg.model.path or not Path(cfg.model.path, "config.json").is_file():
+        return None
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(cfg.model.torch_threads)
+    model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32).eval()
+    batch, steps, prompt = cfg.data.prompts_per_iteration * cfg.rollout.n, 8, min(64, cfg.data.max_prompt_length)
+    ids = torch.full((batch, prompt), 1, dtype=torch.long)
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps, min_new_tokens=steps, do_sample=False)
+        per_step = (time.perf_counter() - t0) / steps
+    new = cfg.rollout.max_new_tokens
+    generate_s = per_step * new + per_step * new * (cfg.data.eval_size or 64) / batch
+    minutes = 2 * generate_s / 60  # the update (old log-probs, forward and backward) costs about as much again
+    return (
+        f"about {minutes:.0f} min an iteration on this machine's CPU ({batch} samples of up to {new} new tokens; "
+        f"generation measured at {batch / per_step:.0f} tokens/s), {minutes * cfg.trainer.iterations / 60:.1f} h for "
+        f"trainer.iterations={cfg.trainer.iterations}: lower rollout.max_new_tokens or data.prompts_per_iteration to go faster"
+    )
 
 
 

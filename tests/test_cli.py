@@ -155,3 +155,28 @@ def test_a_run_whose_every_group_scored_the_same_within_itself_says_so(capsys):
     assert flat_rewards(within) and not flat_rewards({**within, "reward/flat_group_share": 0.5})
     _summary({"history": [{"iteration": 0, "val/accuracy": 0.5}, {"iteration": 1, "val/accuracy": 0.5, **within}], "store": "s", "run": "r", "mlflow": "m"})
     assert "warning: in every iteration each group's samples all scored the same: no group had a signal" in capsys.readouterr().out
+
+
+def test_init_fits_a_small_context_takes_overrides_and_keeps_one_block_a_section(tmp_path):
+    """The exported kit's 256-token context: its prompt and response lengths are cut to fit, an override lands in its
+    section (YAML keeps the last block of a repeated key), and an unknown one is refused with the nearest name."""
+    import json
+
+    import yaml
+
+    from rlstage.flows.init import InitChoices, render
+    from rlstage.schemas.config import ConfigError, build_config
+
+    model = tmp_path / "kit"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"max_position_embeddings": 256}))
+    choices = InitChoices(str(model), "/data/t.parquet", "/data/v.parquet", "exact_match", data_source="verl_parquet",
+                          overrides=("rollout.temperature=0.9", "run_name=kit"))  # fmt: skip
+    text = render(choices)
+    assert text.count("\nrollout:") == 1
+    cfg = build_config(yaml.safe_load(text))
+    assert cfg.data.max_prompt_length + cfg.rollout.max_new_tokens <= 256 and cfg.rollout.max_new_tokens >= 8
+    assert (cfg.rollout.temperature, cfg.run_name, cfg.data.source) == (0.9, "kit", "verl_parquet")
+    assert "prompt_column" not in text  # verl's parquet has its own columns
+    with pytest.raises(ConfigError, match=r"rollout\.max_new_tokn: not a setting; did you mean rollout\.max_new_tokens\?"):
+        render(InitChoices(str(model), "/t.jsonl", "/v.jsonl", "exact_match", overrides=("rollout.max_new_tokn=3",)))

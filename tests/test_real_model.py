@@ -74,10 +74,12 @@ def test_one_iteration_of_smollm2_through_the_pipeline(prefect_api, smollm2_path
     held_out.write_text("".join(json.dumps({"q": q, "a": a}) + "\n" for q, a in [("Is ice cold? One word.", "yes"), ("2 + 2?", "4")]))
     written = tmp_path / "mine.yaml"
     argv = ["init", "--model", str(smollm2_path), "--train", str(data), "--test", str(held_out), "--prompt-column", "q",
-            "--answer-column", "a", "--reward", "exact_match", "-o", str(written), "--run-name", "smollm2"]  # fmt: skip
+            "--answer-column", "a", "--reward", "exact_match", "-o", str(written), "--run-name", "smollm2", "rollout.max_new_tokens=24"]  # fmt: skip
     assert main(argv) == 0
     assert main(argv) == 2  # never overwrites a file
-    assert "answer_column: \"a\"" in written.read_text() and written.read_text().startswith("# rlstage config written by")
+    text = written.read_text()
+    assert "answer_column: \"a\"" in text and text.startswith("# rlstage config written by")
+    assert "max_new_tokens: 24" in text and f'train_path: "{data.resolve()}"' in text  # the override; an absolute path
     max_new = 24
     cfg = load_config(
         written,
