@@ -383,9 +383,7 @@ def cmd_data_prep(args) -> int:
 
 
 def cmd_init(args) -> int:
-    from rlstage.flows.init import InitChoices, write_config
-
-    from rlstage.flows.init import absolute
+    from rlstage.flows.init import InitChoices, absolute, write_config
 
     run_name = args.run_name or args.out.stem
     reward = args.reward

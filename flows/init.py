@@ -155,7 +155,6 @@ def _help(key: str) -> str:
 
 def render(choices: InitChoices) -> str:
     from rlstage.engines.data.datasets import ColumnSettings
-
     from rlstage.schemas.config import parse_overrides
 
     source = choices.data_source or _source_of(choices.train)
