@@ -642,11 +642,13 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
 def build_parser() -> _Parser:
     """The command line: every subcommand, its arguments, choices and defaults."""
+    from rlstage.schemas.docs_site import page_url
+
     parser = _Parser(
         prog="rlstage",
         description="RL post-training as Prefect stages on Ray",
-        epilog="Documentation: docs/ in the repository (docs/index.md; `mkdocs serve` shows it as a site); "
-        "every config setting: docs/reference/config.md.",
+        epilog=f"Documentation: {page_url('index.md')} (in a checkout also docs/; `mkdocs serve` shows it); "
+        f"every config setting: {page_url('reference/config.md')}",
     )
     parser.add_argument(
         "-v", "--verbose", action="store_true", help="print each stage as it ends, and tracebacks (also RLSTAGE_DEBUG=1)"
@@ -742,7 +744,7 @@ def build_parser() -> _Parser:
     p.set_defaults(fn=cmd_ui)
 
     for name, p in sub.choices.items():
-        p.epilog = f"More: docs/{DOCS[name]}; every config setting: docs/reference/config.md."
+        p.epilog = f"More: {page_url(DOCS[name])}; every config setting: {page_url('reference/config.md')}"
     for p in sub.choices.values():  # "rlstage train --verbose" works as well as "rlstage --verbose train"
         p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     return parser

@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 
 from rlstage.schemas.config import ConfigError, build_config
+from rlstage.schemas.docs_site import page_url
 from rlstage.schemas.settings_help import help_of
 
 # What a first run on a small model and a 2-core CPU can afford; every value is a starting point, not a tuned one.
@@ -187,7 +188,7 @@ def render(choices: InitChoices) -> str:
     lines = [
         "# rlstage config written by `rlstage init`. Train: rlstage train -c <this file>",
         "# Its paths are absolute: the file trains from any folder.",
-        "# Every setting, its default and the stages that read it: docs/reference/config.md",
+        f"# Every setting, its default and the stages that read it: {page_url('reference/config.md')}",
         "",
         *_lines(flat | rest, helps, next(iter(rest))),
     ]

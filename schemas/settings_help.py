@@ -11,6 +11,7 @@ import typing
 from pydantic import BaseModel
 
 from rlstage.schemas.config import RunConfig
+from rlstage.schemas.docs_site import page_url
 from rlstage.schemas.stages import EXECUTION, SPECS
 
 FIELD = re.compile(r"^    (\w+): [^=]+?(?:=.*)?$")
@@ -134,7 +135,7 @@ def help_of(path: str) -> str:
     raise KeyError(path)
 
 
-REFERENCE = "docs/reference/config.md"
+REFERENCE = "reference/config.md"  # a docs page, linked on the documentation site (schemas/docs_site.py)
 _NAMED = re.compile(r"^config error: ([A-Za-z_][\w.\[\]]*):")
 
 
@@ -149,5 +150,5 @@ def reference_link(message: str) -> str | None:
     parts = key.split(".")
     for end in range(len(parts), 0, -1):
         if ".".join(parts[:end]) in known:
-            return f"{REFERENCE}#{'.'.join(parts[:end])}"
+            return page_url(REFERENCE, ".".join(parts[:end]))
     return None

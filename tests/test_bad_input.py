@@ -264,8 +264,8 @@ CASES: list[tuple[str, list[str], dict[str, str], str]] = [
     ("pickle in a resumed run's reference", ["train", "run_name=resumed", "store.root={store}", "trainer.iterations=2"], {}, r"checkpoint .*/kit-\w+/.*sft holds model/pytorch_model\.bin"),
     # ---- registries and plugins (a plugin's import must not write its bytecode into the checked folder)
     ("unknown policy loss", ["train", "actor.policy_loss=gspoo"], {}, r"config error: actor\.policy_loss: unknown policy loss 'gspoo'; registered: vanilla, "),
-    ("plugin fails to import", ["train", "plugins=[broken_plugin]"], NOPYC, r"config error: plugins\.0: plugin 'broken_plugin' failed to import: RuntimeError: this plugin is broken \(see docs/reference/config\.md#plugins\)$"),
-    ("two plugins, one name", ["train", "plugins=[twin_a, twin_b]"], NOPYC, r"config error: plugins\.1: plugin 'twin_b': policy loss 'twin' is registered twice: by twin_a and by twin_b \(see docs/reference/config\.md#plugins\)$"),
+    ("plugin fails to import", ["train", "plugins=[broken_plugin]"], NOPYC, r"config error: plugins\.0: plugin 'broken_plugin' failed to import: RuntimeError: this plugin is broken \(see https://rlstage\.readthedocs\.io/en/latest/reference/config/#plugins\)$"),
+    ("two plugins, one name", ["train", "plugins=[twin_a, twin_b]"], NOPYC, r"config error: plugins\.1: plugin 'twin_b': policy loss 'twin' is registered twice: by twin_a and by twin_b \(see https://rlstage\.readthedocs\.io/en/latest/reference/config/#plugins\)$"),
     ("plugin settings refused", ["train", "plugins=[strict_plugin]", "actor.policy_loss={{name: strict, beta: -1}}"], NOPYC, r"config error: actor\.policy_loss\.beta: Input should be greater than 0"),
     ("plugin setting unknown", ["train", "plugins=[strict_plugin]", "actor.policy_loss={{name: strict, gamma: 1}}"], NOPYC, r"config error: actor\.policy_loss\.gamma: strict takes no gamma \(its settings: beta\)"),
     ("stored run's plugin missing", ["nightly", "plugged", "--store", "{store}"], {}, r"config error: run 'plugged' was run with plugin rlstage-no-such-plugin==0\.1\.0, which is not installed here"),

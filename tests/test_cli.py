@@ -27,12 +27,13 @@ def test_every_help_names_its_docs_page(capsys):
     from pathlib import Path
 
     from rlstage.flows.cli import DOCS
+    from rlstage.schemas.docs_site import page_url
 
     docs = Path(__file__).resolve().parent.parent / "docs"
-    assert "docs/reference/config.md" in " ".join(_out(capsys, ["--help"]).split())
+    assert page_url("reference/config.md") in " ".join(_out(capsys, ["--help"]).split())
     for name, page in DOCS.items():
         assert (docs / page).is_file(), page
-        assert f"More: docs/{page}" in " ".join(_out(capsys, [name, "--help"]).split())
+        assert f"More: {page_url(page)}" in " ".join(_out(capsys, [name, "--help"]).split())
 
 
 def test_help_lists_choices_and_defaults(capsys):

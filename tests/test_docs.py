@@ -63,6 +63,7 @@ def test_every_built_in_registry_entry_says_what_it_is():
 
 
 def test_a_config_error_links_the_reference_entry_of_its_setting() -> None:
+    from rlstage.schemas.docs_site import site
     from rlstage.schemas.settings_help import reference_link
 
     page = (REPO / "docs" / "reference" / "config.md").read_text()
@@ -73,6 +74,19 @@ def test_a_config_error_links_the_reference_entry_of_its_setting() -> None:
         ("config error: rollout.nn: Extra inputs are not permitted", "rollout"),  # unknown key: its section
         ("config error: plugins.0: plugin 'p' failed to import", "plugins"),
     ]:
-        assert reference_link(message) == f"docs/reference/config.md#{anchor}", message
+        assert reference_link(message) == f"{site()}reference/config/#{anchor}", message
         assert f'<a id="{anchor}"></a>' in page, anchor
     assert reference_link("config error: run 'x' does not exist under /s; runs there: y") is None
+
+
+def test_help_and_errors_link_the_documentation_site_the_package_names() -> None:
+    """A wheel user has no docs/ folder: links go to the project's Documentation URL, which mkdocs builds for."""
+    import tomllib
+
+    import yaml
+
+    from rlstage.schemas.docs_site import page_url, site
+
+    declared = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["urls"]["Documentation"]
+    assert site() == declared and yaml.safe_load((REPO / "mkdocs.yml").read_text())["site_url"] == declared
+    assert page_url("docs/index.md") == declared and page_url("reference/config.md", "rollout.n") == f"{declared}reference/config/#rollout.n"
