@@ -305,21 +305,27 @@ def test_an_agent_that_swallows_its_cancellation_is_a_timeout_at_its_own_bound()
     assert "answered" not in tried_after
 
 
-def test_a_blocking_agent_is_charged_its_own_stall_and_the_others_are_not():
+@pytest.mark.parametrize("steps", [1, 50], ids=["one-call", "many-short-steps"])
+def test_a_blocking_agent_is_charged_its_own_stall_and_the_others_are_not(steps):
     """``time.sleep`` inside ``async def`` holds the event loop: the agent that blocked past its bound is the timeout;
-    the samples that waited behind it are not (their bound counts their own time)."""
+    the samples that waited behind it are not (their bound counts their own time), whether it blocked in one call or
+    in many short ones between awaits (50 of 30 ms: before, every sample of the batch was a timeout)."""
     import time as _time
 
     async def blocks(client, sample):
         if ik(sample) == (1, 0):
             await client.chat.completions.create(model=sample.model, messages=sample.messages)
-            _time.sleep(1.5)  # the mistake: a blocking call in an async agent
+            for _ in range(steps):
+                _time.sleep(1.5 / steps)  # the mistake: a blocking call in an async agent
+                await asyncio.sleep(0)
             return 1.0
+        await asyncio.sleep(0.2)  # the others still running while it blocks
         return await calculator_agent(client, sample)
 
     out, _ = run_fn(blocks, timeout_s=1.0)
     assert [o.agent_status for o in out] == ["ok", "ok", "timeout", "ok", "ok", "ok"]
-    assert out[2].agent_reward == 0.0
+    assert out[2].agent_reward == 0.0 and set(out[2].response_mask) == {0}
+    assert [o.agent_reward for o in out if o.agent_status == "ok"] == [None] * 5  # the rule scores the innocents
 
 
 def test_base_exceptions_from_an_agent_are_failed_samples_and_a_round_has_its_own_bound(caplog):
