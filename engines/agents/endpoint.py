@@ -775,7 +775,8 @@ def run_function_batch(
         if records[sid].failure is not None:
             status, reward = records[sid].failure, 0.0
         if status != OK or t is None:
-            status = status if status != OK else NO_REQUEST  # returned without a single request: nothing to train
+            if status == OK:  # returned without a single request: nothing to train, and its number is no reward
+                status, reward = NO_REQUEST, 0.0
             t = _failed(t, i, k, fmt, row_messages(rows[i]))
         out.append(t.completion(reward, status))
     stats = {
