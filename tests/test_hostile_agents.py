@@ -372,11 +372,11 @@ from rlstage.engines.agents.examples import calculator_agent
 
 
 async def mixed(client, sample):
-    k = int(sample.sample_id.rsplit("-", 1)[1])
+    i, k = map(int, sample.sample_id.split("-")[1:])
     if k == 1:
         raise RuntimeError("the agent's own bug")
-    if k == 2:
-        return "garbage"
+    if k == 2:  # garbage, or a number without a single request (no reward)
+        return "garbage" if i % 2 == 0 else 1.0
     if k == 3:  # a wrong model name first: a 404, then the agent goes on
         try:
             await client.chat.completions.create(model="gpt-4o", messages=sample.messages)
@@ -389,7 +389,8 @@ async def mixed(client, sample):
 
 @pytest.fixture(scope="module")
 def mixed_run(prefect_api, tmp_path_factory):
-    """One iteration with agents that grade themselves, raise, return garbage or ask for another model. Their
+    """One iteration with agents that grade themselves, raise, return garbage or nothing asked, or ask for another
+    model. Their
     module must import here and in Ray's workers: on sys.path, and on PYTHONPATH for a Ray started again."""
     import os
     import sys
@@ -440,7 +441,7 @@ def test_failed_agents_are_samples_the_stage_trains_past_and_logs(mixed_run):
     assert stage_rows(cfg, "mixed", 1, "update", "metrics.parquet")  # the update trained past the failed samples
     for r, s in zip(rows, scores, strict=True):
         k = r["sample_index"]
-        if k in (1, 2):  # failed: reward 0, no trained token
+        if k in (1, 2):  # failed: reward 0 (the 1.0 of one that never asked included), no trained token
             assert r["agent_reward"] == 0.0 and s["score"] == 0.0 and set(r["response_mask"]) == {0}
         elif k == 0:  # graded by the agent
             assert r["agent_reward"] == 0.75 and s["score"] == 0.75 and s["reward_fn"] == "agent.function"
@@ -448,7 +449,9 @@ def test_failed_agents_are_samples_the_stage_trains_past_and_logs(mixed_run):
             assert r["agent_reward"] is None and s["reward_fn"] != "agent.function" and 1 in r["response_mask"]
     # the failure's kind is in both tables, and a failed sample is not in its group's baseline: each group's healthy
     # samples get GRPO's advantages of their own scores alone
-    assert {(r["sample_index"], r["failure"]) for r in rows} == {(0, None), (1, "raised"), (2, "bad_return"), (3, None)}
+    assert {(r["sample_index"], r["failure"]) for r in rows} == {
+        (0, None), (1, "raised"), (2, "bad_return"), (2, "no_request"), (3, None)
+    }  # fmt: skip
     assert [r["failure"] for r in rows] == [s["failure"] for s in scores]
     exp = {e["sample_id"]: e for e in stage_rows(cfg, "mixed", 1, "advantage", "experience.parquet")}
     for g in {r["group_id"] for r in rows}:
@@ -462,11 +465,12 @@ def test_failed_agents_are_samples_the_stage_trains_past_and_logs(mixed_run):
     from rlstage.tasks.runtime import store_for
 
     worst = run_query(Experience.open(store_for(cfg), "mixed"), "worst", 40).collect()  # rlstage inspect mixed -q worst
-    assert set(worst["failure"].to_list()) >= {"raised", "bad_return"}  # a failure never reads as an ordinary 0.0
+    assert set(worst["failure"].to_list()) >= {"raised", "bad_return", "no_request"}  # a failure never reads as an ordinary 0.0
     metrics = MlflowClient(tracking_uri_for(cfg)).get_run(result["mlflow_run_id"]).data.metrics
-    assert (metrics["agent/status/ok"], metrics["agent/status/raised"], metrics["agent/status/bad_return"]) == (16, 8, 8)
+    counts = [metrics.get(f"agent/status/{kind}") for kind in ("ok", "raised", "bad_return", "no_request")]
+    assert counts == [16, 8, 4, 4], counts
     assert metrics["agent/rejected/model_not_found"] == 8
     logs = [r.getMessage() for r in records if r.levelno == logging.WARNING]  # the stage task runs' log
     assert sum("HTTP 404 model_not_found" in m and "'gpt-4o'" in m for m in logs) == 8
     assert sum("raised RuntimeError: the agent's own bug" in m for m in logs) == 8
-    assert sum("returned str 'garbage'" in m for m in logs) == 8
+    assert sum("returned str 'garbage'" in m for m in logs) == 4
