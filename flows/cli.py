@@ -137,7 +137,7 @@ def prefect_api(cfg=None):
     from rlstage.infra.prefect_server import ServerKeeper, retry_refused_connections, start_prefect_server
 
     print(f"starting a local Prefect server on 127.0.0.1 (home {home.prefect_home()}) ...", file=sys.stderr, flush=True)
-    server = start_prefect_server(home.prefect_home(), meanwhile=_ray_beside(cfg))
+    server = start_prefect_server(home.prefect_home(), meanwhile=_while_the_server_boots(cfg))
     if os.environ.get("PREFECT_API_URL") != server.url:  # its port was taken meanwhile: Ray's workers name the old one
         _stop_ray()
     os.environ["PREFECT_API_URL"] = server.url
@@ -157,16 +157,22 @@ def prefect_api(cfg=None):
         server.stop()
 
 
-def _ray_beside(cfg) -> Callable[[str], None] | None:
-    """What starts a run's local Ray while the command's Prefect server boots (None: Ray starts with the flow)."""
-    if cfg is None or cfg.ray.address:
+def _while_the_server_boots(cfg) -> Callable[[str], None] | None:
+    """What runs while the command's Prefect server boots: a run's local Ray starts (its workers inherit the
+    server's URL), then the drill point ``prefect_server:start`` (``drill.hold_worker_at``), where a test kills
+    the server before the command has seen it answer. None without a config."""
+    if cfg is None:
         return None
 
     def start(url: str) -> None:
-        from rlstage.infra.ray_runtime import ensure_ray
+        from rlstage.infra.drill import hold_point
 
-        os.environ["PREFECT_API_URL"] = url  # before Ray starts: its workers report to this server
-        ensure_ray(cfg)
+        if not cfg.ray.address:
+            from rlstage.infra.ray_runtime import ensure_ray
+
+            os.environ["PREFECT_API_URL"] = url  # before Ray starts: its workers report to this server
+            ensure_ray(cfg)
+        hold_point(cfg, "prefect_server:start")
 
     return start
 
@@ -784,8 +790,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"rlstage: {line}", file=sys.stderr)
             return 2
         from rlstage.infra.prefect_server import ServerFailedToStart
+        from rlstage.infra.ray_runtime import RayFailedToStart
 
-        if isinstance(err, ServerFailedToStart):
+        if isinstance(err, ServerFailedToStart | RayFailedToStart):
             print(f"rlstage: {_one_line(err)}; nothing of the run started, rerun the command", file=sys.stderr)
             return 3
         if isinstance(err, PrefectLost | RayLost):  # the run stops; the next invocation reuses its committed stages

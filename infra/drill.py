@@ -28,7 +28,10 @@ def fault_point(cfg: RunConfig, stage: str, iteration: int | None, where: str = 
 
 def hold_point(cfg: RunConfig, point: str, timeout_s: float = 300.0) -> None:
     """Drill: at ``point`` (one of ``cfg.drill.hold_worker_at``) announce ``held-<point>`` and wait for
-    ``release-<point>`` in ``drill.markers``; a release that never comes ends the wait (the test fails)."""
+    ``release-<point>`` in ``drill.markers``; a release that never comes ends the wait (the test fails). Points
+    beside the role workers' and eval's: ``ray:start`` (the command's local Ray, once ``ray.init`` returned) and
+    ``prefect_server:start`` (the command's Prefect server, spawned and not yet seen answering), where a test kills
+    what is starting; a point released once passes at once after."""
     if not cfg.drill.markers or point not in cfg.drill.hold_worker_at:
         return
     name = point.replace(":", "-")

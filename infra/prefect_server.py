@@ -51,6 +51,14 @@ def stop_process_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
         proc.wait()
 
 
+def kill_process_group(proc: subprocess.Popen) -> None:
+    """SIGKILL what is left of the process group of ``proc`` (its leader dead or not)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 @dataclass
 class PrefectServer:
     url: str
@@ -81,10 +89,7 @@ class ServerKeeper(threading.Thread):
                 self.say(f"the Prefect server this command started stopped again; {self.max_restarts} restarts are spent")
                 return
             self.restarts += 1
-            try:  # what the dead server started (its uvicorn) would hold the port, answering for it
-                os.killpg(self.server.proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+            kill_process_group(self.server.proc)  # what the dead server started would hold the port, answering for it
             try:
                 proc = spawn_prefect_server(self.server.home, port)
                 wait_http(prefect_health(port), 90.0, proc)
@@ -196,14 +201,15 @@ def wait_up(
     timeout_s: float,
     proc: subprocess.Popen | None = None,
     moved: Callable[[int, int], None] | None = None,
+    restarted: Callable[[str, int], None] | None = None,
 ) -> tuple[subprocess.Popen, int]:
     """Wait until ``proc`` (else ``spawn(port)``) answers at ``health(port)``; returns the process and its port.
 
     A free port can be bound by another process before the server binds it (a loaded machine: CI saw a server
     exit so). Where ``moved`` is given, a server that exited while its port is taken is started again on
     another free port, twice at most, and ``moved(old, new)`` told. A server that exits during its start otherwise
-    (killed, crashed) is started again on its port, twice at most, then ServerFailedToStart; a timeout or a signal
-    stops it and raises.
+    (killed, crashed) is started again on its port, twice at most (``restarted(why, try)`` told), then
+    ServerFailedToStart; a timeout or a signal stops it and raises.
     """
     moves = restarts = 0
     while True:
@@ -216,7 +222,10 @@ def wait_up(
                 # killed or crashed during its own start (not a taken port): started again, twice at most
                 if restarts == 2:
                     raise ServerFailedToStart(f"{err} during its start, three times") from None
+                kill_process_group(proc)  # what the dead server started would hold its port
                 restarts, proc = restarts + 1, None
+                if restarted is not None:
+                    restarted(str(err), restarts + 1)
                 continue
         except BaseException:  # a timeout, or a signal while waiting: nothing started here outlives the call
             stop_process_group(proc)
@@ -244,6 +253,11 @@ def prefect_health(port: int) -> str:
     return f"http://127.0.0.1:{port}/api/health"
 
 
+def _say_restarted(why: str, attempt: int) -> None:
+    print(f"rlstage: the Prefect server this command starts died during its start ({why}); starting it again "
+          f"(try {attempt} of 3)", file=sys.stderr, flush=True)  # fmt: skip
+
+
 def start_prefect_server(
     home: str | Path,
     port: int | None = None,
@@ -265,7 +279,7 @@ def start_prefect_server(
             raise
     proc, port = wait_up(
         lambda p: spawn_prefect_server(home, p, ui), port, prefect_health, timeout_s, proc=proc,
-        moved=None if chosen else (lambda old, new: None),
+        moved=None if chosen else (lambda old, new: None), restarted=_say_restarted,
     )  # fmt: skip
     return PrefectServer(url=f"http://127.0.0.1:{port}/api", proc=proc, home=home)
 

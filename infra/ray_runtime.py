@@ -7,12 +7,14 @@ import logging
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
 
 import ray
 
+from rlstage.infra.drill import hold_point
 from rlstage.infra.env import apply_defaults
 from rlstage.schemas.config import RunConfig
 
@@ -29,6 +31,13 @@ CLUSTER_LOST = threading.Event()
 
 class RayUnreachable(ConnectionError):
     """The Ray cluster at ``ray.address`` could not be joined: one line naming it."""
+
+
+class RayFailedToStart(RuntimeError):
+    """The local Ray this command starts kept dying during its own start (RAY_START_TRIES times): one line."""
+
+
+RAY_START_TRIES = 3  # starts of a command's local Ray that died during its start, before RayFailedToStart
 
 
 class LocalRayDied(RuntimeError):
@@ -132,27 +141,93 @@ def ensure_ray(cfg: RunConfig) -> None:
             raise RayUnreachable(f"cannot join the Ray cluster at {cfg.ray.address}: {err}{hint}") from None
         watch_joined_cluster()
     else:
-        ray.init(
-            # "local": a new cluster even where /tmp/ray names another (a `ray start` or a dead one)
-            address="local",
-            num_cpus=cfg.ray.num_cpus,
-            include_dashboard=False,
-            object_store_memory=cfg.ray.object_store_memory_mb << 20,
-            namespace=RAY_NAMESPACE,
-            log_to_driver=False,
-            logging_level=logging.ERROR,  # its start-up lines are noise in the command's output
-            # Ray kills idle task workers past a soft limit of num_cpus, and the role actors count against it:
-            # with the rollout role placed apart, the second stage task in flight then started a fresh worker
-            # process every iteration (measured 6.9 s of imports in each pipelined iteration's reward stage).
-            _system_config={"num_workers_soft_limit": WORKERS_SOFT_LIMIT},
-        )
-        watch_local_raylet()
+        _start_local_ray(cfg)
     # Ray's core worker replaces the process's SIGTERM handler with one that aborts; the command's
     # own handlers stop what it started (flows/cli.py), so they are put back.
     if threading.current_thread() is threading.main_thread():
         for sig, handler in handlers.items():
             if handler is not None:
                 signal.signal(sig, handler)
+
+
+def _start_local_ray(cfg: RunConfig) -> None:
+    """A local single-node Ray on 127.0.0.1. One whose processes die during its start (``ray.init`` then raises
+    after ~30 s, "timed out during startup", or returns with a process already gone) is stopped and started
+    again, RAY_START_TRIES times in all, each said in one line; then RayFailedToStart. Drill point
+    ``ray:start`` (``drill.hold_worker_at``): held once ``ray.init`` returned, before its processes are checked."""
+    for attempt in range(1, RAY_START_TRIES + 1):
+        before = _ray_children()
+        try:
+            ray.init(
+                # "local": a new cluster even where /tmp/ray names another (a `ray start` or a dead one)
+                address="local",
+                num_cpus=cfg.ray.num_cpus,
+                include_dashboard=False,
+                object_store_memory=cfg.ray.object_store_memory_mb << 20,
+                namespace=RAY_NAMESPACE,
+                log_to_driver=False,
+                logging_level=logging.ERROR,  # its start-up lines are noise in the command's output
+                # Ray kills idle task workers past a soft limit of num_cpus, and the role actors count against it:
+                # with the rollout role placed apart, the second stage task in flight then started a fresh worker
+                # process every iteration (measured 6.9 s of imports in each pipelined iteration's reward stage).
+                _system_config={"num_workers_soft_limit": WORKERS_SOFT_LIMIT},
+            )
+            hold_point(cfg, "ray:start")
+            dead = _dead_ray_processes()
+            if not dead:
+                watch_local_raylet()
+                return
+            why = f"its {', '.join(dead)} exited"
+        except (ValueError, TypeError):  # Ray's own check of its arguments: not a death
+            raise
+        except Exception as err:
+            why = " ".join(str(err).split()) or type(err).__name__
+        _stop_failed_start(before)
+        if attempt == RAY_START_TRIES:
+            raise RayFailedToStart(f"the local Ray this command starts died during its start, {attempt} times ({why})")
+        print(
+            f"rlstage: the local Ray this command starts died during its start ({why}); starting it again "
+            f"(try {attempt + 1} of {RAY_START_TRIES})",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def _dead_ray_processes() -> list[str]:
+    """The processes of this process's local Ray node that have exited (gcs_server, raylet, ...)."""
+    node = getattr(ray._private.worker, "_global_node", None)
+    dead = []
+    for name, infos in (getattr(node, "all_processes", None) or {}).items():
+        if any(getattr(info, "process", None) is not None and info.process.poll() is not None for info in infos):
+            dead.append(name)
+    return sorted(dead)
+
+
+def _ray_children() -> set[int]:
+    """This process's children that run Ray's binaries or modules (a node's gcs_server, raylet, reaper, ...)."""
+    ray_dir, me, found = os.path.dirname(ray.__file__).encode(), str(os.getpid()).encode(), set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                ppid = f.read().rsplit(b")", 1)[1].split()[1]
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        if ppid == me and (ray_dir in cmdline or b"ray._private" in cmdline):
+            found.add(int(pid))
+    return found
+
+
+def _stop_failed_start(before: set[int]) -> None:
+    """What a local Ray start that failed left: its node (ray.shutdown), and the processes of a node ``ray.init``
+    never returned (children running Ray that were not there before the start), so the next start is alone."""
+    ray.shutdown()
+    for pid in _ray_children() - before:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def wait_result(future, poll_s: float = 0.05, meanwhile: Callable[[], None] | None = None):

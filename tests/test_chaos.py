@@ -3,10 +3,11 @@
 
 Kinds: the command itself and its own Prefect server (killed from outside when the command prints the line of
 an iteration), a policy (trainer) worker in its update, the rollout worker while it generates, and a stage
-task's process (the last three at drill points, once each). After the last run: every committed artifact is
-byte-identical to an undisturbed run's (the weights moving), a reader polling the store never saw a manifest
-whose files fail their checksums, each MLflow metric holds each step once, no flow run is left Running in
-Prefect, and no process of the run outlives it."""
+task's process (the last three at drill points, once each); in every schedule also the command's Prefect server
+during the first command's own start (held at the drill point ``prefect_server:start``). After the last run:
+every committed artifact is byte-identical to an undisturbed run's (the weights moving), a reader polling the store
+never saw a manifest whose files fail their checksums, each MLflow metric holds each step once, no flow run is left
+Running in Prefect, and no process of the run outlives it."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from test_prefect_lost import _servers_of
+from test_prefect_lost import _servers_of, kill_at_hold
 from test_trust import _processes_with_env
 from test_workers import _checksums
 
@@ -104,13 +105,16 @@ def _poll_store(root: Path, run: str, stop: threading.Event, bad: list[str]) -> 
             pass
 
 
-def _run_until_done(cmd, cwd: Path, env: dict, kills: list[Kill], prefect_home: Path, limit: int) -> list[int]:
-    """The command, started again after each death until it exits 0; the external kills fire on their lines."""
+def _run_until_done(cmd, cwd: Path, env: dict, kills: list[Kill], prefect_home: Path, markers: Path, limit: int) -> tuple[list[int], list[str]]:
+    """The command, started again after each death until it exits 0; the external kills fire on their lines. The
+    exit codes and outputs of the attempts."""
     external = {(k.kind, k.iteration) for k in kills if k.kind in ("command", "prefect_server")}
-    codes = []
+    codes, outputs = [], []
     while len(codes) < limit:
         proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         out, killed = [], False
+        if not codes:  # the first command's Prefect server, killed during its own start: the command starts it again
+            assert len(kill_at_hold(proc, markers, "prefect_server:start", lambda: _servers_of(prefect_home))) == 1
         for line in proc.stdout:
             out.append(line)
             for kind, it in sorted(external):
@@ -125,8 +129,9 @@ def _run_until_done(cmd, cwd: Path, env: dict, kills: list[Kill], prefect_home: 
             if killed:  # what it started may still hold its output open
                 break
         codes.append(proc.wait(600))
+        outputs.append("".join(out))
         if codes[-1] == 0:
-            return codes
+            return codes, outputs
     pytest.fail(f"the run did not complete in {limit} attempts (exit codes {codes}):\n" + "".join(out[-60:]))
 
 
@@ -180,18 +185,22 @@ def test_a_run_killed_at_random_is_the_run_undisturbed(seed, prefect_api, migrat
     markers = wild / "markers"
     markers.mkdir()
     shm_before = set(os.listdir("/dev/shm"))
-    cmd = [*cli, *settings, f"store.root={wild / 'store'}", *_drills(kills, markers)]
+    drills = _drills(kills, markers)
+    hold = ["drill.hold_worker_at=['prefect_server:start']", *([] if drills else [f"drill.markers={markers}"])]
+    cmd = [*cli, *settings, f"store.root={wild / 'store'}", *drills, *hold]
     stop, bad = threading.Event(), []
     reader = threading.Thread(target=_poll_store, args=(wild / "store", "chaos", stop, bad), daemon=True)
     reader.start()
     try:
-        codes = _run_until_done(cmd, wild, cli_env(), kills, prefect_home, limit=2 + len(kills))
+        codes, outputs = _run_until_done(cmd, wild, cli_env(), kills, prefect_home, markers, limit=2 + len(kills))
     finally:
         stop.set()
         reader.join(10)
     print("exit codes of the attempts:", codes)
-    fired = sorted(p.name for p in markers.iterdir())
+    fired = sorted(p.name for p in markers.iterdir() if not p.name.startswith(("held-", "release-")))
     assert len(fired) == sum(bool(k.drill()) for k in kills), fired  # each drill kill fired, once
+    assert codes[0] != 1  # the kill during its start was no internal error
+    assert "rlstage: the Prefect server this command starts died during its start" in outputs[0], outputs[0]
     assert len(codes) >= 1 + sum(k.kind == "command" for k in kills)
     ours, theirs = ArtifactStore(str(wild / "store")), ArtifactStore(str(quiet / "store"))
     assert _checksums(ours, "chaos", ITERATIONS) == _checksums(theirs, "chaos", ITERATIONS)

@@ -210,6 +210,100 @@ def test_a_dead_local_ray_is_started_again_and_the_run_goes_on(migrated_home, tm
     assert not _rays_of(ours), "a Ray process outlived the command"
 
 
+def _gone(pid: int) -> bool:
+    """Whether ``pid`` has exited (gone, or a zombie its parent has not reaped yet)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X")
+    except OSError:
+        return True
+
+
+def kill_at_hold(proc, markers: Path, point: str, pids) -> list[int]:
+    """Wait until the command ``proc`` holds at drill point ``point``, SIGKILL ``pids()`` there, and once they have
+    exited release the hold; the pids killed. The kill lands at that point whatever the machine's speed."""
+    name = point.replace(":", "-")
+    until_empty(lambda: not ((markers / f"held-{name}").exists() or proc.poll() is not None), 300)
+    assert proc.poll() is None, proc.stdout.read()
+    killed = list(pids())
+    assert killed, f"nothing to kill at {point}"
+    for pid in killed:
+        os.kill(pid, signal.SIGKILL)
+    assert not until_empty(lambda: [p for p in killed if not _gone(p)], 30)
+    (markers / f"release-{name}").touch()
+    return killed
+
+
+@pytest.mark.integration
+def test_a_ray_and_a_prefect_server_killed_during_their_own_start_are_started_again(migrated_home, tmp_path):
+    """The command's local Ray and its Prefect server, each SIGKILLed during its own start (held at the drill
+    points ``ray:start`` and ``prefect_server:start``, before the command has used either): each is started again,
+    said in one line, and the run completes (exit 0). Before: "internal error: RuntimeError: server for
+    http://127.0.0.1:.../api/health exited with code -9" (rc 1), or Ray's "timed out during startup" after 30 s."""
+    import subprocess
+
+    from rlstage.infra.store import ArtifactStore
+
+    ours = migrated_home(tmp_path / ".rlstage")
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    overrides = [
+        *tiny_overrides(), "run_name=startkill", f"store.root={tmp_path / 'store'}", "trainer.iterations=1",
+        "drill.hold_worker_at=['ray:start', 'prefect_server:start']", f"drill.markers={markers}",
+    ]  # fmt: skip
+    cmd = [sys.executable, "-m", "rlstage.flows.cli", "train", *overrides]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        raylet = lambda: [p for p, c in _rays_of(ours).items() if c.split(b"\0")[0].endswith(b"/raylet")]  # noqa: E731
+        assert len(kill_at_hold(proc, markers, "ray:start", raylet)) == 1
+        assert len(kill_at_hold(proc, markers, "prefect_server:start", lambda: _servers_of(ours))) == 1
+        rest = proc.stdout.read()
+        assert proc.wait(300) == 0, rest
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    lines = rest.splitlines()
+    said = [line for line in lines if "during its start" in line]
+    assert said == [
+        "rlstage: the local Ray this command starts died during its start (its raylet exited); starting it again (try 2 of 3)",
+        f"rlstage: the Prefect server this command starts died during its start (server for {said[1].split('server for ')[1].split(' exited')[0]} "
+        "exited with code -9); starting it again (try 2 of 3)",
+    ], rest
+    assert "Traceback" not in rest and "internal error" not in rest and "| ERROR" not in rest, rest
+    assert ArtifactStore(str(tmp_path / "store")).manifest("startkill", 1, "update") is not None
+    with sqlite3.connect(ours / "prefect.db") as db:
+        states = db.execute("select state_type from flow_run where name = 'startkill iteration 1'").fetchall()
+    assert states == [("COMPLETED",)]
+    assert not until_empty(lambda: {**_rays_of(ours), **_servers_of(ours)}, 60), "a process outlived the command"
+
+
+def test_a_local_ray_that_keeps_dying_in_its_start_is_tried_three_times_then_one_line(monkeypatch, capsys):
+    """``ray.init`` raising as it does when its raylet is killed during the start (after ~30 s): the start is tried
+    again, three times in all, each said, then RayFailedToStart (the CLI's one line, exit 3: test_prefect_server)."""
+    import ray
+
+    from rlstage.infra import ray_runtime
+    from rlstage.schemas.config import load_config
+
+    timed_out = "The current node timed out during startup. This could happen because some of the raylet failed to startup"
+    calls = []
+
+    def init(**kwargs):
+        calls.append(kwargs["address"])
+        raise Exception(timed_out)  # what Ray raises (a plain Exception)
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr(ray, "shutdown", lambda: None)
+    with pytest.raises(ray_runtime.RayFailedToStart) as err:
+        ray_runtime.ensure_ray(load_config(None, []))
+    assert str(err.value) == f"the local Ray this command starts died during its start, 3 times ({timed_out})"
+    assert calls == ["local"] * 3
+    assert capsys.readouterr().err.splitlines() == [
+        f"rlstage: the local Ray this command starts died during its start ({timed_out}); starting it again (try {n} of 3)"
+        for n in (2, 3)
+    ]
+
+
 @pytest.mark.integration
 def test_a_lost_cluster_it_joined_is_one_line_within_seconds(migrated_home, tmp_path):
     """A Ray cluster the command did not start (`ray start` elsewhere, token authentication as Ray's default,

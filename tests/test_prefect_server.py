@@ -65,16 +65,19 @@ def test_a_server_killed_during_its_own_start_is_started_again_then_given_up_in_
     assert len(spawned) == 3
 
 
-def test_the_cli_says_a_server_that_would_not_start_in_one_line(capsys, monkeypatch) -> None:
+def test_the_cli_says_a_server_or_a_ray_that_would_not_start_in_one_line(capsys, monkeypatch) -> None:
     from rlstage.flows import cli
     from rlstage.infra.prefect_server import ServerFailedToStart
+    from rlstage.infra.ray_runtime import RayFailedToStart
 
-    def failing(args):
-        raise ServerFailedToStart("server for http://127.0.0.1:1/api/health exited with code -9 during its start, three times")
+    for err in (
+        ServerFailedToStart("server for http://127.0.0.1:1/api/health exited with code -9 during its start, three times"),
+        RayFailedToStart("the local Ray this command starts died during its start, 3 times (its raylet exited)"),
+    ):
 
-    monkeypatch.setattr(cli, "cmd_train", failing)
-    assert cli.main(["train"]) == 3
-    assert capsys.readouterr().err.strip().splitlines() == [
-        "rlstage: server for http://127.0.0.1:1/api/health exited with code -9 during its start, three times; nothing of "
-        "the run started, rerun the command"
-    ]
+        def failing(args, err=err):
+            raise err
+
+        monkeypatch.setattr(cli, "cmd_train", failing)
+        assert cli.main(["train"]) == 3
+        assert capsys.readouterr().err.strip().splitlines() == [f"rlstage: {err}; nothing of the run started, rerun the command"]

@@ -541,22 +541,29 @@ class AgentEscaped(Exception):
 
 
 WARNINGS_PER_SAMPLE = 3  # refused requests logged per sample; the rest are counted only
-_STALL_S = 0.05  # a step of an agent that held the event loop longer than this stalled every other agent
 _CANCEL_GRACE_S = 1.0  # how long a cancelled agent may take to stop before it is left behind
+
+
+class _LoopTime:
+    """The time the agents of a batch have held its event loop, all their steps together (one loop runs one step
+    at a time, so the sum is exact): an agent's own time is its wall time less what the others held of it."""
+
+    def __init__(self) -> None:
+        self.total = 0.0
 
 
 class _Timed:
     """An agent's coroutine driven one step at a time, each step timed: the time a step held the event loop (a
-    blocking call inside ``async def``) is charged to that agent, and is not the other agents' time."""
+    blocking call inside ``async def``, long or in many short steps) is charged to that agent (``busy``), and is
+    not the other agents' time."""
 
-    def __init__(self, coro: Any, stalls: list) -> None:
-        self.coro, self.stalls, self.busy = coro, stalls, 0.0
+    def __init__(self, coro: Any, held: _LoopTime) -> None:
+        self.coro, self.held, self.busy = coro, held, 0.0
 
     def _charge(self, t0: float) -> None:
-        t1 = time.perf_counter()
-        self.busy += t1 - t0
-        if t1 - t0 > _STALL_S:
-            self.stalls.append((t0, t1, self))
+        step = time.perf_counter() - t0
+        self.busy += step
+        self.held.total += step
 
     def __await__(self):
         it = self.coro.__await__()
@@ -585,27 +592,20 @@ class _Timed:
                 send, thrown = None, err
 
 
-def _others_stalled(stalls: list, me: _Timed, start: float, now: float) -> float:
-    """Seconds of [start, now] during which other agents held the event loop."""
-    return sum(max(0.0, min(b, now) - max(a, start)) for a, b, who in stalls if who is not me)
-
-
-async def _bounded(coro: Any, sid: str, timeout_s: float, stalls: list) -> tuple[float | None, str]:
+async def _bounded(coro: Any, sid: str, timeout_s: float, held: _LoopTime) -> tuple[float | None, str]:
     """Run one agent within its own ``timeout_s``, whatever it does with cancellation: past the bound its task is
     cancelled and left behind (its later requests are refused), never waited for. The bound counts the agent's own
-    time: other agents' blocking steps meanwhile do not count against it, its own do."""
-    timed = _Timed(coro, stalls)
+    time: other agents' steps meanwhile (a blocking call among them) do not count against it, its own do."""
+    timed = _Timed(coro, held)
     task = asyncio.ensure_future(timed)
-    start = time.perf_counter()
-    while True:
-        now = time.perf_counter()
-        left = timeout_s - (now - start - _others_stalled(stalls, timed, start, now))
-        if task.done() or left <= 0:
-            break
+    start, held_before = time.perf_counter(), held.total
+
+    def own() -> float:  # wall time since the start, less what the other agents held of the loop meanwhile
+        return time.perf_counter() - start - (held.total - held_before - timed.busy)
+
+    while not task.done() and (left := timeout_s - own()) > 0:
         await asyncio.wait({task}, timeout=left)
-    now = time.perf_counter()
-    own = now - start - _others_stalled(stalls, timed, start, now)
-    if not task.done() or own > timeout_s:
+    if not task.done() or own() > timeout_s:
         task.cancel()  # left behind: the batch's end never waits for it (_run_leaving_abandoned)
         blocked = f" (it blocked the event loop for {timed.busy:.1f}s)" if timed.busy > timeout_s / 2 else ""
         log.warning("agent function: sample %s timed out after %gs%s", sid, timeout_s, blocked)
@@ -709,13 +709,13 @@ def run_function_batch(
     endpoint = ChatEndpoint(policy, fmt, params, limits, records, samples, keys)
     results: dict[str, tuple[float | None, str]] = {}
 
-    stalls: list[tuple[float, float, _Timed]] = []  # event-loop stalls by agents' own blocking steps
+    held = _LoopTime()  # the time agents' own steps held the event loop, charged to each (_bounded)
 
     async def one(sid: str, base_url: str, http: Any, gate: asyncio.Semaphore) -> None:
         i, k = samples[sid]
         row = rows[i]
         sample = AgentSample(sid, MODEL_NAME, row_messages(row), dict(row), tool_schemas(row), dict(settings or {}))
-        # No client timeout: the bound is _bounded's, which leaves out other agents' stalls (a client timeout of the
+        # No client timeout: the bound is _bounded's, which leaves out other agents' time on the loop (a client timeout of the
         # same length fired while another agent blocked the loop, and failed the samples that waited behind it).
         client = openai.AsyncOpenAI(
             base_url=base_url, api_key=keys[sid], http_client=http, max_retries=0, timeout=None,
@@ -724,7 +724,7 @@ def run_function_batch(
         async with gate:
             policy.open_request()
             try:
-                reward, status = await _bounded(function(client, sample), sid, timeout_s, stalls)
+                reward, status = await _bounded(function(client, sample), sid, timeout_s, held)
             finally:
                 records[sid].closed = True
                 policy.close_request()
@@ -775,7 +775,8 @@ def run_function_batch(
         if records[sid].failure is not None:
             status, reward = records[sid].failure, 0.0
         if status != OK or t is None:
-            status = status if status != OK else NO_REQUEST  # returned without a single request: nothing to train
+            if status == OK:  # returned without a single request: nothing to train, and its number is no reward
+                status, reward = NO_REQUEST, 0.0
             t = _failed(t, i, k, fmt, row_messages(rows[i]))
         out.append(t.completion(reward, status))
     stats = {
