@@ -6,8 +6,8 @@ not import the registries, so it keeps the name as given and engines/preflight.p
 (``critic``, ``groups``, ``sum_pi_squared``, ``ref``) and, where it has settings, their pydantic model: the
 config holds those settings as a permissive nested section (``actor.policy_loss: {name: gspo, clip_ratio_low:
 0.2}``) and ``settings_for`` validates them against the entry's model, so a plugin's settings are typed without
-schemas knowing the plugin. The stage views ask ``schemas.config.entry_needs`` what an entry needs; this module
-answers it (``install_needs``) once the registries are imported. Third-party entries come from plugins
+schemas knowing the plugin. A stage view that depends on what an entry needs (``schemas.stages.NeedRead``) is given
+``needs_of`` by its caller (tasks/, flows/): schemas asks nothing of the engines. Third-party entries come from plugins
 (engines/plugins.py), which register through the same decorators; two registrations of one name are refused.
 """
 
@@ -188,7 +188,7 @@ def settings_for(entry: Entry, given: Mapping[str, Any], where: str) -> BaseMode
 
 
 def needs_of(kind: str, name: str) -> frozenset[str]:
-    """What entry ``name`` of registry ``kind`` needs (``schemas.config.entry_needs`` asks this)."""
+    """What entry ``name`` of registry ``kind`` needs (the callers of the stage views pass it: ``schemas.stages.NeedRead``)."""
     return REGISTRIES[kind].entry(name).needs
 
 

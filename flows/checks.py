@@ -19,6 +19,7 @@ from rlstage.engines.plugins import (
     load_plugins,
     plugins_used,
 )
+from rlstage.engines.registry import needs_of
 from rlstage.infra.store import ArtifactStore
 from rlstage.schemas.config import (
     GENERATED_SOURCES,
@@ -61,7 +62,7 @@ def _registries() -> None:
 def stage_reads(cfg: RunConfig, path: str) -> bool:
     """Whether some stage's config view holds ``path`` (its output then depends on it)."""
     _registries()
-    return any(covers(path, view_paths(cfg, s)) for s in STAGES)
+    return any(covers(path, view_paths(cfg, s, needs_of)) for s in STAGES)
 
 
 def _identity(cfg: RunConfig) -> dict:

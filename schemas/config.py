@@ -7,30 +7,11 @@ import json
 import os
 import re
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-
-# What a registered entry needs ("critic", "groups", "sum_pi_squared", "ref"), asked by registry kind and name. The
-# registries answer it (rlstage.engines.algorithms installs rlstage.engines.registry.needs_of when imported): schemas/
-# is a leaf that never imports them, and a question asked before they are loaded fails rather than guessing.
-_NEEDS_OF: list[Callable[[str, str], frozenset[str]]] = []
-
-
-def install_needs(answer: Callable[[str, str], frozenset[str]]) -> None:
-    _NEEDS_OF[:] = [answer]
-
-
-def entry_needs(kind: str, name: str) -> frozenset[str]:
-    if not _NEEDS_OF:
-        raise RuntimeError(
-            f"what the {kind} {name!r} needs is known once rlstage.engines.algorithms is imported"
-        )
-    return _NEEDS_OF[0](kind, name)
-
 
 # The policy-loss settings that sat flat in the actor section until they nested under actor.policy_loss (0.2):
 # still read for one release (with a deprecation line), and hashed in this flat form so that stored runs keep their

@@ -111,6 +111,7 @@ def read_by(path: str) -> list[str]:
             some = s.reads_if(_AnySettings()) if s.reads_if is not None else ()
         except Exception:  # a condition that asks a registry about the stub: not derivable here
             some = ()
+        some = (*some, *(p for r in s.reads_if_needs for p in r.paths))
         if _covers(tuple(some), path):
             out.append(f"{s.name} (some settings)")
     return out

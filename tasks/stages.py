@@ -41,6 +41,7 @@ from rlstage.engines.data.cursor import extra_prompt_batch, prompt_batch
 from rlstage.engines.experience import BYPASS_CHECK_ROWS  # noqa: F401  (tests read it here)
 from rlstage.engines.models import chat
 from rlstage.engines.plugins import load_plugins
+from rlstage.engines.registry import needs_of
 from rlstage.engines.rewards import reward_model
 from rlstage.engines.rewards import rules as rewards
 from rlstage.engines.rollout.base import Completion, SamplingParams
@@ -154,7 +155,7 @@ class StageCall:
 def execute(cfg: RunConfig, call: StageCall) -> StageResult:
     """Run ``call``'s stage on its config view: skipped when its output is committed under the same key (the
     stage's view and the ids of its inputs), else its body produces the output and it is committed."""
-    s, view = spec(call.stage), stage_view(cfg, call.stage)
+    s, view = spec(call.stage), stage_view(cfg, call.stage, needs_of)
     body = BODIES[call.stage]
     if s.per_iteration:
         produce = functools.partial(body, view, call.iteration, call.inputs, call.version, **call.options)

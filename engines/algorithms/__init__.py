@@ -101,10 +101,6 @@ from rlstage.engines.algorithms.masked import (
     masked_var,
     masked_whiten,
 )
-from rlstage.engines.registry import needs_of
-from rlstage.schemas.config import install_needs
-
-install_needs(needs_of)  # the stage views ask what an estimator needs (schemas cannot import the registries)
 
 __all__ = [
     "ADV_ESTIMATORS",
