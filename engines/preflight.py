@@ -216,8 +216,7 @@ def check_registered_names(cfg: RunConfig) -> None:
     the plugins that may register them are imported."""
     from rlstage.engines.data.datasets import ADDITION_SOURCE, GSM8K_SOURCE, MULTIPLY_SOURCE
     from rlstage.engines.data.dynamic_sampling import FILTER_METRICS
-    from rlstage.engines.metrics import ANSWER_EXTRACTORS
-    from rlstage.engines.rewards.rules import DATA_SOURCE_FNS, REWARD_FNS
+    from rlstage.engines.rewards.rules import REWARD_FNS, answer_extractor, answer_extractors, registered_fn
 
     load_plugins(cfg.plugins)
     check_algorithm_names(cfg)
@@ -235,12 +234,12 @@ def check_registered_names(cfg: RunConfig) -> None:
         # a verl parquet's sources are known only from its rows: the eval stage checks those
         kit = {"addition": ADDITION_SOURCE, "multiply": MULTIPLY_SOURCE}[cfg.kit.task]
         source = {"synthetic": kit, "gsm8k": GSM8K_SOURCE}.get(cfg.data.source)
-        fn = cfg.reward.function or DATA_SOURCE_FNS.get(source or "")
-        if fn is not None and fn not in ANSWER_EXTRACTORS:
+        fn = cfg.reward.function or (registered_fn(source) if source else None)
+        if fn is not None and answer_extractor(fn) is None:
             where = "reward.function" if cfg.reward.function else f"the reward function of data.source={cfg.data.source},"
             raise ConfigError(
                 f"config error: trainer.eval_require_maj: {where} {fn} extracts no answer for maj@N to vote on; "
-                f"ones that do: {', '.join(ANSWER_EXTRACTORS)}"
+                f"ones that do: {', '.join(answer_extractors())}"
             )
 
 

@@ -750,7 +750,7 @@ def evaluate(cfg: ConfigView, iteration: int, x: EvalInputs, version: str) -> St
         if preds is not None:
             infos["pred"] = preds
         elif cfg.trainer.eval_require_maj:  # a verl parquet's sources, known only now
-            missing = sorted({f for f in fns if f not in eval_metrics.ANSWER_EXTRACTORS})
+            missing = sorted({f for f in fns if rewards.answer_extractor(f) is None})
             raise ValueError(
                 f"trainer.eval_require_maj: reward function(s) {', '.join(missing)} of the held-out data extract no "
                 "answer for maj@N to vote on; set reward.function to one that does, or trainer.eval_require_maj=false"
