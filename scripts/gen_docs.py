@@ -52,6 +52,11 @@ def render() -> str:
     return "\n".join(lines) + "\n"
 
 
+def _trait(value: object) -> str:
+    """A trait's value as a table cell: a tuple of names as a comma-separated list."""
+    return ", ".join(map(str, value)) if isinstance(value, tuple) else str(value)
+
+
 def _cell(text: str) -> str:
     return " ".join(text.split()).replace("|", "\\|")
 
@@ -96,7 +101,7 @@ def render_registries() -> str:
             if dataclasses.is_dataclass(entry.traits):  # what the entry declares about itself, where not the default
                 default = type(entry.traits)()
                 cells += [
-                    f"*{f.name}*" if value is True else f"*{f.name}* = `{value}`"
+                    f"*{f.name}*" if value is True or callable(value) else f"*{f.name}* = `{_trait(value)}`"
                     for f in dataclasses.fields(entry.traits)
                     if (value := getattr(entry.traits, f.name)) != getattr(default, f.name) and f.name != "install"
                 ]
