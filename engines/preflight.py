@@ -32,7 +32,9 @@ def check_model(cfg: RunConfig) -> None:
     """
     if cfg.model.path is not None and cfg.model.path.lower().endswith(".gguf"):
         return  # converted into a folder at run start (flows/training.py: with_model_folder), checked then
-    if cfg.model.path is not None and cfg.data.source != "synthetic":  # gsm8k and verl rows are chat messages
+    from rlstage.engines.data.datasets import uses_kit
+
+    if cfg.model.path is not None and not uses_kit(cfg.data.source):  # gsm8k and verl rows are chat messages
         from rlstage.engines.models.chat import check_chat_template, policy_tokenizer
 
         check_chat_template(policy_tokenizer(cfg.model.path), f"data.source={cfg.data.source}")
@@ -220,6 +222,7 @@ def check_registered_names(cfg: RunConfig) -> None:
 
     load_plugins(cfg.plugins)
     check_algorithm_names(cfg)
+    check_data_paths(cfg)
     for source, name in cfg.reward.by_data_source.items():
         if name not in REWARD_FNS:
             raise ConfigError(
@@ -241,6 +244,20 @@ def check_registered_names(cfg: RunConfig) -> None:
                 f"config error: trainer.eval_require_maj: {where} {fn} extracts no answer for maj@N to vote on; "
                 f"ones that do: {', '.join(answer_extractors())}"
             )
+
+
+def check_data_paths(cfg: RunConfig) -> None:
+    """A data source that reads its prompts (its registration does not declare ``generates``) is given both files:
+    without a held-out set every eval would average nothing (nan), so it is refused, not defaulted."""
+    from rlstage.engines.data.datasets import DATA_SOURCES, generates_prompts
+
+    d = cfg.data
+    if d.source not in DATA_SOURCES or generates_prompts(d.source):  # an unknown one: check_data_source names it
+        return
+    if not d.train_path:
+        raise ConfigError(f"config error: data: data.train_path is required for data.source={d.source}")
+    if not d.test_path:
+        raise ConfigError(f"config error: data: data.test_path (the held-out set) is required for data.source={d.source}")
 
 
 def check_data_source(cfg: RunConfig) -> None:

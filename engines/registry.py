@@ -21,8 +21,9 @@ from pydantic import BaseModel, ValidationError
 
 T = TypeVar("T")
 
-# The needs an entry may declare: the run then configures (or checks for) that piece.
-NEEDS = frozenset({"critic", "groups", "sum_pi_squared", "ref"})
+# The needs an entry may declare: the run then configures (or checks for) that piece. "kit": a data source built
+# from the tiny kit's settings (kit.*), which its data prep then reads.
+NEEDS = frozenset({"critic", "groups", "sum_pi_squared", "ref", "kit"})
 
 
 class DuplicateEntry(ValueError):

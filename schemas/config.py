@@ -60,8 +60,6 @@ class ConfigDeprecation(DeprecationWarning):
 # A setting added after runs were stored: cache keys hash it only when it differs from its default, so the stages
 # those runs committed keep their keys (a nightly after an upgrade continues them instead of redoing them).
 HASHED_WHEN_SET = {"hashed_when_set": True}
-# Built-in data sources that generate their prompts instead of reading train_path/test_path (engines/datasets.py).
-GENERATED_SOURCES = frozenset({"synthetic", "reasoning_gym", "openenv", "verifiers"})
 
 
 def _default(field: Any) -> Any:
@@ -275,17 +273,6 @@ class DataConfig(_Section):
     # {task, config, train_size, test_size, ...}; jsonl/parquet: the column names). A source that generates its
     # prompts (synthetic, reasoning_gym) takes no files.
     source_settings: dict[str, Any] = Field(default_factory=dict, json_schema_extra=HASHED_WHEN_SET)
-
-    @model_validator(mode="after")
-    def _paths(self) -> DataConfig:
-        if self.source in GENERATED_SOURCES:
-            return self
-        if not self.train_path:
-            raise ValueError(f"data.train_path is required for data.source={self.source}")
-        # Without a held-out set every eval would average nothing (nan): refused, not defaulted.
-        if not self.test_path:
-            raise ValueError(f"data.test_path (the held-out set) is required for data.source={self.source}")
-        return self
 
 
 class RolloutConfig(_Section):

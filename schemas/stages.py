@@ -220,8 +220,9 @@ SPECS: tuple[StageSpec, ...] = (
             "data.source", "data.source_settings", "data.train_path", "data.test_path", "data.max_prompt_length",
             "data.filter_overlong_prompts", "model.path",
         ),  # fmt: skip
-        reads_if=lambda v: (
-            ("kit.task", "kit.digits", "kit.train_size", "kit.test_size", "kit.seed") if v.data.source == "synthetic" else ()
+        # a source built from the kit's settings (its registration needs "kit": the synthetic task)
+        reads_if_needs=(
+            NeedRead("data source", "data.source", "kit", ("kit.task", "kit.digits", "kit.train_size", "kit.test_size", "kit.seed")),
         ),
         phase="prepare",
     ),

@@ -9,6 +9,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from rlstage.engines import algorithms  # noqa: F401  (the built-in entries, whose needs shape the views)
+from rlstage.engines.data import datasets  # noqa: F401  (the built-in data sources: the kit's needs "kit")
 from rlstage.engines.plugins import plugins_used
 from rlstage.engines.registry import NAMED_SETTINGS, needs_of
 from rlstage.infra.store import ArtifactStore

@@ -266,7 +266,7 @@ def result_of(returned: StageResult | State) -> StageResult:
 @stage_task("data_prep")
 def data_prep(cfg: ConfigView) -> StageOutput:
     d = cfg.data
-    if d.source == "synthetic":
+    if datasets.uses_kit(d.source):
         train, test = datasets.make_task_splits(
             cfg.kit.task, cfg.kit.digits, cfg.kit.train_size, cfg.kit.test_size, cfg.kit.seed
         )

@@ -279,9 +279,7 @@ def test_data_sources_registered_by_a_plugin_are_named_by_data_source(plugin_dir
     cfg = _load(
         f"plugins=[{mod}]", "data.source=gsm8k_copy", "data.train_path=t.jsonl", "data.test_path=h.jsonl"
     )
-    assert stage_config_hash(cfg, "data_prep") != view_hash(
-        cfg, "data_prep"
-    )  # the loader's version is the stage's
+    assert stage_config_hash(cfg, "data_prep") != view_hash(cfg, "data_prep", needs_of)  # the loader's version is the stage's
 
 
 def test_a_loss_that_needs_the_reference_gets_its_log_probs(plugin_dir):
