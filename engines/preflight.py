@@ -1,6 +1,6 @@
 """Checks of a valid config against this machine, run once by every flow before any stage.
 
-The config model (schemas/config.py) checks only the config itself; what needs a model directory,
+The config model (schemas/config/) checks only the config itself; what needs a model directory,
 a tokenizer, a user's module or an installed package is checked here, with the same one-line
 ``config error: <key>: ...`` messages, so a bad setting fails before anything is written.
 """

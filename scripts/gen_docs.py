@@ -1,5 +1,5 @@
 """Derive docs/reference/config.md from the config models: every section and field, its type, default and
-help (the field's description, else the comment written beside or above it in schemas/config.py).
+help (the field's description, else the comment written beside or above it in schemas/config/).
 
     .venv/bin/python scripts/gen_docs.py           # rewrite the page
     .venv/bin/python scripts/gen_docs.py --check   # exit 1 when the committed page is stale (tests/test_docs.py)
@@ -26,7 +26,7 @@ def render() -> str:
     lines = [
         "# Configuration reference",
         "",
-        "Generated from the config models (`schemas/config.py`) by `scripts/gen_docs.py`; do not edit by hand.",
+        "Generated from the config models (`schemas/config/`) by `scripts/gen_docs.py`; do not edit by hand.",
         "A run's config is one YAML file plus dotted overrides (`actor.optim.lr=2e-4`); an unknown key or a bad",
         "value is refused in one line naming it. *Read by*: the stages whose code reads the setting (from the stage",
         "registry, `schemas/stages.py`): their cache keys hash it, so changing it reruns them and nothing else.",
