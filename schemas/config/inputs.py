@@ -129,12 +129,12 @@ class RolloutConfig(_Section):
     vllm_max_num_seqs: int = Field(256, ge=1)  # engine=vllm: sequences in flight at once
     # engine=vllm: tokens per KV-cache block (None: vLLM's default, 128 on CPU, where it takes multiples of 32).
     # Prefix caching shares whole blocks only: with 128 a prompt under 128 tokens is prefilled once per sample, with
-    # 32 once per group (the same samples; SmolLM2 on products, 16 prompts x 8: 25-30 s -> 17-21 s a round).
+    # 32 once per group (the same samples): set it below the prompts' length when they are short (docs/benchmarks.md).
     vllm_block_size: int | None = Field(None, ge=1, json_schema_extra=HASHED_WHEN_SET)
     vllm_cpu_threads_bind: str | None = None  # engine=vllm on CPU: VLLM_CPU_OMP_THREADS_BIND (auto: every core; "0-1": those; None: vLLM's default)
     # vLLM's processes sleep on each other's messages instead of spinning for 1 s after each (engines/rollout/vllm_plugin.py):
-    # on CPU a spinning engine core takes a core from the worker (SmolLM2 rollout 59 s -> 35 s with both cores
-    # bound); a tiny model's millisecond steps pay a wake-up each instead. Off: vLLM's own waits.
+    # on CPU a spinning engine core takes a core from the worker, so turn it on when cores are few and the model's
+    # steps are long (docs/benchmarks.md); a tiny model's millisecond steps pay a wake-up each instead. Off: vLLM's own waits.
     vllm_quiet_waits: bool = False
 
 
