@@ -29,14 +29,12 @@ import numpy as np
 
 from rlstage.engines.data.datasets import GSM8K_SOURCE
 from rlstage.engines.rewards.rules import (
-    exact_match_answer,
-    extract_gsm8k_answer,
+    answer_extractor,
     gsm8k_flexible,
     verl_gsm8k_answer,
 )
 
 __all__ = [
-    "ANSWER_EXTRACTORS",
     "bootstrap_metric",
     "extract_answers",
     "flatten_validation_metrics",
@@ -232,20 +230,13 @@ def gsm8k_answer_metrics(rows: Sequence[dict]) -> dict[str, float]:
     }
 
 
-# Reward function name -> the answer it extracts from a response (what maj@n votes on).
-ANSWER_EXTRACTORS: dict[str, Callable[[str, dict], Hashable | None]] = {
-    "exact_match": exact_match_answer,
-    "gsm8k_strict": lambda text, extra: extract_gsm8k_answer(text, "strict"),
-    "gsm8k_flexible": lambda text, extra: extract_gsm8k_answer(text, "flexible"),
-}
-
-
 def extract_answers(rows: Sequence[dict], reward_fns: Sequence[str]) -> list[Hashable | None] | None:
     """Each row's extracted answer under its reward function, or None when one of them has no extractor
     (then maj@n is not reported, as verl reports it only with a ``pred`` for every sample)."""
-    if any(fn not in ANSWER_EXTRACTORS for fn in reward_fns):
+    answers = [answer_extractor(fn) for fn in reward_fns]
+    if any(a is None for a in answers):
         return None
-    return [ANSWER_EXTRACTORS[fn](r["response_text"], _extra(r["extra_info"])) for r, fn in zip(rows, reward_fns, strict=True)]
+    return [a(r["response_text"], _extra(r["extra_info"])) for r, a in zip(rows, answers, strict=True)]
 
 
 def _extra(value: str | dict | None) -> dict:

@@ -1,6 +1,6 @@
 """Checks of a valid config against this machine, run once by every flow before any stage.
 
-The config model (schemas/config.py) checks only the config itself; what needs a model directory,
+The config model (schemas/config/) checks only the config itself; what needs a model directory,
 a tokenizer, a user's module or an installed package is checked here, with the same one-line
 ``config error: <key>: ...`` messages, so a bad setting fails before anything is written.
 """
@@ -32,7 +32,9 @@ def check_model(cfg: RunConfig) -> None:
     """
     if cfg.model.path is not None and cfg.model.path.lower().endswith(".gguf"):
         return  # converted into a folder at run start (flows/training.py: with_model_folder), checked then
-    if cfg.model.path is not None and cfg.data.source != "synthetic":  # gsm8k and verl rows are chat messages
+    from rlstage.engines.data.datasets import uses_kit
+
+    if cfg.model.path is not None and not uses_kit(cfg.data.source):  # gsm8k and verl rows are chat messages
         from rlstage.engines.models.chat import check_chat_template, policy_tokenizer
 
         check_chat_template(policy_tokenizer(cfg.model.path), f"data.source={cfg.data.source}")
@@ -216,11 +218,11 @@ def check_registered_names(cfg: RunConfig) -> None:
     the plugins that may register them are imported."""
     from rlstage.engines.data.datasets import ADDITION_SOURCE, GSM8K_SOURCE, MULTIPLY_SOURCE
     from rlstage.engines.data.dynamic_sampling import FILTER_METRICS
-    from rlstage.engines.metrics import ANSWER_EXTRACTORS
-    from rlstage.engines.rewards.rules import DATA_SOURCE_FNS, REWARD_FNS
+    from rlstage.engines.rewards.rules import REWARD_FNS, answer_extractor, answer_extractors, registered_fn
 
     load_plugins(cfg.plugins)
     check_algorithm_names(cfg)
+    check_data_paths(cfg)
     for source, name in cfg.reward.by_data_source.items():
         if name not in REWARD_FNS:
             raise ConfigError(
@@ -235,13 +237,27 @@ def check_registered_names(cfg: RunConfig) -> None:
         # a verl parquet's sources are known only from its rows: the eval stage checks those
         kit = {"addition": ADDITION_SOURCE, "multiply": MULTIPLY_SOURCE}[cfg.kit.task]
         source = {"synthetic": kit, "gsm8k": GSM8K_SOURCE}.get(cfg.data.source)
-        fn = cfg.reward.function or DATA_SOURCE_FNS.get(source or "")
-        if fn is not None and fn not in ANSWER_EXTRACTORS:
+        fn = cfg.reward.function or (registered_fn(source) if source else None)
+        if fn is not None and answer_extractor(fn) is None:
             where = "reward.function" if cfg.reward.function else f"the reward function of data.source={cfg.data.source},"
             raise ConfigError(
                 f"config error: trainer.eval_require_maj: {where} {fn} extracts no answer for maj@N to vote on; "
-                f"ones that do: {', '.join(ANSWER_EXTRACTORS)}"
+                f"ones that do: {', '.join(answer_extractors())}"
             )
+
+
+def check_data_paths(cfg: RunConfig) -> None:
+    """A data source that reads its prompts (its registration does not declare ``generates``) is given both files:
+    without a held-out set every eval would average nothing (nan), so it is refused, not defaulted."""
+    from rlstage.engines.data.datasets import DATA_SOURCES, generates_prompts
+
+    d = cfg.data
+    if d.source not in DATA_SOURCES or generates_prompts(d.source):  # an unknown one: check_data_source names it
+        return
+    if not d.train_path:
+        raise ConfigError(f"config error: data: data.train_path is required for data.source={d.source}")
+    if not d.test_path:
+        raise ConfigError(f"config error: data: data.test_path (the held-out set) is required for data.source={d.source}")
 
 
 def check_data_source(cfg: RunConfig) -> None:

@@ -6,8 +6,8 @@ not import the registries, so it keeps the name as given and engines/preflight.p
 (``critic``, ``groups``, ``sum_pi_squared``, ``ref``) and, where it has settings, their pydantic model: the
 config holds those settings as a permissive nested section (``actor.policy_loss: {name: gspo, clip_ratio_low:
 0.2}``) and ``settings_for`` validates them against the entry's model, so a plugin's settings are typed without
-schemas knowing the plugin. The stage views ask ``schemas.config.entry_needs`` what an entry needs; this module
-answers it (``install_needs``) once the registries are imported. Third-party entries come from plugins
+schemas knowing the plugin. A stage view that depends on what an entry needs (``schemas.stages.NeedRead``) is given
+``needs_of`` by its caller (tasks/, flows/): schemas asks nothing of the engines. Third-party entries come from plugins
 (engines/plugins.py), which register through the same decorators; two registrations of one name are refused.
 """
 
@@ -21,8 +21,9 @@ from pydantic import BaseModel, ValidationError
 
 T = TypeVar("T")
 
-# The needs an entry may declare: the run then configures (or checks for) that piece.
-NEEDS = frozenset({"critic", "groups", "sum_pi_squared", "ref"})
+# The needs an entry may declare: the run then configures (or checks for) that piece. "kit": a data source built
+# from the tiny kit's settings (kit.*), which its data prep then reads.
+NEEDS = frozenset({"critic", "groups", "sum_pi_squared", "ref", "kit"})
 
 
 class DuplicateEntry(ValueError):
@@ -188,7 +189,7 @@ def settings_for(entry: Entry, given: Mapping[str, Any], where: str) -> BaseMode
 
 
 def needs_of(kind: str, name: str) -> frozenset[str]:
-    """What entry ``name`` of registry ``kind`` needs (``schemas.config.entry_needs`` asks this)."""
+    """What entry ``name`` of registry ``kind`` needs (the callers of the stage views pass it: ``schemas.stages.NeedRead``)."""
     return REGISTRIES[kind].entry(name).needs
 
 

@@ -19,9 +19,9 @@ from rlstage.engines.plugins import (
     load_plugins,
     plugins_used,
 )
+from rlstage.engines.registry import needs_of
 from rlstage.infra.store import ArtifactStore
 from rlstage.schemas.config import (
-    GENERATED_SOURCES,
     ConfigError,
     RunConfig,
     absolute_root,
@@ -61,7 +61,7 @@ def _registries() -> None:
 def stage_reads(cfg: RunConfig, path: str) -> bool:
     """Whether some stage's config view holds ``path`` (its output then depends on it)."""
     _registries()
-    return any(covers(path, view_paths(cfg, s)) for s in STAGES)
+    return any(covers(path, view_paths(cfg, s, needs_of)) for s in STAGES)
 
 
 def _identity(cfg: RunConfig) -> dict:
@@ -299,14 +299,14 @@ def _check_safetensors(file: Path, label: str) -> None:
 
 def check_inputs(cfg: RunConfig) -> None:
     """Fail before anything is written when a named input does not exist or cannot be read."""
-    from rlstage.engines.data.datasets import DatasetError, check_held_out, load_prompts
+    from rlstage.engines.data.datasets import DatasetError, check_held_out, generates_prompts, load_prompts
     from rlstage.engines.preflight import check_data_source, check_rows_have_rewards
 
     if cfg.model.path is not None and not cfg.model.path.lower().endswith(".gguf"):  # a .gguf is converted at run start
         check_model_dir(cfg.model.path)
     check_data_source(cfg)  # the files are read with the source's settings
     given = [k for k in ("train_path", "test_path") if getattr(cfg.data, k)]
-    if cfg.data.source in GENERATED_SOURCES and given:  # the files would be ignored: the kit's prompts trained instead
+    if generates_prompts(cfg.data.source) and given:  # the files would be ignored: the kit's prompts trained instead
         raise InputError(
             f"data.{given[0]}: data.source={cfg.data.source} generates its prompts and reads no file; name the file's "
             "format with data.source (jsonl, parquet, verl_parquet or gsm8k)"

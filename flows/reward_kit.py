@@ -50,7 +50,7 @@ class RMKitSettings:
 
 def check_kit_reward_model(cfg: RunConfig, s: RMKitSettings, out: Path) -> None:
     """One line naming what makes this build impossible, before anything starts."""
-    if cfg.model.path is not None or cfg.data.source != "synthetic":
+    if cfg.model.path is not None or not datasets.uses_kit(cfg.data.source):
         raise ConfigError("config error: rlstage reward-model trains on the kit's synthetic task (no model.path, data.source: synthetic)")
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"config error: --out {out} exists and is not empty")

@@ -1,5 +1,5 @@
 """Each config setting's help, declared once: the field's description, else the comment written beside or above
-it in schemas/config.py. The configuration reference (scripts/gen_docs.py) and ``rlstage init`` are derived from it."""
+it in the config modules (schemas/config/). The configuration reference (scripts/gen_docs.py) and ``rlstage init`` are derived from it."""
 
 from __future__ import annotations
 
@@ -36,7 +36,8 @@ def comments(cls: type) -> dict[str, str]:
 
 def type_name(annotation) -> str:
     text = getattr(annotation, "__name__", None) if typing.get_origin(annotation) is None else None
-    return text or str(annotation).replace("typing.", "")
+    # a section model by the name it is imported under (rlstage.schemas.config.X), not its module's
+    return text or re.sub(r"rlstage\.schemas\.config\.\w+\.", "rlstage.schemas.config.", str(annotation).replace("typing.", ""))
 
 
 def sections(model: type[BaseModel], prefix: str = "") -> list[tuple[str, type[BaseModel]]]:
@@ -76,7 +77,7 @@ def setting_paths() -> frozenset[str]:
 
 
 def missing_help() -> list[str]:
-    """Settings with neither a description nor a comment in schemas/config.py (tests/test_docs.py fails on any)."""
+    """Settings with neither a description nor a comment in schemas/config/ (tests/test_docs.py fails on any)."""
     return [f"{prefix}{name}" for prefix, _, name, _, text in rows() if not text]
 
 
@@ -112,6 +113,7 @@ def read_by(path: str) -> list[str]:
             some = s.reads_if(_AnySettings()) if s.reads_if is not None else ()
         except Exception:  # a condition that asks a registry about the stub: not derivable here
             some = ()
+        some = (*some, *(p for r in s.reads_if_needs for p in r.paths))
         if _covers(tuple(some), path):
             out.append(f"{s.name} (some settings)")
     return out

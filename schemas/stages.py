@@ -14,12 +14,30 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from rlstage.schemas.config import RunConfig, entry_needs
+from rlstage.schemas.config import RunConfig
 from rlstage.schemas.manifest import Manifest, PolicyRef
 
 # Where and how a run executes, never what a stage computes: readable by every stage, never hashed.
 # The plugin modules too: what their entries compute is keyed by the plugins' versions (tasks/runtime.py).
 EXECUTION = ("run_name", "store", "ray", "tracking", "drill", "plugins")
+
+
+# What a registered entry needs ("critic", "groups", "sum_pi_squared", "ref"), by registry kind and name: the caller
+# of a view that depends on it passes the registries' answer (rlstage.engines.registry.needs_of); schemas/ is a leaf
+# that never imports them, and a view asked without it fails rather than guessing.
+EntryNeeds = Callable[[str, str], frozenset[str]]
+
+
+@dataclass(frozen=True)
+class NeedRead:
+    """Paths a stage reads only when the registry entry named at ``name`` (a dotted setting holding the entry's
+    name) declares ``need``: e.g. the advantage stage reads ``actor.calculate_sum_pi_squared`` for an estimator that
+    needs ``sum_pi_squared``."""
+
+    kind: str  # the registry: "advantage estimator", ...
+    name: str  # where the config names the entry
+    need: str
+    paths: tuple[str, ...]
 
 
 class UndeclaredConfigRead(RuntimeError):
@@ -115,6 +133,8 @@ class StageSpec:
     replayable: bool = False
     # the run its artifact is committed under, when not the run's own (the kit's SFT start, shared by runs)
     run_of: Callable[[ConfigView], str] | None = None
+    # more paths read when a named registry entry declares a need (the caller of its view passes the needs)
+    reads_if_needs: tuple[NeedRead, ...] = ()
 
     @property
     def per_iteration(self) -> bool:
@@ -130,7 +150,11 @@ class StageSpec:
 
     def active(self, cfg: RunConfig | ConfigView) -> bool:
         """Whether the run's settings select this stage at all."""
-        return self.when is None or self.when(stage_view(cfg, self.name))
+        if self.when is None:
+            return True
+        whole = whole_config(cfg)
+        some = self.reads_if(ConfigView(whole, self.name, self.reads)) if self.reads_if is not None else ()
+        return self.when(ConfigView(whole, self.name, self.reads + some))
 
 
 # What the policy worker reads for every stage it serves: the model's dtype, threads and source.
@@ -183,10 +207,6 @@ _ROLLOUT = (
 _REWARD = ("reward", "reward_model.enable")
 
 
-def _needs_sum_pi_squared(v: ConfigView) -> bool:
-    return "sum_pi_squared" in entry_needs("advantage estimator", v.algorithm.adv_estimator.name)
-
-
 def _eval_extra(v: ConfigView) -> tuple[str, ...]:
     return _agent(v) + (("rollout.temperature", "trainer.eval_require_maj") if v.trainer.eval_n > 0 else ())
 
@@ -200,8 +220,9 @@ SPECS: tuple[StageSpec, ...] = (
             "data.source", "data.source_settings", "data.train_path", "data.test_path", "data.max_prompt_length",
             "data.filter_overlong_prompts", "model.path",
         ),  # fmt: skip
-        reads_if=lambda v: (
-            ("kit.task", "kit.digits", "kit.train_size", "kit.test_size", "kit.seed") if v.data.source == "synthetic" else ()
+        # a source built from the kit's settings (its registration needs "kit": the synthetic task)
+        reads_if_needs=(
+            NeedRead("data source", "data.source", "kit", ("kit.task", "kit.digits", "kit.train_size", "kit.test_size", "kit.seed")),
         ),
         phase="prepare",
     ),
@@ -246,9 +267,11 @@ SPECS: tuple[StageSpec, ...] = (
             "algorithm", "rollout.temperature", "rollout.max_logprob_gap", "rollout.engine", "critic.enable",
             *_ACTOR_PASS, *_WORKER,
         ),  # fmt: skip
+        reads_if=lambda v: _CRITIC_PASS if v.critic.enable else (),
         # an estimator that needs sum pi^2 gets it from the old-log-prob pass (config load requires the flag)
-        reads_if=lambda v: (_CRITIC_PASS if v.critic.enable else ())
-        + (("actor.calculate_sum_pi_squared",) if _needs_sum_pi_squared(v) else ()),
+        reads_if_needs=(
+            NeedRead("advantage estimator", "algorithm.adv_estimator.name", "sum_pi_squared", ("actor.calculate_sum_pi_squared",)),
+        ),
         takes=AdvantageInputs,
         replayable=True,
     ),
@@ -352,24 +375,39 @@ def whole_config(cfg: RunConfig | ConfigView) -> RunConfig:
     return cfg
 
 
-def view_paths(cfg: RunConfig | ConfigView, stage: str) -> tuple[str, ...]:
-    """The dotted paths stage ``stage`` may read under ``cfg``: its reads plus those its settings add."""
+def _dotted(node: Any, path: str) -> Any:
+    for part in path.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def view_paths(cfg: RunConfig | ConfigView, stage: str, needs: EntryNeeds | None = None) -> tuple[str, ...]:
+    """The dotted paths stage ``stage`` may read under ``cfg``: its reads plus those its settings add, and those the
+    needs of the registry entries it names add (``needs``: the registries' answer, required for such a stage)."""
     s, whole = spec(stage), whole_config(cfg)
     paths = s.reads
     if s.reads_if is not None:
         paths = paths + s.reads_if(ConfigView(whole, stage, s.reads))
+    for r in s.reads_if_needs:
+        if needs is None:
+            raise RuntimeError(
+                f"the view of stage {stage!r} depends on what the {r.kind} at {r.name} needs: pass needs= "
+                "(rlstage.engines.registry.needs_of)"
+            )
+        if r.need in needs(r.kind, _dotted(whole, r.name)):
+            paths = paths + r.paths
     return tuple(sorted(set(paths)))
 
 
-def stage_view(cfg: RunConfig | ConfigView, stage: str) -> ConfigView:
-    return ConfigView(whole_config(cfg), stage, view_paths(cfg, stage))
+def stage_view(cfg: RunConfig | ConfigView, stage: str, needs: EntryNeeds | None = None) -> ConfigView:
+    return ConfigView(whole_config(cfg), stage, view_paths(cfg, stage, needs))
 
 
-def view_hash(cfg: RunConfig | ConfigView, stage: str) -> str:
+def view_hash(cfg: RunConfig | ConfigView, stage: str, needs: EntryNeeds | None = None) -> str:
     """What a stage's output depends on in the config: the hash of exactly its view (the one given,
     when ``cfg`` is that stage's view)."""
     own = isinstance(cfg, ConfigView) and cfg._stage == stage and not cfg._prefix
-    return whole_config(cfg).stage_hash(*(cfg._paths if own else view_paths(cfg, stage)))
+    return whole_config(cfg).stage_hash(*(cfg._paths if own else view_paths(cfg, stage, needs)))
 
 
 def kit_run_name(cfg: RunConfig | ConfigView) -> str:

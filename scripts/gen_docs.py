@@ -1,5 +1,5 @@
 """Derive docs/reference/config.md from the config models: every section and field, its type, default and
-help (the field's description, else the comment written beside or above it in schemas/config.py).
+help (the field's description, else the comment written beside or above it in schemas/config/).
 
     .venv/bin/python scripts/gen_docs.py           # rewrite the page
     .venv/bin/python scripts/gen_docs.py --check   # exit 1 when the committed page is stale (tests/test_docs.py)
@@ -26,7 +26,7 @@ def render() -> str:
     lines = [
         "# Configuration reference",
         "",
-        "Generated from the config models (`schemas/config.py`) by `scripts/gen_docs.py`; do not edit by hand.",
+        "Generated from the config models (`schemas/config/`) by `scripts/gen_docs.py`; do not edit by hand.",
         "A run's config is one YAML file plus dotted overrides (`actor.optim.lr=2e-4`); an unknown key or a bad",
         "value is refused in one line naming it. *Read by*: the stages whose code reads the setting (from the stage",
         "registry, `schemas/stages.py`): their cache keys hash it, so changing it reruns them and nothing else.",
@@ -50,6 +50,11 @@ def render() -> str:
             anchor = f'<a id="{path}"></a>'  # the link a config error naming the setting prints
             lines.append(f"| {anchor}`{path}` | `{kind}` | `{default}` | {stages} | {text.replace('|', chr(92) + '|')} |")
     return "\n".join(lines) + "\n"
+
+
+def _trait(value: object) -> str:
+    """A trait's value as a table cell: a tuple of names as a comma-separated list."""
+    return ", ".join(map(str, value)) if isinstance(value, tuple) else str(value)
 
 
 def _cell(text: str) -> str:
@@ -96,7 +101,7 @@ def render_registries() -> str:
             if dataclasses.is_dataclass(entry.traits):  # what the entry declares about itself, where not the default
                 default = type(entry.traits)()
                 cells += [
-                    f"*{f.name}*" if value is True else f"*{f.name}* = `{value}`"
+                    f"*{f.name}*" if value is True or callable(value) else f"*{f.name}* = `{_trait(value)}`"
                     for f in dataclasses.fields(entry.traits)
                     if (value := getattr(entry.traits, f.name)) != getattr(default, f.name) and f.name != "install"
                 ]

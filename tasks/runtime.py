@@ -8,8 +8,10 @@ import subprocess
 from functools import lru_cache
 from pathlib import Path
 
+from rlstage.engines import algorithms  # noqa: F401  (the built-in entries, whose needs shape the views)
+from rlstage.engines.data import datasets  # noqa: F401  (the built-in data sources: the kit's needs "kit")
 from rlstage.engines.plugins import plugins_used
-from rlstage.engines.registry import NAMED_SETTINGS
+from rlstage.engines.registry import NAMED_SETTINGS, needs_of
 from rlstage.infra.store import ArtifactStore
 from rlstage.schemas.config import RunConfig
 from rlstage.schemas.manifest import Manifest, PolicyRef
@@ -34,9 +36,9 @@ def stage_config_hash(cfg: RunConfig | ConfigView, stage: str) -> str:
     """What a stage's output depends on in the config (its view's hash) and, where its view names entries that
     plugins registered, those plugins' versions: another version of a plugin's loss is another stage. Without
     plugins it is the view's hash itself, so runs stored before plugins keep their keys."""
-    paths = view_paths(cfg, stage)
+    paths = view_paths(cfg, stage, needs_of)
     used = plugins_used(whole_config(cfg), [s for s in NAMED_SETTINGS if covers(s, paths)])
-    config_hash = view_hash(cfg, stage)
+    config_hash = view_hash(cfg, stage, needs_of)
     if not used:
         return config_hash
     blob = json.dumps({"config": config_hash, "plugins": used}, sort_keys=True)

@@ -41,6 +41,7 @@ from rlstage.engines.data.cursor import extra_prompt_batch, prompt_batch
 from rlstage.engines.experience import BYPASS_CHECK_ROWS  # noqa: F401  (tests read it here)
 from rlstage.engines.models import chat
 from rlstage.engines.plugins import load_plugins
+from rlstage.engines.registry import needs_of
 from rlstage.engines.rewards import reward_model
 from rlstage.engines.rewards import rules as rewards
 from rlstage.engines.rollout.base import Completion, SamplingParams
@@ -154,7 +155,7 @@ class StageCall:
 def execute(cfg: RunConfig, call: StageCall) -> StageResult:
     """Run ``call``'s stage on its config view: skipped when its output is committed under the same key (the
     stage's view and the ids of its inputs), else its body produces the output and it is committed."""
-    s, view = spec(call.stage), stage_view(cfg, call.stage)
+    s, view = spec(call.stage), stage_view(cfg, call.stage, needs_of)
     body = BODIES[call.stage]
     if s.per_iteration:
         produce = functools.partial(body, view, call.iteration, call.inputs, call.version, **call.options)
@@ -265,7 +266,7 @@ def result_of(returned: StageResult | State) -> StageResult:
 @stage_task("data_prep")
 def data_prep(cfg: ConfigView) -> StageOutput:
     d = cfg.data
-    if d.source == "synthetic":
+    if datasets.uses_kit(d.source):
         train, test = datasets.make_task_splits(
             cfg.kit.task, cfg.kit.digits, cfg.kit.train_size, cfg.kit.test_size, cfg.kit.seed
         )
@@ -759,7 +760,7 @@ def evaluate(cfg: ConfigView, iteration: int, x: EvalInputs, version: str) -> St
         if preds is not None:
             infos["pred"] = preds
         elif cfg.trainer.eval_require_maj:  # a verl parquet's sources, known only now
-            missing = sorted({f for f in fns if f not in eval_metrics.ANSWER_EXTRACTORS})
+            missing = sorted({f for f in fns if rewards.answer_extractor(f) is None})
             raise ValueError(
                 f"trainer.eval_require_maj: reward function(s) {', '.join(missing)} of the held-out data extract no "
                 "answer for maj@N to vote on; set reward.function to one that does, or trainer.eval_require_maj=false"

@@ -728,7 +728,7 @@ def test_dppo_tv_and_kl_by_hand():
     kept = [bkl(0.5, 0.8) <= 0.05, bkl(0.5, 0.6) <= 0.05, bkl(0.5, 0.3) <= 0.02, bkl(0.5, 0.45) <= 0.02]
     assert kept == [False, True, False, True]
     close(m["pg_clipfrac"], 0.5)
-    w = [min(pi / 0.5, 20.0) for pi in (0.8, 0.6, 0.3, 0.45)]
+    w = [min(pi / 0.5, 3.0) for pi in (0.8, 0.6, 0.3, 0.45)]  # clip_ratio_c: the settings model's default
     close(loss, (-w[1] * math.log(0.6) + w[3] * math.log(0.45)) / 4)
 
 
@@ -977,3 +977,16 @@ def test_the_trainer_hands_actor_loss_scale_factor_to_agg_loss():
     const = TorchActor(model, ActorConfig(**base, loss_scale_factor=32), tok.pad_token_id, 1)
     micro = const._micro_batches(batch, [0, 1, 2, 3], [0, 1, 2, 3])
     assert [m.norm.agg_kwargs()["loss_scale_factor"] for m in micro] == [32, 32]
+
+
+def test_a_loss_declares_its_fixed_aggregation_and_its_keyword_defaults_are_its_settings_models():
+    import inspect
+
+    assert A.fixed_pg_agg("sapo") == "seq-mean-token-mean" and A.fixed_pg_agg("geo_mean") == "row-mean"
+    assert A.fixed_pg_agg("vanilla") is None
+    for name, fn in A.POLICY_LOSSES.items():  # a built-in loss's keyword default never disagrees with its settings
+        model = A.POLICY_LOSSES.entry(name).settings
+        params = inspect.signature(fn).parameters
+        for setting, info in (model.model_fields.items() if model else ()):
+            if setting in params and not info.is_required() and params[setting].default is not inspect.Parameter.empty:
+                assert params[setting].default == info.default, (name, setting)

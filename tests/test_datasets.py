@@ -412,3 +412,24 @@ def test_prompts_over_the_length_limit_stop_data_prep_in_one_line_and_are_not_re
     assert re.search(r"data\.source=synthetic \(train split\): 400 of 400 prompts are longer than data\.max_prompt_length=4 tokens", line), line
     assert store_for(cfg).manifest("long", None, "data_prep") is None
     assert not _retryable(None, None, SimpleNamespace(data=D.DatasetError("bad data")))  # a retry reads the same rows
+
+
+def test_a_registered_source_that_generates_its_prompts_needs_no_files():
+    """``generates=True`` is the source's own trait: its two splits are generated, and a config names no files."""
+    from rlstage.engines.preflight import check_data_paths
+    from rlstage.schemas.config import load_config
+
+    @D.register_data_source("test_generated", generates=True)
+    def generated(path: str | None = None, split: str = "train", **kw: object) -> pa.Table:
+        assert path is None
+        n = 3 if split == "train" else 2
+        return D.load_prompts("synthetic", None, split=split, digits=1, train_size=n, test_size=n, seed=0).slice(0, n)
+
+    try:
+        assert D.generates_prompts("test_generated") and not D.generates_prompts("jsonl")
+        train, test = D.prepare_splits("test_generated", None, None, {})
+        assert (train.num_rows, test.num_rows) == (3, 2)
+        check_data_paths(load_config(None, ["data.source=test_generated"]))  # no data.train_path asked for
+        assert not D.uses_kit("test_generated") and D.uses_kit("synthetic")
+    finally:
+        D.DATA_SOURCES.remove("test_generated")

@@ -39,7 +39,7 @@ def test_every_setting_says_what_it_does():
     import gen_docs
 
     missing = gen_docs.missing_help()
-    assert not missing, f"settings without help in schemas/config.py (a description, or a comment beside it): {missing}"
+    assert not missing, f"settings without help in schemas/config/ (a description, or a comment beside it): {missing}"
 
 
 def test_every_built_in_registry_entry_says_what_it_is():

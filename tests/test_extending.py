@@ -41,7 +41,6 @@ def examples(tmp_path_factory):
     """The examples folder on the path, as the page's PYTHONPATH puts it; what they register is forgotten after the
     module (a plugin is imported once a process: engines/plugins.py)."""
     before = {kind: set(registry) for kind, registry in REGISTRIES.items()}
-    sources = dict(rules.DATA_SOURCE_FNS)
     with pytest.MonkeyPatch.context() as mp:
         mp.syspath_prepend(str(EXAMPLES))
         mp.delenv(ALLOWED_CALLABLES_ENV, raising=False)  # nothing is allow-listed: the refusal below is the rule's
@@ -50,8 +49,6 @@ def examples(tmp_path_factory):
     for kind, registry in REGISTRIES.items():
         for name in set(registry) - before.get(kind, set(registry)):
             registry.remove(name)
-    rules.DATA_SOURCE_FNS.clear()
-    rules.DATA_SOURCE_FNS.update(sources)
     for module in PLUGINS:
         sys.modules.pop(module, None)
         plugins._IMPORTED.discard(module)
@@ -76,7 +73,7 @@ def test_each_example_registers_its_entry(examples):
     assert cfg.plugins == list(PLUGINS)
     for module, (kind, name) in PLUGINS.items():
         assert REGISTRIES[kind].entry(name).module == module
-    assert rules.DATA_SOURCE_FNS["my_org/arith"] == "digit_match"  # data_sources= of its decorator
+    assert rules.registered_fn("my_org/arith") == "digit_match"  # data_sources= of its decorator
     with pytest.raises(ConfigError, match=r"^config error: algorithm\.adv_estimator\.max_abs: Input should be greater than 0$"):
         _config("algorithm.adv_estimator={name: clipped_grpo, max_abs: 0}")
     with pytest.raises(ConfigError, match=r"^config error: actor\.policy_loss\.clip: ppo_l2 takes no clip \(its settings: clip_ratio, l2_coef\)$"):

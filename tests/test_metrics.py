@@ -91,6 +91,21 @@ def test_answers_are_extracted_as_the_reward_function_reads_them():
     assert M.extract_answers(rows, ["exact_match", "my.module:score"]) is None  # no extractor: no maj@n
 
 
+def test_a_reward_functions_answer_is_its_registrations_trait():
+    from rlstage.engines.rewards import rules as R
+
+    @R.register_reward_fn("test_answer_trait", answer=lambda text, extra: text.strip().upper())
+    def scored(response_text: str, ground_truth: str, extra_info: dict) -> float:
+        return 1.0
+
+    try:
+        rows = [{"response_text": " yes ", "extra_info": {}}]
+        assert M.extract_answers(rows, ["test_answer_trait"]) == ["YES"]
+        assert "test_answer_trait" in R.answer_extractors() and "gsm8k" not in R.answer_extractors()
+    finally:
+        R.REWARD_FNS.remove("test_answer_trait")
+
+
 def test_gsm8k_format_share_and_flexible_accuracy_by_hand():
     g = "openai/gsm8k"
     rows = [

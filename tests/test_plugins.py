@@ -23,7 +23,7 @@ from rlstage.engines.agents import tools as _tools  # noqa: F401
 from rlstage.engines.data import datasets  # noqa: F401
 from rlstage.engines.plugins import PluginError, load_plugins, plugins_used
 from rlstage.engines.preflight import check_registered_names
-from rlstage.engines.registry import REGISTRIES
+from rlstage.engines.registry import REGISTRIES, needs_of
 from rlstage.engines.rewards import rules as rewards  # noqa: F401
 from rlstage.engines.rollout import engines as rollout_engines  # noqa: F401
 from rlstage.flows.checks import check_run_config, record_run_config, stored_config
@@ -98,7 +98,7 @@ def test_runs_without_plugins_keep_their_keys():
     cfg = load_config(None, [])
     assert plugins_used(cfg) == {}
     assert all(
-        stage_config_hash(cfg, s) == view_hash(cfg, s) for s in ("rollout", "reward", "advantage", "update")
+        stage_config_hash(cfg, s) == view_hash(cfg, s, needs_of) for s in ("rollout", "reward", "advantage", "update")
     )
 
 
@@ -279,9 +279,7 @@ def test_data_sources_registered_by_a_plugin_are_named_by_data_source(plugin_dir
     cfg = _load(
         f"plugins=[{mod}]", "data.source=gsm8k_copy", "data.train_path=t.jsonl", "data.test_path=h.jsonl"
     )
-    assert stage_config_hash(cfg, "data_prep") != view_hash(
-        cfg, "data_prep"
-    )  # the loader's version is the stage's
+    assert stage_config_hash(cfg, "data_prep") != view_hash(cfg, "data_prep", needs_of)  # the loader's version is the stage's
 
 
 def test_a_loss_that_needs_the_reference_gets_its_log_probs(plugin_dir):
@@ -450,7 +448,7 @@ def test_a_plugin_estimator_takes_its_own_settings_nested_under_its_name(plugin_
     assert torch.equal(adv, torch.full((1, 2), 6.0))  # its setting reached it as a keyword
     assert _load(f"plugins=[{mod}]", "algorithm.adv_estimator=scaled_est").algorithm.adv_estimator.name == "scaled_est"
     # the run's advantage stage is keyed by the plugin's version (the flat form of the section is 0.1's otherwise)
-    assert stage_config_hash(cfg, "advantage") != view_hash(cfg, "advantage")
+    assert stage_config_hash(cfg, "advantage") != view_hash(cfg, "advantage", needs_of)
     refused = {  # overrides -> the one line
         ("algorithm.adv_estimator={name: scaled_est, scale: -1}",): "algorithm.adv_estimator.scale: Input should be greater than 0",
         ("algorithm.adv_estimator={name: scaled_est, scal: 2}",): "algorithm.adv_estimator.scal: scaled_est takes no scal (its settings: scale)",

@@ -15,7 +15,7 @@ from pydantic import BaseModel
 from transformers import LlamaForTokenClassification
 
 from rlstage.engines.models.tinykit import build_char_tokenizer, build_tiny_llama
-from rlstage.engines.registry import NAMED_SETTINGS, REGISTRIES
+from rlstage.engines.registry import NAMED_SETTINGS, REGISTRIES, needs_of
 from rlstage.engines.training.actor import TorchActor
 from rlstage.engines.training.critic import TorchCritic
 from rlstage.flows.iteration import Artifacts
@@ -160,7 +160,7 @@ def _executes(cfg: RunConfig, stage: str) -> bool:
     """Whether ``run_stage`` (the real skip-or-produce path) would execute ``stage`` under ``cfg``."""
     iteration = None if stage in ("data_prep", "sft") else 1
     try:
-        run_stage(stage_view(cfg, stage), stage, iteration, {}, _produce_fails, run="keys")
+        run_stage(stage_view(cfg, stage, needs_of), stage, iteration, {}, _produce_fails, run="keys")
     except _Executed:
         return True
     return False
@@ -172,7 +172,7 @@ def test_every_leaf_reexecutes_exactly_the_stages_whose_view_holds_it(base_name,
     table = pa.table({"x": [1]})
     for stage in STAGES:  # the base's artifacts, committed under the base's keys
         iteration = None if stage in ("data_prep", "sft") else 1
-        run_stage(stage_view(base, stage), stage, iteration, {}, lambda: StageOutput(tables={"t.parquet": table}), run="keys")
+        run_stage(stage_view(base, stage, needs_of), stage, iteration, {}, lambda: StageOutput(tables={"t.parquet": table}), run="keys")
         assert not _executes(base, stage)
     walked, mismatches = [], []
     for path, ann in LEAVES:
@@ -184,7 +184,7 @@ def test_every_leaf_reexecutes_exactly_the_stages_whose_view_holds_it(base_name,
             changed = changed.model_copy(update={"store": base.store, "run_name": base.run_name})
             expected = set()  # where a run executes never changes what a stage computes
         else:
-            expected = {s for s in STAGES if covers(path, view_paths(base, s))}
+            expected = {s for s in STAGES if covers(path, view_paths(base, s, needs_of))}
         executed = {s for s in STAGES if _executes(changed, s)}
         if executed != expected:
             mismatches.append(f"{path}: executed {sorted(executed)}, view holds it in {sorted(expected)}")
@@ -204,7 +204,7 @@ def test_settings_no_stage_reads_by_default_are_the_documented_ones():
     unread = {
         p
         for p, _ in LEAVES
-        if p.split(".")[0] not in EXECUTION and not any(covers(p, view_paths(cfg, s)) for s in STAGES)
+        if p.split(".")[0] not in EXECUTION and not any(covers(p, view_paths(cfg, s, needs_of)) for s in STAGES)
     }
     agent = {p for p in unread if p.startswith("agent.")}
     assert agent == {p for p, _ in LEAVES if p.startswith("agent.") and p != "agent.enable"}
@@ -297,7 +297,7 @@ def test_the_train_engines_read_only_their_stages_views(tiny):
     """What the policy worker runs for each stage, given that stage's view of its sections."""
     tok, model, critic_model, batch = tiny
     cfg = load_config(None, [*BASES["gae"], "actor.use_kl_loss=true", "actor.micro_batch_tokens=300"])
-    adv, upd, crit = (stage_view(cfg, s) for s in ("advantage", "update", "critic"))
+    adv, upd, crit = (stage_view(cfg, s, needs_of) for s in ("advantage", "update", "critic"))
     P, R, pad = batch["prompt_ids"], batch["response_ids"], tok.pad_token_id
     # advantage: the no-grad recompute on a bare actor (as the worker's reference pass), and the values
     frozen = TorchActor.__new__(TorchActor)
@@ -363,9 +363,9 @@ def test_a_stage_tasks_parameters_and_cache_key_inputs_come_from_its_spec():
     m = Manifest(run="r", iteration=1, stage="rollout", artifact_id="ro", key="k", config_hash="c", code_version="v", created_at="t")
     pol, ref = PolicyRef(version="p"), PolicyRef(version="f")
     x = AdvantageInputs(rollouts=m, rewards=m, policy=pol, ref=ref, prev_experience=m)
-    view = stage_view(load_config(None, []), "advantage")
+    view = stage_view(load_config(None, []), "advantage", needs_of)
     assert x.key(view) == {"rollouts": "ro", "rewards": "ro", "policy": "p", "ref": "f"}
     kl = load_config(None, ["algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive"])
-    assert x.key(stage_view(kl, "advantage"))["prev_experience"] == "ro"
+    assert x.key(stage_view(kl, "advantage", needs_of))["prev_experience"] == "ro"
     with pytest.raises(TypeError):
         TASKS["update"].fn(load_config(None, []), 1, m, pol)  # by position: never

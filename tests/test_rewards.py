@@ -164,7 +164,7 @@ def test_a_data_source_maps_to_a_reward_in_the_config_or_at_registration() -> No
         assert R.default_reward_fn("openai/gsm8k") == "gsm8k"  # a built-in source keeps its rule
     finally:
         R.REWARD_FNS.remove("test_declares_sources")
-        R.DATA_SOURCE_FNS.pop("my_org/declared")
+    assert not R.has_rule("my_org/declared", None)  # a source is its registration's trait: gone with it
 
 
 # ---------------------------------------------------------------- the sandboxed scorer

@@ -260,8 +260,10 @@ def test_failure_share_threshold() -> None:
     ],
 )  # fmt: skip
 def test_inputs_refused_at_config_load(overrides, needle) -> None:
-    with pytest.raises(ConfigError) as err:
-        load_config(None, overrides)
+    from rlstage.engines.preflight import check_registered_names
+
+    with pytest.raises(ConfigError) as err:  # as the CLI loads a config: the model, then against the registries
+        check_registered_names(load_config(None, overrides))
     assert needle in str(err.value) and "\n" not in str(err.value)
 
 

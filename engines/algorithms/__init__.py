@@ -69,10 +69,10 @@ from rlstage.engines.algorithms.kl import (
     register_kl_penalty,
 )
 from rlstage.engines.algorithms.loss_registry import (
-    FIXED_PG_AGG,
     POLICY_LOSSES,
     LossSettings,
     actor_needs_ref,
+    fixed_pg_agg,
     get_policy_loss,
     needs_reference,
     policy_loss_settings,
@@ -101,16 +101,11 @@ from rlstage.engines.algorithms.masked import (
     masked_var,
     masked_whiten,
 )
-from rlstage.engines.registry import needs_of
-from rlstage.schemas.config import install_needs
-
-install_needs(needs_of)  # the stage views ask what an estimator needs (schemas cannot import the registries)
 
 __all__ = [
     "ADV_ESTIMATORS",
     "AdaptiveKLController",
     "AggNorm",
-    "FIXED_PG_AGG",
     "FixedKLController",
     "KLController",
     "KL_TYPES",
@@ -120,6 +115,7 @@ __all__ = [
     "ROLLOUT_IS_LEVELS",
     "SAFETY_BOUND",
     "actor_needs_ref",
+    "fixed_pg_agg",
     "adv_estimator_settings",
     "check_estimator_reads",
     "agg_loss",

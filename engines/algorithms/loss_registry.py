@@ -4,6 +4,7 @@ what a loss needs; the built-in losses register themselves in ``losses``."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,16 +20,27 @@ PolicyLossFn = Callable[..., tuple[Tensor, dict[str, Tensor]]]
 # ====================================================================== the registry
 POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss")
 
-# Losses whose aggregation does not follow loss_agg_mode (see their docstrings): what they use instead.
-# "row-mean" is geo_mean's own mean over all rows of the batch, empty ones included (computed in the loss).
-FIXED_PG_AGG: dict[str, str] = {"sapo": "seq-mean-token-mean", "geo_mean": "row-mean"}
+
+
+@dataclass(frozen=True)
+class LossTraits:
+    """What a policy loss's registration declares besides its settings and needs."""
+
+    # the aggregation it uses whatever loss_agg_mode says (see its docstring); None: it follows loss_agg_mode.
+    # "row-mean" is geo_mean's own mean over all rows of the batch, empty ones included (computed in the loss).
+    fixed_agg: str | None = None
 
 
 # ---------------------------------------------------------------------- settings
 # Each loss's own settings (actor.policy_loss.<setting>), named and defaulted as verl's actor config; the defaults are
 # those the settings had when they sat flat in the actor section (schemas.config.FLAT_LOSS_SETTINGS).
+def loss_default(name: str) -> Any:
+    """The default of a built-in loss setting, declared once (the loss functions' keyword defaults read it too)."""
+    return FLAT_LOSS_SETTINGS[name]
+
+
 def _default(name: str, **constraints: Any) -> Any:
-    return Field(FLAT_LOSS_SETTINGS[name], **constraints)
+    return Field(loss_default(name), **constraints)
 
 
 class LossSettings(BaseModel):
@@ -65,7 +77,7 @@ class DROSettings(LossSettings):
 
 
 def register_policy_loss(
-    name: str, *, settings: type[BaseModel] | None = None, needs: Iterable[str] = ()
+    name: str, *, settings: type[BaseModel] | None = None, needs: Iterable[str] = (), fixed_agg: str | None = None
 ) -> Callable[[PolicyLossFn], PolicyLossFn]:
     """Decorator: register a policy loss under ``name`` with the model of its own ``settings`` (a pydantic model
     the config's ``actor.policy_loss`` section is validated against; None: it takes none) and what it ``needs``
@@ -76,9 +88,16 @@ def register_policy_loss(
     named as in the settings model, with ``generator`` (seeded per update) and, when rollout correction is on,
     more keywords a loss ignores through ``**kw``. ``rollout_is_weights`` (detached, ``[batch, len]``) multiply
     the per-token losses before aggregation. Metrics are detached scalars, named as verl names them without the
-    ``actor/`` prefix (keys holding a ``/`` are logged as they are, e.g. ``rollout_corr/...``).
+    ``actor/`` prefix (keys holding a ``/`` are logged as they are, e.g. ``rollout_corr/...``). ``fixed_agg``: the
+    aggregation the loss uses whatever ``loss_agg_mode`` says (None: it follows ``loss_agg_mode``).
     """
-    return POLICY_LOSSES.register(name, settings=settings, needs=needs)
+    return POLICY_LOSSES.register(name, settings=settings, needs=needs, traits=LossTraits(fixed_agg))
+
+
+def fixed_pg_agg(name: str) -> str | None:
+    """The aggregation policy loss ``name`` declares it uses whatever ``loss_agg_mode`` says (None: it follows it)."""
+    traits = POLICY_LOSSES.entry(name).traits
+    return traits.fixed_agg if isinstance(traits, LossTraits) else None
 
 
 def get_policy_loss(name: str) -> PolicyLossFn:

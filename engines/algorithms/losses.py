@@ -9,13 +9,14 @@ import torch
 from rlstage.engines.algorithms.aggregation import AggNorm, _global, agg_loss
 from rlstage.engines.algorithms.correction import rollout_correction
 from rlstage.engines.algorithms.loss_registry import (
-    FIXED_PG_AGG,
     ClipCovSettings,
     ClipRange,
     DROSettings,
     KLCovSettings,
     PPOClip,
     SapoSettings,
+    fixed_pg_agg,
+    loss_default,
     register_policy_loss,
 )
 from rlstage.engines.algorithms.masked import masked_mean, masked_sum
@@ -49,9 +50,9 @@ def policy_loss_vanilla(
     response_mask: Tensor,
     loss_agg_mode: str = "token-mean",
     *,
-    clip_ratio_low: float = 0.2,
-    clip_ratio_high: float = 0.2,
-    clip_ratio_c: float = 3.0,
+    clip_ratio_low: float = loss_default("clip_ratio_low"),
+    clip_ratio_high: float = loss_default("clip_ratio_high"),
+    clip_ratio_c: float = loss_default("clip_ratio_c"),
     rollout_is_weights: Tensor | None = None,
     agg: AggNorm | None = None,
     **kw: Any,
@@ -122,9 +123,9 @@ def policy_loss_dppo_tv(
     response_mask: Tensor,
     loss_agg_mode: str = "token-mean",
     *,
-    clip_ratio_low: float = 0.2,
-    clip_ratio_high: float = 0.2,
-    clip_ratio_c: float = 20.0,
+    clip_ratio_low: float = loss_default("clip_ratio_low"),
+    clip_ratio_high: float = loss_default("clip_ratio_high"),
+    clip_ratio_c: float = loss_default("clip_ratio_c"),
     rollout_is_weights: Tensor | None = None,
     agg: AggNorm | None = None,
     **kw: Any,
@@ -134,9 +135,9 @@ def policy_loss_dppo_tv(
     ``p = exp(log_prob)``, ``q = exp(old_log_prob)``; a token is kept when ``p - q <= clip_ratio_high``
     (A > 0) or ``p - q >= -clip_ratio_low`` (A <= 0): the clip settings are TOTAL-VARIATION thresholds
     here. ``L = -A * sg(min(r, clip_ratio_c)) * log_prob * keep`` with ``r = exp(clamp(log_prob -
-    old_log_prob, ±20))``: a truncated-IS policy gradient (no dual-clip). verl falls back to
-    ``clip_ratio_c = 20`` but reads the actor's ``clip_ratio_c`` (default 3) when set, as the actor does
-    here. Metrics: ``pg_clipfrac`` = masked share of dropped tokens, ``pg_clipfrac_lower`` = masked share
+    old_log_prob, ±20))``: a truncated-IS policy gradient (no dual-clip). ``clip_ratio_c`` defaults to
+    the settings model's (verl's actor default, 3.0; verl's loss falls back to 20 only when the actor has
+    none). Metrics: ``pg_clipfrac`` = masked share of dropped tokens, ``pg_clipfrac_lower`` = masked share
     of kept tokens whose ratio was truncated, ``ppo_kl`` = masked mean of the clamped ``-log r``.
     """
     diff = torch.exp(log_prob) - torch.exp(old_log_prob)
@@ -152,9 +153,9 @@ def policy_loss_dppo_kl(
     response_mask: Tensor,
     loss_agg_mode: str = "token-mean",
     *,
-    clip_ratio_low: float = 0.2,
-    clip_ratio_high: float = 0.2,
-    clip_ratio_c: float = 20.0,
+    clip_ratio_low: float = loss_default("clip_ratio_low"),
+    clip_ratio_high: float = loss_default("clip_ratio_high"),
+    clip_ratio_c: float = loss_default("clip_ratio_c"),
     rollout_is_weights: Tensor | None = None,
     agg: AggNorm | None = None,
     **kw: Any,
@@ -182,9 +183,9 @@ def policy_loss_gspo(
     response_mask: Tensor,
     loss_agg_mode: str = "token-mean",
     *,
-    clip_ratio_low: float = 0.2,
-    clip_ratio_high: float = 0.2,
-    clip_ratio_c: float = 3.0,
+    clip_ratio_low: float = loss_default("clip_ratio_low"),
+    clip_ratio_high: float = loss_default("clip_ratio_high"),
+    clip_ratio_c: float = loss_default("clip_ratio_c"),
     rollout_is_weights: Tensor | None = None,
     agg: AggNorm | None = None,
     **kw: Any,
@@ -215,7 +216,7 @@ def policy_loss_gspo(
     return loss, _metrics(pg_clipfrac, ppo_kl, _zero(loss))
 
 
-@register_policy_loss("sapo", settings=SapoSettings)
+@register_policy_loss("sapo", settings=SapoSettings, fixed_agg="seq-mean-token-mean")
 def policy_loss_sapo(
     old_log_prob: Tensor,
     log_prob: Tensor,
@@ -223,8 +224,8 @@ def policy_loss_sapo(
     response_mask: Tensor,
     loss_agg_mode: str = "seq-mean-token-mean",
     *,
-    tau_pos: float = 1.0,
-    tau_neg: float = 1.05,
+    tau_pos: float = loss_default("tau_pos"),
+    tau_neg: float = loss_default("tau_neg"),
     rollout_is_weights: Tensor | None = None,
     agg: AggNorm | None = None,
     **kw: Any,
@@ -247,7 +248,7 @@ def policy_loss_sapo(
     )
     gates = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
     pg_losses = _weighted(-gates * advantages, rollout_is_weights)
-    loss = agg_loss(pg_losses, mask, FIXED_PG_AGG["sapo"], **_global(agg))
+    loss = agg_loss(pg_losses, mask, fixed_pg_agg("sapo"), **_global(agg))
     return loss, _metrics(_zero(loss), masked_mean(-log_ratio, mask), _zero(loss))
 
 
@@ -289,11 +290,11 @@ def policy_loss_clip_cov(
     response_mask: Tensor,
     loss_agg_mode: str = "token-mean",
     *,
-    clip_ratio_low: float = 0.2,
-    clip_ratio_high: float = 0.2,
-    clip_cov_ratio: float = 0.0002,
-    clip_cov_lb: float = 1.0,
-    clip_cov_ub: float = 5.0,
+    clip_ratio_low: float = loss_default("clip_ratio_low"),
+    clip_ratio_high: float = loss_default("clip_ratio_high"),
+    clip_cov_ratio: float = loss_default("clip_cov_ratio"),
+    clip_cov_lb: float = loss_default("clip_cov_lb"),
+    clip_cov_ub: float = loss_default("clip_cov_ub"),
     generator: torch.Generator | None = None,
     rollout_is_weights: Tensor | None = None,
     agg: AggNorm | None = None,
@@ -337,8 +338,8 @@ def policy_loss_kl_cov(
     response_mask: Tensor,
     loss_agg_mode: str = "token-mean",
     *,
-    kl_cov_ratio: float = 0.0002,
-    ppo_kl_coef: float = 0.1,
+    kl_cov_ratio: float = loss_default("kl_cov_ratio"),
+    ppo_kl_coef: float = loss_default("ppo_kl_coef"),
     rollout_is_weights: Tensor | None = None,
     agg: AggNorm | None = None,
     **kw: Any,
@@ -368,7 +369,7 @@ def policy_loss_kl_cov(
     return loss, {"ppo_kl": masked_mean(abs_kl, mask).detach()}
 
 
-@register_policy_loss("geo_mean", settings=ClipRange)
+@register_policy_loss("geo_mean", settings=ClipRange, fixed_agg="row-mean")
 def policy_loss_geo_mean(
     old_log_prob: Tensor,
     log_prob: Tensor,
@@ -376,8 +377,8 @@ def policy_loss_geo_mean(
     response_mask: Tensor,
     loss_agg_mode: str = "token-mean",
     *,
-    clip_ratio_low: float = 0.2,
-    clip_ratio_high: float = 0.2,
+    clip_ratio_low: float = loss_default("clip_ratio_low"),
+    clip_ratio_high: float = loss_default("clip_ratio_high"),
     rollout_is_weights: Tensor | None = None,
     agg: AggNorm | None = None,
     **kw: Any,
@@ -450,8 +451,8 @@ def policy_loss_cispo(
     response_mask: Tensor,
     loss_agg_mode: str = "token-mean",
     *,
-    clip_ratio_low: float = 0.2,
-    clip_ratio_high: float = 0.2,
+    clip_ratio_low: float = loss_default("clip_ratio_low"),
+    clip_ratio_high: float = loss_default("clip_ratio_high"),
     rollout_is_weights: Tensor | None = None,
     agg: AggNorm | None = None,
     **kw: Any,
@@ -505,9 +506,9 @@ def policy_loss_bypass_mode(
     response_mask: Tensor,
     loss_agg_mode: str = "token-mean",
     *,
-    clip_ratio_low: float = 0.2,
-    clip_ratio_high: float = 0.2,
-    clip_ratio_c: float = 3.0,
+    clip_ratio_low: float = loss_default("clip_ratio_low"),
+    clip_ratio_high: float = loss_default("clip_ratio_high"),
+    clip_ratio_c: float = loss_default("clip_ratio_c"),
     loss_type: str = "ppo_clip",
     rollout_is: str | None = None,
     rollout_is_threshold: float | str = 2.0,

@@ -11,6 +11,7 @@ import importlib.util
 import json
 import random
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -22,7 +23,7 @@ from rlstage.engines.data.verifiers_env import SOURCE as VERIFIERS_SOURCE
 from rlstage.engines.data.verifiers_env import VerifiersError, VerifiersSettings, list_tasks
 from rlstage.engines.registry import Registry
 from rlstage.schemas.artifacts import PROMPTS, conform
-from rlstage.schemas.config import GENERATED_SOURCES, KitConfig
+from rlstage.schemas.config import KitConfig
 
 ADDITION_SOURCE = "synthetic/addition"
 MULTIPLY_SOURCE = "synthetic/multiply"
@@ -31,19 +32,39 @@ GSM8K_SOURCE = "openai/gsm8k"
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 VERL_REQUIRED_COLUMNS = ("data_source", "prompt", "reward_model")
 # data.source -> its loader ``fn(path, split=None, **kw) -> prompts table`` (schemas.artifacts.PROMPTS); a plugin
-# registers more. "synthetic" is the tiny kit's task: the data prep stage builds it from kit.* without a file.
+# registers more. "synthetic" is the tiny kit's task (it needs "kit"): the data prep stage builds it from kit.*.
 DATA_SOURCES: Registry[Callable[..., pa.Table]] = Registry("data source")
 
 
+@dataclass(frozen=True)
+class DataSourceTraits:
+    """What a data source's registration declares besides its settings."""
+
+    generates: bool = False  # it generates its prompts (both splits) instead of reading data.train_path/test_path
+
+
 def register_data_source(
-    name: str, *, settings: type[BaseModel] | None = None
+    name: str, *, settings: type[BaseModel] | None = None, generates: bool = False, needs: tuple[str, ...] = ()
 ) -> Callable[[Callable[..., pa.Table]], Callable[..., pa.Table]]:
     """Decorator: register a loader of prompts under ``name`` (a ``data.source``); ``settings``: the model of its
-    ``data.source_settings``, passed to it as keyword arguments."""
-    return DATA_SOURCES.register(name, settings=settings)
+    ``data.source_settings``, passed to it as keyword arguments. ``generates``: it generates its prompts, called
+    with ``path=None`` and ``split="train"``/``"test"``, and the config names no files. ``needs=("kit",)``: it is
+    built from the tiny kit's settings (kit.*), which the data prep stage then reads."""
+    return DATA_SOURCES.register(name, settings=settings, needs=needs, traits=DataSourceTraits(generates))
 
 
-@register_data_source("synthetic")
+def generates_prompts(source: str) -> bool:
+    """Whether data source ``source`` declares it generates its prompts (no data.train_path/test_path)."""
+    traits = DATA_SOURCES.entry(source).traits
+    return isinstance(traits, DataSourceTraits) and traits.generates
+
+
+def uses_kit(source: str) -> bool:
+    """Whether data source ``source`` is built from the tiny kit's settings (it declares ``needs=("kit",)``)."""
+    return "kit" in DATA_SOURCES.entry(source).needs
+
+
+@register_data_source("synthetic", generates=True, needs=("kit",))
 def _synthetic(path: str | None = None, **kw: Any) -> pa.Table:
     """The addition task's ``split`` ("train"/"test", default "train"), with ``digits``/``train_size``/
     ``test_size``/``seed`` (defaults from ``KitConfig``)."""
@@ -484,7 +505,7 @@ def reasoning_gym_tasks() -> list[str]:
     return sorted(reasoning_gym.factory.DATASETS)
 
 
-@register_data_source(REASONING_GYM_SOURCE, settings=ReasoningGymSettings)
+@register_data_source(REASONING_GYM_SOURCE, settings=ReasoningGymSettings, generates=True)
 def load_reasoning_gym(path: str | None = None, split: str = "train", **settings: Any) -> pa.Table:
     """A reasoning-gym task's ``split``: "test" (``test_size`` questions from ``seed``) or "train" (``train_size``
     from ``seed + 1``, without the held-out split's questions)."""
@@ -576,7 +597,7 @@ def _openenv_rows(s: OpenEnvSettings, split: str, seeds: list[int]) -> list[dict
     ]
 
 
-@register_data_source(OPENENV_SOURCE, settings=OpenEnvSettings)
+@register_data_source(OPENENV_SOURCE, settings=OpenEnvSettings, generates=True)
 def load_openenv(path: str | None = None, split: str = "train", **settings: Any) -> pa.Table:
     """An OpenEnv environment's episodes: "test" (seeds ``seed`` ..) or "train" (the next ``train_size`` seeds,
     without episodes whose first observation is a held-out one)."""
@@ -623,7 +644,7 @@ def _verifiers_rows(split: str, tasks: list[dict[str, Any]], first: int) -> list
     return rows
 
 
-@register_data_source(VERIFIERS_SOURCE, settings=VerifiersSettings)
+@register_data_source(VERIFIERS_SOURCE, settings=VerifiersSettings, generates=True)
 def load_verifiers(path: str | None = None, split: str = "train", **settings: Any) -> pa.Table:
     """A verifiers taskset's tasks, in its order: "test" (the first ``test_size``) or "train" (the next
     ``train_size``, without tasks whose prompt is a held-out one's)."""
@@ -659,7 +680,7 @@ def load_prompts(source: str, path: str | None, **kw: Any) -> pa.Table:
         loader = DATA_SOURCES.entry(source).obj
     except ValueError as err:
         raise DatasetError(str(err)) from None
-    if source not in GENERATED_SOURCES and not path:
+    if not generates_prompts(source) and not path:
         raise DatasetError(f"data source {source!r} needs a path")
     return loader(path, **kw)
 
@@ -667,7 +688,7 @@ def load_prompts(source: str, path: str | None, **kw: Any) -> pa.Table:
 def prepare_splits(source: str, train_path: str | None, test_path: str | None, settings: dict[str, Any]) -> tuple[pa.Table, pa.Table]:
     """The training and held-out prompts of ``data.source``: read from the two files, or generated (``settings``:
     ``data.source_settings``)."""
-    if source in GENERATED_SOURCES:
+    if generates_prompts(source):
         return (load_prompts(source, None, split="train", **settings), load_prompts(source, None, split="test", **settings))
     train = load_prompts(source, train_path, **settings)
     if not test_path:

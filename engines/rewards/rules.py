@@ -39,44 +39,75 @@ RewardFn = Callable[[str, str, dict], float]
 
 REWARD_FNS: Registry[RewardFn] = Registry("reward function")
 
-# data_source -> reward function name (verl's default_compute_score: openai/gsm8k -> gsm8k).
-DATA_SOURCE_FNS: dict[str, str] = {
-    "synthetic/addition": "exact_match",
-    "synthetic/multiply": "exact_match",
-    "openai/gsm8k": "gsm8k",
-}
 GSM8K_METHODS = ("strict", "flexible")
+
+AnswerFn = Callable[[str, dict], Any]  # (response_text, extra_info) -> the answer (hashable), or None
 
 
 @dataclass(frozen=True)
 class RewardTraits:
-    """What the eval reads of a reward function besides its scores."""
+    """What a reward function's registration declares besides its scores: what the eval reads of it and which rows
+    it scores by default."""
 
     # the score from which an answer counts correct; None: above 0.5 (GSM8K's 0.1 format credit is not correct)
     correct_at: float | None = None
+    # the answer it extracts from a response (what maj@n votes on); None: it extracts none (no maj@n)
+    answer: AnswerFn | None = None
+    # the rows' data_source values it scores by default (verl's default_compute_score: openai/gsm8k -> gsm8k); one
+    # ending in "/*" stands for every source under that prefix (reasoning_gym/*: one scorer for every task)
+    data_sources: tuple[str, ...] = ()
 
 
 def register_reward_fn(
-    name: str, *, correct_at: float | None = None, data_sources: tuple[str, ...] = ()
+    name: str, *, correct_at: float | None = None, data_sources: tuple[str, ...] = (), answer: AnswerFn | None = None
 ) -> Callable[[RewardFn], RewardFn]:
     """Decorator: register ``fn`` under ``name``. It must be a module-level function so the scorer can import it.
     ``correct_at``: the score from which the eval counts an answer correct, for a rule whose partial credit can
-    pass one half (default: above 0.5). ``data_sources``: the rows' ``data_source`` values it scores by default."""
-    register = REWARD_FNS.register(name, traits=RewardTraits(correct_at))
+    pass one half (default: above 0.5). ``data_sources``: the rows' ``data_source`` values it scores by default (a
+    source some earlier registration claims keeps its rule; ``"prefix/*"``: every source under the prefix).
+    ``answer``: ``(response_text, extra_info) -> answer | None``, the answer maj@n votes on (None: no maj@n)."""
+    return REWARD_FNS.register(name, traits=RewardTraits(correct_at, answer, tuple(data_sources)))
 
-    def with_sources(fn: RewardFn) -> RewardFn:
-        fn = register(fn)
-        for source in data_sources:
-            DATA_SOURCE_FNS.setdefault(source, name)  # a built-in source keeps its rule
-        return fn
 
-    return with_sources
+def _traits(reward_fn: str | None) -> RewardTraits:
+    traits = REWARD_FNS.entry(reward_fn).traits if reward_fn in REWARD_FNS else None
+    return traits if isinstance(traits, RewardTraits) else RewardTraits()
 
 
 def correct_at(reward_fn: str | None) -> float | None:
     """The registered ``correct_at`` of a reward function (None: the default rule, or no rule scored the answer)."""
-    traits = REWARD_FNS.entry(reward_fn).traits if reward_fn in REWARD_FNS else None
-    return traits.correct_at if isinstance(traits, RewardTraits) else None
+    return _traits(reward_fn).correct_at
+
+
+def answer_extractor(reward_fn: str | None) -> AnswerFn | None:
+    """The registered answer of a reward function (what maj@n votes on); None: it extracts none."""
+    return _traits(reward_fn).answer
+
+
+def answer_extractors() -> list[str]:
+    """The registered reward functions that extract an answer, in registration order."""
+    return [name for name in REWARD_FNS if answer_extractor(name) is not None]
+
+
+def data_source_fns() -> dict[str, str]:
+    """data_source (or ``prefix/*``) -> the reward function that scores it by default, from the registrations'
+    ``data_sources`` (the first registration of a source keeps it: a built-in source keeps its rule)."""
+    out: dict[str, str] = {}
+    for name in REWARD_FNS:
+        for source in _traits(name).data_sources:
+            out.setdefault(source, name)
+    return out
+
+
+def registered_fn(data_source: str) -> str | None:
+    """The reward function registered for ``data_source`` (its own name first, then a ``prefix/*``); None: none."""
+    fns = data_source_fns()
+    if data_source in fns:
+        return fns[data_source]
+    for source, name in fns.items():
+        if source.endswith("/*") and data_source.startswith(source[:-1]):
+            return name
+    return None
 
 
 def default_reward_fn(data_source: str, by_data_source: dict[str, str] | None = None) -> str:
@@ -84,16 +115,14 @@ def default_reward_fn(data_source: str, by_data_source: dict[str, str] | None = 
     then the registered one."""
     if by_data_source and data_source in by_data_source:
         return by_data_source[data_source]
-    if data_source.startswith("reasoning_gym/"):  # one scorer for every task: it asks the task's own checker
-        return "reasoning_gym"
-    try:
-        return DATA_SOURCE_FNS[data_source]
-    except KeyError:
+    name = registered_fn(data_source)
+    if name is None:
         raise ValueError(
-            f"no reward function for data_source {data_source!r} (known: {', '.join(sorted(DATA_SOURCE_FNS))}); "
+            f"no reward function for data_source {data_source!r} (known: {', '.join(sorted(data_source_fns()))}); "
             f"map it with reward.by_data_source ({{{data_source}: gsm8k}}), or set reward.function to one of: "
             f"{', '.join(sorted(REWARD_FNS))} or module:function"
-        ) from None
+        )
+    return name
 
 
 # ---------------------------------------------------------------- reward functions
@@ -112,7 +141,7 @@ def exact_match_answer(response_text: str, extra_info: dict) -> str:
     return parts[0] if parts else ""
 
 
-@register_reward_fn("exact_match")
+@register_reward_fn("exact_match", data_sources=("synthetic/addition", "synthetic/multiply"), answer=exact_match_answer)
 def exact_match(response_text: str, ground_truth: str, extra_info: dict) -> float:
     """1.0 when the response's first token (cut at the first eos marker or whitespace) equals the ground truth."""
     return 1.0 if exact_match_answer(response_text, extra_info) == ground_truth.strip() else 0.0
@@ -141,7 +170,7 @@ def verl_gsm8k_answer(text: str, method: str = "strict") -> str | None:
     return valid[-1] if valid else (found[0] if found else None)
 
 
-@register_reward_fn("gsm8k")
+@register_reward_fn("gsm8k", data_sources=("openai/gsm8k",))
 def gsm8k(
     response_text: str,
     ground_truth: str,
@@ -203,7 +232,7 @@ def reasoning_gym_answer(response_text: str, answer_from: str = "last_number") -
 
 # correct only at full credit: the checkers give partial credit to an answer that contains the truth (products:
 # 645 answered 6450 scores 0.75)
-@register_reward_fn("reasoning_gym", correct_at=1.0)
+@register_reward_fn("reasoning_gym", correct_at=1.0, data_sources=("reasoning_gym/*",))
 def reasoning_gym_score(response_text: str, ground_truth: str, extra_info: dict) -> float:
     """The reasoning-gym task's own checker (``score_answer``) on the extracted answer, with the entry as
     generated (``extra_info["entry"]``, written by the data source)."""
@@ -217,13 +246,13 @@ def reasoning_gym_score(response_text: str, ground_truth: str, extra_info: dict)
     return float(score)
 
 
-@register_reward_fn("gsm8k_strict")
+@register_reward_fn("gsm8k_strict", answer=lambda text, extra: extract_gsm8k_answer(text, "strict"))
 def gsm8k_strict(response_text: str, ground_truth: str, extra_info: dict) -> float:
     """rlstage's numeric gsm8k reward: 1.0 when the last ``#### <number>`` is the ground truth's number."""
     return 1.0 if _same_number(extract_gsm8k_answer(response_text, "strict"), ground_truth) else 0.0
 
 
-@register_reward_fn("gsm8k_flexible")
+@register_reward_fn("gsm8k_flexible", answer=lambda text, extra: extract_gsm8k_answer(text, "flexible"))
 def gsm8k_flexible(response_text: str, ground_truth: str, extra_info: dict) -> float:
     """rlstage's numeric gsm8k reward: 1.0 when the last number in the response is the ground truth's."""
     return 1.0 if _same_number(extract_gsm8k_answer(response_text, "flexible"), ground_truth) else 0.0
@@ -641,8 +670,7 @@ def has_rule(data_source: str, function: str | None, by_data_source: dict[str, s
     return (
         function is not None
         or data_source in (by_data_source or {})
-        or data_source in DATA_SOURCE_FNS
-        or data_source.startswith("reasoning_gym/")
+        or registered_fn(data_source) is not None
     )
 
 
