@@ -168,8 +168,11 @@ def _while_the_server_boots(cfg) -> Callable[[str], None] | None:
         from rlstage.infra.drill import hold_point
 
         if not cfg.ray.address:
-            from rlstage.infra.ray_runtime import ensure_ray
+            from rlstage.flows import terminal
+            from rlstage.infra.ray_runtime import ensure_ray, mute_node_death_reports
 
+            if not terminal.verbose():
+                mute_node_death_reports()  # a raylet killed in its start: the restart's one line says it
             os.environ["PREFECT_API_URL"] = url  # before Ray starts: its workers report to this server
             ensure_ray(cfg)
         hold_point(cfg, "prefect_server:start")
