@@ -32,7 +32,7 @@ _PREFECT_DB = Path(os.environ["RLSTAGE_HOME"]) / "prefect-template.db"  # filled
 # Seconds per module as measured on a 2-core machine (a whole run's junit times): modules are handed to
 # the workers longest first (LPT), so that no long module starts last and runs alone at the end.
 MODULE_SECONDS = {  # a fresh-clone run of c59d9f3+ (junit times, warm workers), 2-core AMD EPYC, 2026-12-01
-    "test_workers": 633, "test_prefect_lost": 315, "test_real_model": 198, "test_chaos": 150, "test_pipeline_vllm": 136,
+    "test_workers": 633, "test_prefect_lost": 235, "test_real_model": 198, "test_chaos": 150, "test_pipeline_vllm": 136,
     "test_operations": 128, "test_deployments": 124, "test_failures": 123, "test_pool": 100, "test_docs_commands": 108,
     "test_checkpoint": 101, "test_reward_model": 101, "test_verifiers": 99, "test_pipeline": 98, "test_schedule": 93,
     "test_estimator_runs": 92, "test_rollout_vllm": 92, "test_chat": 87, "test_agent_function_pipeline": 40,

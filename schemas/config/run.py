@@ -121,9 +121,10 @@ class DrillConfig(_Section):
     # role worker processes: inside the call that trains ("update:<k>" rank 0, "update@rank1:<k>", ...), or
     # inside a role's call of a stage ("<stage>@<role>:<k>", role rollout | actor | ref | critic)
     kill_worker_at: list[str] = Field(default_factory=list)
-    # role worker processes, at the same points, and the eval stage ("eval:<k>"): write ``held-<point>`` in
+    # role worker processes, at the same points, the eval stage ("eval:<k>") and the command's start ("ray:start"
+    # once its local Ray is up, "prefect_server:start" while its Prefect server boots): write ``held-<point>`` in
     # ``markers`` and wait there until ``release-<point>`` appears (up to 300 s), so a test can keep one role
-    # busy while another works
+    # busy while another works, or kill a service at a known point
     hold_worker_at: list[str] = Field(default_factory=list)
     markers: str | None = None  # folder of fired-once markers
 
