@@ -33,6 +33,7 @@ PLUGINS = {
     "ppo_l2": ("policy loss", "ppo_l2"),
     "digit_match": ("reward function", "digit_match"),
     "csv_source": ("data source", "csv_qa"),
+    "plain_sampler": ("rollout engine", "plain_sampler"),
 }
 
 
@@ -154,8 +155,32 @@ def test_the_data_source_reads_the_csv_files(examples, tmp_path):
     assert chat.column("messages")[0].as_py() == [{"role": "user", "content": "What is 66+51? "}]
 
 
+def test_the_rollout_engine_samples_n_seeded_completions_a_prompt_with_their_log_probs(examples):
+    from rlstage.engines.models.tinykit import build_char_tokenizer, build_tiny_llama
+    from rlstage.engines.rollout.base import SamplingParams
+    from rlstage.engines.rollout.engines import build_rollout_engine, engine_traits
+    from rlstage.schemas.config import KitConfig
+
+    cfg = _config()
+    assert engine_traits("plain_sampler").in_memory
+    tok = build_char_tokenizer()
+    model = build_tiny_llama(KitConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64), tok)
+    engine = build_rollout_engine(cfg, model, tok, "unused")
+    prompts = [tok(q, add_special_tokens=False)["input_ids"] for q in ("What is 1+2? ", "What is 3+4? ")]
+    params = SamplingParams(n=3, max_new_tokens=5, seed=7, first_prompt=4)
+    got = engine.generate_ids(prompts, params)
+    assert [(c.prompt_index, c.sample_index) for c in got] == [(p, k) for p in (4, 5) for k in range(3)]
+    for c in got:
+        assert len(c.response_ids) == len(c.log_probs) <= 5 and all(lp <= 0 for lp in c.log_probs)
+        assert (c.finish_reason == "stop") == (c.response_ids[-1] in engine.stops)
+    assert [c.response_ids for c in engine.generate_ids(prompts, params)] == [c.response_ids for c in got]  # seeded
+    # the second prompt alone, at its place in the batch, samples as it did beside the first
+    alone = engine.generate_ids(prompts[1:], SamplingParams(n=3, max_new_tokens=5, seed=7, first_prompt=5))
+    assert [c.response_ids for c in alone] == [c.response_ids for c in got[3:]]
+
+
 @pytest.mark.integration
-def test_the_pages_config_trains_an_iteration_with_all_four_plugins(prefect_api, migrated_home, tmp_path, examples):
+def test_the_pages_config_trains_an_iteration_with_all_five_plugins(prefect_api, migrated_home, tmp_path, examples):
     """The page's command, as written but for the tiny kit's short settings: one iteration trained with the
     plugins' estimator, loss, reward and data, recorded in run.json; the stored config names code to import, so
     a later command that does not name the plugins again is refused."""
@@ -182,6 +207,7 @@ def test_the_pages_config_trains_an_iteration_with_all_four_plugins(prefect_api,
     experience = store.read_table(store.manifest("extended", 1, "advantage"), "experience.parquet")
     advantages = [a for row in experience.column("advantages").to_pylist() for a in row]
     assert max(abs(a) for a in advantages) <= 2.0 + 1e-6  # the estimator's max_abs
+    assert store.get_json("extended", "run.json")["config"]["rollout"]["engine"] == "plain_sampler"  # it sampled them
     with pytest.raises(ConfigError, match=r"plugins\.0: 'clipped_grpo' comes from the stored config"):
         stored_config(store, "extended")
     # named again, as the page's replay names them: loaded, and the same versions as the run recorded

@@ -194,6 +194,8 @@ def test_rewards_registered_by_a_plugin_are_named_by_reward_function(plugin_dir)
 def test_an_installed_plugin_trains_with_its_loss_and_reward_and_replays_identically(prefect_api, tmp_path):
     """tests/plugin_pkg installed into the run's environment (its entry point registers it): a pipeline run names
     its loss and reward, the weights move, the run records the plugin, and the replay of its update is identical."""
+    import torch
+
     from tests_support import tiny_overrides, update_weights, weights_moved
 
     site, src = tmp_path / "site", tmp_path / "plugin_pkg"
@@ -226,6 +228,7 @@ def test_an_installed_plugin_trains_with_its_loss_and_reward_and_replays_identic
     ]
     run += [
         "actor.policy_loss={name: scaled_pg, scale: 4.0}",
+        "algorithm.adv_estimator=grpo_median",
         "reward.function=even_last_digit",
         "actor.optim.lr=1e-3",
     ]
@@ -255,6 +258,15 @@ def test_an_installed_plugin_trains_with_its_loss_and_reward_and_replays_identic
     assert update.meta["metrics"]["scaled_pg/scale"] == pytest.approx(4.0)  # the plugin's loss trained it
     rewarded = store.read_table(store.manifest("plugged", 1, "reward"), "rewards.parquet")
     assert set(rewarded.column("reward_fn").to_pylist()) == {"even_last_digit"}
+    # the plugin's estimator computed the stored advantages: each score minus its group's median
+    assert params["algorithm.adv_estimator.name"] == "grpo_median", params
+    experience = store.read_table(store.manifest("plugged", 1, "advantage"), "experience.parquet").to_pylist()
+    groups: dict = {}
+    for row in experience:
+        groups.setdefault(row["group_id"], []).append(row["score"])
+    for row in experience:
+        median = float(torch.tensor(groups[row["group_id"]]).median())
+        assert row["advantages"][0] == pytest.approx(row["score"] - median, abs=1e-6), row["sample_id"]
     sft = store.manifest(kit_run_name(load_config(None, run)), None, "sft")
     from safetensors.torch import load
 

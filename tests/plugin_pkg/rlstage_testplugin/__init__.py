@@ -1,12 +1,12 @@
-"""Importing this module registers a policy loss (``scaled_pg``, with a settings model) and a reward function
-(``even_last_digit``), as a third party's plugin would."""
+"""Importing this module registers a policy loss (``scaled_pg``, with a settings model), an advantage estimator
+(``grpo_median``) and a reward function (``even_last_digit``), as a third party's plugin would."""
 
 from __future__ import annotations
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from rlstage.engines.algorithms import agg_loss, masked_mean, register_policy_loss
+from rlstage.engines.algorithms import agg_loss, masked_mean, register_adv_estimator, register_policy_loss
 from rlstage.engines.rewards.rules import register_reward_fn
 
 
@@ -43,3 +43,19 @@ def even_last_digit(response_text: str, ground_truth: str, extra_info: dict) -> 
     """1 when the response ends in an even digit: a task an untrained policy gets partly right."""
     text = response_text.strip()
     return 1.0 if text[-1:] in ("0", "2", "4", "6", "8") else 0.0
+
+
+@register_adv_estimator("grpo_median", needs=("groups",))
+@torch.no_grad()
+def grpo_median(*, token_level_rewards, response_mask, index, **kw):
+    """Each response's score minus its group's median (the rows of one prompt share an ``index``), broadcast over
+    its tokens and zero off the mask; returns ``(advantages, returns)``, both ``[batch, length]``."""
+    scores = token_level_rewards.sum(dim=-1)
+    rows: dict = {}
+    for row, key in enumerate(index):
+        rows.setdefault(key, []).append(row)
+    baseline = torch.zeros_like(scores)
+    for members in rows.values():
+        baseline[members] = scores[members].median()
+    advantages = (scores - baseline)[:, None] * response_mask
+    return advantages, advantages
