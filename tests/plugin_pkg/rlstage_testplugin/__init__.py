@@ -51,11 +51,7 @@ def grpo_median(*, token_level_rewards, response_mask, index, **kw):
     """Each response's score minus its group's median (the rows of one prompt share an ``index``), broadcast over
     its tokens and zero off the mask; returns ``(advantages, returns)``, both ``[batch, length]``."""
     scores = token_level_rewards.sum(dim=-1)
-    rows: dict = {}
-    for row, key in enumerate(index):
-        rows.setdefault(key, []).append(row)
-    baseline = torch.zeros_like(scores)
-    for members in rows.values():
-        baseline[members] = scores[members].median()
+    group = torch.tensor([list(dict.fromkeys(index)).index(key) for key in index])
+    baseline = torch.stack([scores[group == g].median() for g in group.tolist()])
     advantages = (scores - baseline)[:, None] * response_mask
     return advantages, advantages
