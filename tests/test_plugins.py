@@ -259,7 +259,7 @@ def test_an_installed_plugin_trains_with_its_loss_and_reward_and_replays_identic
     rewarded = store.read_table(store.manifest("plugged", 1, "reward"), "rewards.parquet")
     assert set(rewarded.column("reward_fn").to_pylist()) == {"even_last_digit"}
     # the plugin's estimator computed the stored advantages: each score minus its group's median
-    assert params["algorithm.adv_estimator.name"] == "grpo_median", params
+    assert params["algorithm.adv_estimator"] == "grpo_median", params  # an estimator without settings: its name
     experience = store.read_table(store.manifest("plugged", 1, "advantage"), "experience.parquet").to_pylist()
     groups: dict = {}
     for row in experience:

@@ -390,9 +390,11 @@ def test_the_reward_stage_keeps_a_dict_returns_keys_as_per_sample_columns_and_me
             "prompt": ["p"] * 3,
             "response_ids": [[1], [2], [3]],
             "sample_index": [0, 1, -1],  # c: a ReMax greedy baseline, not a sample of the metrics
+            "group_id": [0, 0, 0],
         }
     )
     out = score_round(load_config(None, [f"reward.function={path}:compute_score"]), table)
+    assert out.metrics["reward/flat_group_share"] == 0.0  # a and b, one group, scored 1 and 0 (c is no sample)
     assert out.tables[REWARD_EXTRA].to_pylist() == [
         {"sample_id": "a", "acc": 1.0, "pred": "72", "split": "train"},
         {"sample_id": "b", "acc": 0.0, "pred": "1", "split": "train"},
