@@ -206,7 +206,8 @@ def _load_verl(args) -> object:
     from rlstage.schemas.config import build_config
 
     recipe = translate(args.config, args.overrides)
-    cfg = build_config(config_tree(recipe))
+    tree = config_tree(recipe)
+    cfg = build_config(tree)
     noted = [line for line in recipe.mapped if line.endswith(")") or args.verbose]
     print(f"rlstage: verl recipe: {len(recipe.mapped)} settings mapped, {len(recipe.dropped)} keys dropped, "
           f"{len(recipe.passthrough)} rlstage settings as given", flush=True)  # fmt: skip
@@ -214,7 +215,7 @@ def _load_verl(args) -> object:
         print(f"rlstage: verl mapped {line}", flush=True)
     for line in recipe.dropped:
         print(f"rlstage: verl dropped {line}", flush=True)
-    resolved = yaml.safe_dump(config_tree(recipe), sort_keys=False, default_flow_style=None).rstrip()
+    resolved = yaml.safe_dump(tree, sort_keys=False, default_flow_style=None).rstrip()
     print("rlstage: the recipe as rlstage settings (the rest are rlstage's defaults):\n" + resolved, flush=True)
     return cfg
 

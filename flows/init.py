@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from rlstage.schemas.config import ConfigError, build_config
+from rlstage.schemas.config import ConfigError, build_config, dotted
 from rlstage.schemas.docs_site import page_url
 from rlstage.schemas.settings_help import help_of
 
@@ -99,21 +99,11 @@ def _short(text: str, limit: int = 100) -> str:
     return first if len(first) <= limit else first[: limit - 3].rstrip() + "..."
 
 
-def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in tree.items():
-        if isinstance(v, dict) and v:
-            out |= _flat(v, f"{prefix}{k}.")
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
 def _nest(flat: dict[str, Any]) -> dict[str, Any]:
     tree: dict[str, Any] = {}
-    for dotted, value in flat.items():
+    for key, value in flat.items():
         node = tree
-        *parents, leaf = dotted.split(".")
+        *parents, leaf = key.split(".")
         for part in parents:
             node = node.setdefault(part, {})
         node[leaf] = value
@@ -129,9 +119,9 @@ def _lines(flat: dict[str, Any], helps: dict[str, str], tune_from: str) -> list[
     first of the settings to tune."""
     lines = ["# ---- choose these first"]
     opened: list[str] = []
-    for dotted, value in flat.items():
-        *parents, leaf = dotted.split(".")
-        if dotted == tune_from:
+    for key, value in flat.items():
+        *parents, leaf = key.split(".")
+        if key == tune_from:
             lines += ["", "# ---- tune these next (starting points for a small model; smaller where this machine has no GPU)"]
         common = 0
         while common < min(len(opened), len(parents)) and opened[common] == parents[common]:
@@ -140,7 +130,7 @@ def _lines(flat: dict[str, Any], helps: dict[str, str], tune_from: str) -> list[
             lines.append(f"{'  ' * depth}{parents[depth]}:")
         opened = parents
         pad = "  " * len(parents)
-        lines += [f"{pad}# {_short(helps[dotted])}", f"{pad}{leaf}: {_value(value)}"]
+        lines += [f"{pad}# {_short(helps[key])}", f"{pad}{leaf}: {_value(value)}"]
     return lines
 
 
@@ -172,14 +162,14 @@ def render(choices: InitChoices) -> str:
     # each section once: the settings to tune of a section the first ones open go there, the others after
     tune = {**TUNE_NEXT, **(CPU_SIZES if not _has_gpu() else {})}
     tune |= fitted(context_of(choices.model), tune)
-    given = _flat(parse_overrides(list(choices.overrides)))
+    given = dotted(parse_overrides(list(choices.overrides)))
     first |= {k: v for k, v in given.items() if k in first}
     tune |= {k: v for k, v in given.items() if k not in first}
     flat: dict[str, Any] = {}
     for section in dict.fromkeys(k.split(".")[0] for k in first):
         flat |= {k: v for k, v in [*first.items(), *tune.items()] if k.split(".")[0] == section}
     rest = {k: v for k, v in tune.items() if k not in flat}
-    flat, rest = _flat(_nest(flat)), _flat(_nest(rest))  # a section's settings together: YAML keeps one block a key
+    flat, rest = dotted(_nest(flat)), dotted(_nest(rest))  # a section's settings together: YAML keeps one block a key
     columns = ColumnSettings.model_fields
     first = {k: v for k, v in first.items() if v is not None or k == "reward.function"}
     helps = {k: _help(k) for k in [*first, *tune] if not k.startswith("data.source_settings.")}

@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from rlstage.schemas.config import ConfigError, merge_dicts, nearest_setting, parse_overrides
+from rlstage.schemas.config import ConfigError, dotted, merge_dicts, nearest_setting, parse_overrides
 
 AR = "actor_rollout_ref"
 
@@ -197,16 +197,6 @@ def _show(value: Any) -> str:
     return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
 
 
-def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
-    if not isinstance(tree, dict):
-        return {prefix: tree}
-    out: dict[str, Any] = {}
-    for k, v in tree.items():
-        key = f"{prefix}.{k}" if prefix else str(k)
-        out.update(_flatten(v, key) if isinstance(v, dict) and v else {key: v})
-    return out
-
-
 def _parse_override(item: str) -> tuple[str, Any] | None:
     """Hydra's ``key=value``, ``+key=value`` and ``++key=value``; ``~key`` (delete: verl's default) gives None."""
     if item.startswith("~"):
@@ -265,7 +255,7 @@ def read_recipe(path: str | Path | None, overrides: list[str] | tuple[str, ...])
             raise ConfigError(f"config error: verl config {p} is not readable YAML ({type(err).__name__})") from None
         if not isinstance(loaded, dict):
             raise ConfigError(f"config error: verl config {p} must hold a mapping")
-        keys.update({k: v for k, v in _flatten(loaded).items() if not (isinstance(v, str) and "${" in v)})
+        keys.update({k: v for k, v in dotted(loaded).items() if not (isinstance(v, str) and "${" in v)})
     for item in overrides:
         parsed = _parse_override(item)
         if parsed is not None:
@@ -361,10 +351,9 @@ def translate(path: str | Path | None, overrides: list[str] | tuple[str, ...]) -
     if keys.get("critic.enable") is None:
         recipe.set("critic.enable", critic_on, "critic.enable (unset)", "verl trains a critic for gae, and only then")
     # custom_reward_function: verl's {path, name} form is rlstage's reward.function
-    if take("custom_reward_function.path") is not None:
-        name = take("custom_reward_function.name") or "compute_score"
-        recipe.set("reward.function", f"{Path(str(keys['custom_reward_function.path'])).expanduser()}:{name}", "custom_reward_function")
-    take("custom_reward_function.name")
+    reward_file, name = take("custom_reward_function.path"), take("custom_reward_function.name") or "compute_score"
+    if reward_file is not None:
+        recipe.set("reward.function", f"{Path(str(reward_file)).expanduser()}:{name}", "custom_reward_function")
     _schedule(recipe, keys, take, n, iterations_given="trainer.iterations" in own)
     for verl_key in keys:
         if verl_key in handled or verl_key in VERL_DEFAULTS and verl_key not in given:

@@ -40,6 +40,7 @@ from rlstage.schemas.config.loading import (  # noqa: F401
     _yaml_problem,
     build_config,
     config_to_yaml,
+    dotted,
     format_validation_error,
     load_config,
     merge_dicts,

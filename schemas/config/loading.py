@@ -45,6 +45,17 @@ def parse_overrides(overrides: list[str] | tuple[str, ...]) -> dict:
     return tree
 
 
+def dotted(tree: dict, prefix: str = "") -> dict[str, Any]:
+    """A nested dict as ``{"a.b": value}`` (the inverse of ``parse_overrides``' nesting); an empty dict is a value."""
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        if isinstance(v, dict) and v:
+            out |= dotted(v, f"{prefix}{k}.")
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
 def merge_dicts(base: dict, extra: dict) -> dict:
     out = dict(base)
     for k, v in extra.items():
