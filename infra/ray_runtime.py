@@ -53,7 +53,7 @@ def watch_local_raylet(poll_s: float = 0.5) -> None:
     raylet = getattr(infos[0], "process", None) if infos else None
     if raylet is None:
         return
-    _watch(node, lambda: raylet.poll() is None, poll_s)
+    _watch(node, lambda: not _exited(raylet), poll_s)
 
 
 def watch_joined_cluster(poll_s: float = 1.0, lost_after_s: float = 5.0) -> None:
@@ -198,9 +198,21 @@ def _dead_ray_processes() -> list[str]:
     node = getattr(ray._private.worker, "_global_node", None)
     dead = []
     for name, infos in (getattr(node, "all_processes", None) or {}).items():
-        if any(getattr(info, "process", None) is not None and info.process.poll() is not None for info in infos):
+        if any(getattr(info, "process", None) is not None and _exited(info.process) for info in infos):
             dead.append(name)
     return sorted(dead)
+
+
+def _exited(process) -> bool:
+    """Whether a Ray process (a Popen) has exited. ``poll()`` alone answers None while another thread waits on
+    it (Popen's waitpid lock), so the process's own /proc entry decides too: gone, or a zombie not yet reaped."""
+    if process.poll() is not None:
+        return True
+    try:
+        with open(f"/proc/{process.pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X")
+    except OSError:
+        return True
 
 
 def _ray_children() -> set[int]:
