@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from rlstage.schemas.config import ConfigError, build_config, dotted
+from rlstage.schemas.config import ConfigError, build_config, dotted, nested
 from rlstage.schemas.docs_site import page_url
 from rlstage.schemas.settings_help import help_of
 
@@ -99,17 +99,6 @@ def _short(text: str, limit: int = 100) -> str:
     return first if len(first) <= limit else first[: limit - 3].rstrip() + "..."
 
 
-def _nest(flat: dict[str, Any]) -> dict[str, Any]:
-    tree: dict[str, Any] = {}
-    for key, value in flat.items():
-        node = tree
-        *parents, leaf = key.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    return tree
-
-
 def _value(value: Any) -> str:
     return json.dumps(value) if isinstance(value, str | dict) else yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
 
@@ -169,7 +158,7 @@ def render(choices: InitChoices) -> str:
     for section in dict.fromkeys(k.split(".")[0] for k in first):
         flat |= {k: v for k, v in [*first.items(), *tune.items()] if k.split(".")[0] == section}
     rest = {k: v for k, v in tune.items() if k not in flat}
-    flat, rest = dotted(_nest(flat)), dotted(_nest(rest))  # a section's settings together: YAML keeps one block a key
+    flat, rest = dotted(nested(flat)), dotted(nested(rest))  # a section's settings together: YAML keeps one block a key
     columns = ColumnSettings.model_fields
     first = {k: v for k, v in first.items() if v is not None or k == "reward.function"}
     helps = {k: _help(k) for k in [*first, *tune] if not k.startswith("data.source_settings.")}

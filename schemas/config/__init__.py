@@ -45,6 +45,7 @@ from rlstage.schemas.config.loading import (  # noqa: F401
     load_config,
     merge_dicts,
     nearest_setting,
+    nested,
     parse_overrides,
 )
 from rlstage.schemas.config.migrations import (  # noqa: F401

@@ -56,6 +56,14 @@ def dotted(tree: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def nested(flat: dict[str, Any]) -> dict:
+    """``{"a.b": value}`` as a nested dict (the inverse of ``dotted``), in the keys' order of first appearance."""
+    tree: dict = {}
+    for key, value in flat.items():
+        _set_dotted(tree, key, value)
+    return tree
+
+
 def merge_dicts(base: dict, extra: dict) -> dict:
     out = dict(base)
     for k, v in extra.items():
