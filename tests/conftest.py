@@ -31,17 +31,17 @@ _PREFECT_DB = Path(os.environ["RLSTAGE_HOME"]) / "prefect-template.db"  # filled
 
 # Seconds per module as measured on a 2-core machine (a whole run's junit times): modules are handed to
 # the workers longest first (LPT), so that no long module starts last and runs alone at the end.
-MODULE_SECONDS = {  # a fresh-clone run of c59d9f3+ (junit times, warm workers), 2-core AMD EPYC, 2026-12-01
-    "test_workers": 633, "test_prefect_lost": 235, "test_real_model": 198, "test_chaos": 150, "test_pipeline_vllm": 136,
-    "test_operations": 128, "test_deployments": 124, "test_failures": 123, "test_pool": 100, "test_docs_commands": 108,
-    "test_checkpoint": 101, "test_reward_model": 101, "test_verifiers": 99, "test_pipeline": 98, "test_schedule": 93,
-    "test_estimator_runs": 92, "test_rollout_vllm": 92, "test_chat": 87, "test_agent_function_pipeline": 40,
-    "test_tracking_server": 75, "test_actor_deepspeed": 71, "test_disk_full": 71, "test_plugins": 68, "test_ui": 67,
-    "test_upgrade": 190, "test_registry": 57, "test_extending": 83, "test_verl_recipe": 95, "test_store_s3": 45, "test_lora": 45,
-    "test_agent_pipeline": 42, "test_agent_endpoint": 25, "test_hostile_agents": 60, "test_agent_loop": 39, "test_wheel": 38,
-    "test_dynamic_sampling": 30, "test_openenv": 29,
-    "test_datasets": 19, "test_bad_input": 18, "test_gpu_check": 18, "test_config": 17, "test_engines": 17,
-    "test_explore": 16, "test_lean_imports": 12, "test_lm_head": 10, "test_docs": 7, "test_modpath": 7,
+MODULE_SECONDS = {  # a fresh-clone run of c1e5250 (junit times), 2-core AMD EPYC, 2026-12-02
+    "test_workers": 644, "test_prefect_lost": 252, "test_reward_model": 161, "test_pipeline_vllm": 133,
+    "test_chaos": 122, "test_failures": 122, "test_schedule": 121, "test_real_model": 120, "test_deployments": 118,
+    "test_verifiers": 106, "test_upgrade": 103, "test_rollout_vllm": 100, "test_plugins": 72, "test_pool": 70,
+    "test_actor_deepspeed": 66, "test_ui": 63, "test_chat": 63, "test_pipeline": 61, "test_verl_recipe": 60,
+    "test_docs_commands": 55, "test_disk_full": 52, "test_estimator_runs": 48, "test_operations": 46,
+    "test_agent_endpoint": 43, "test_wheel": 40, "test_hostile_agents": 39, "test_checkpoint": 38,
+    "test_agent_loop": 37, "test_extending": 37, "test_tracking_server": 32, "test_agent_function_pipeline": 31,
+    "test_lora": 31, "test_store_s3": 30, "test_gpu_check": 26, "test_agent_pipeline": 24, "test_bad_input": 22,
+    "test_openenv": 20, "test_config": 19, "test_engines": 17, "test_dynamic_sampling": 16, "test_explore": 15,
+    "test_registry": 14, "test_lean_imports": 12, "test_cli": 6, "test_docs": 6, "test_modpath": 6,
 }  # fmt: skip
 
 
