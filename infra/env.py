@@ -38,6 +38,17 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def pid_running(pid: int) -> bool:
+    """Whether a process lives and is not a zombie (exited, its parent yet to reap it: ``pid_alive`` counts those)."""
+    if not pid_alive(pid):
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
+    except (OSError, IndexError):
+        return os.path.exists(f"/proc/{pid}")
+
+
 def apply_defaults() -> None:
     for k, v in LOOPBACK_DEFAULTS.items():
         os.environ.setdefault(k, v)

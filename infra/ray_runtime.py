@@ -15,7 +15,7 @@ from collections.abc import Callable
 import ray
 
 from rlstage.infra.drill import hold_point
-from rlstage.infra.env import apply_defaults
+from rlstage.infra.env import apply_defaults, pid_running
 from rlstage.schemas.config import RunConfig
 
 RAY_NAMESPACE = "rlstage"
@@ -206,13 +206,7 @@ def _dead_ray_processes() -> list[str]:
 def _exited(process) -> bool:
     """Whether a Ray process (a Popen) has exited. ``poll()`` alone answers None while another thread waits on
     it (Popen's waitpid lock), so the process's own /proc entry decides too: gone, or a zombie not yet reaped."""
-    if process.poll() is not None:
-        return True
-    try:
-        with open(f"/proc/{process.pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X")
-    except OSError:
-        return True
+    return process.poll() is not None or not pid_running(process.pid)
 
 
 def _ray_children() -> set[int]:

@@ -31,6 +31,7 @@ from rlstage.engines.models.chat import stop_token_ids as template_stop_ids
 from rlstage.engines.models.lora import is_peft, save_hf
 from rlstage.engines.rollout.base import Completion, RolloutEngine, SamplingParams
 from rlstage.engines.rollout.vllm_plugin import QUIET_WAITS
+from rlstage.infra.env import pid_running
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -88,7 +89,7 @@ def reap_owned_files(pids: Sequence[int] = (), wait_s: float = 0.0) -> list[str]
                 owned = json.loads(registry.read_text())
             except (OSError, ValueError):  # being written, or already reaped
                 continue
-            if _alive(owned["pid"]) or any(_alive(c) for c in owned["children"]):
+            if pid_running(owned["pid"]) or any(pid_running(c) for c in owned["children"]):
                 waiting = waiting or owned["pid"] in pids
                 continue
             semaphores = [str(f) for c in owned["children"] for f in Path(folder).glob(f"sem.loky-{c}-*")]
@@ -103,29 +104,12 @@ def reap_owned_files(pids: Sequence[int] = (), wait_s: float = 0.0) -> list[str]
             registry.unlink(missing_ok=True)
         for segment in Path(folder).glob(f"{PUSH_PREFIX}*"):  # a weight push whose sender died mid-push
             owner = segment.name.removeprefix(PUSH_PREFIX).split("-", 1)[0]
-            if owner.isdigit() and not _alive(int(owner)):
+            if owner.isdigit() and not pid_running(int(owner)):
                 segment.unlink(missing_ok=True)
                 removed.append(str(segment))
         if not waiting or time.monotonic() >= deadline:
             return removed
         time.sleep(0.1)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return Path(f"/proc/{pid}").exists() and "zombie" not in _state(pid)
-
-
-def _state(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/status").read_text().split("State:", 1)[1].split("\n", 1)[0].lower()
-    except (OSError, IndexError):
-        return ""
 
 
 class WeightSyncExtension:
