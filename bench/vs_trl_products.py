@@ -26,7 +26,7 @@ coarser grid would time the eval grid, not the learning.
 
 Threads: both sides have this machine's cores (2) to themselves, one side at a time. rlstage's Ray gets them all
 (``ray.num_cpus``), its trainer runs ``model.torch_threads`` = 2 torch threads and its vLLM engine binds both cores
-(``rollout.vllm_cpu_threads_bind: auto``); TRL generates and trains in one process with ``torch.set_num_threads(2)``.
+(``rollout.vllm.cpu_threads_bind: auto``); TRL generates and trains in one process with ``torch.set_num_threads(2)``.
 Every line says so (``threads``).
 
 Time to target is measured as bench/vs_trl.py measures it: training seconds, evaluation left out on both sides
@@ -205,7 +205,7 @@ def run_rlstage(args: argparse.Namespace) -> None:
         system="rlstage",
         seed=seed,
         threads={"cores": rlstage_cores(cfg), "torch_threads": cfg.model.torch_threads,
-                 "vllm_cpu_threads_bind": cfg.rollout.vllm_cpu_threads_bind},
+                 "vllm_cpu_threads_bind": cfg.rollout.vllm.cpu_threads_bind},
         settings={
             "config": CONFIG, "overrides": [*RACE_OVERRIDES, *args.overrides], "rollout": cfg.rollout.engine,
             "prompts_per_iteration": cfg.data.prompts_per_iteration, "gen_batch_size": cfg.data.gen_batch_size,

@@ -54,8 +54,8 @@ SAME: dict[str, str] = {
     f"{AR}.rollout.n": "rollout.n",
     f"{AR}.rollout.temperature": "rollout.temperature",
     f"{AR}.rollout.top_p": "rollout.top_p",
-    f"{AR}.rollout.enforce_eager": "rollout.vllm_enforce_eager",
-    f"{AR}.rollout.max_num_seqs": "rollout.vllm_max_num_seqs",
+    f"{AR}.rollout.enforce_eager": "rollout.vllm.enforce_eager",
+    f"{AR}.rollout.max_num_seqs": "rollout.vllm.max_num_seqs",
     f"{AR}.actor.ppo_micro_batch_size_per_gpu": "actor.micro_batch_size",
     f"{AR}.actor.ppo_epochs": "actor.ppo_epochs",
     f"{AR}.actor.shuffle": "actor.shuffle",
@@ -142,7 +142,7 @@ DROPPED: list[tuple[str, str]] = [
     (r"gpu_memory_utilization|max_num_batched_tokens|max_model_len|enable_chunked_prefill|enable_prefix_caching|"
      r"free_cache_engine|load_format|layered_summon|cudagraph|skip_tokenizer_init|scheduling_policy|"
      r"multi_stage_wake_up|disable_log_stats|rollout\.mode$|rollout\.dtype$|quantization|routing_replay",
-     "the rollout engine's memory and speed: rlstage sizes vLLM by rollout.vllm_kv_cache_bytes"),
+     "the rollout engine's memory and speed: rlstage sizes vLLM by rollout.vllm.kv_cache_bytes"),
     (r"log_prob_(micro_batch_size|use_dynamic_bsz|max_token_len)|forward_micro_batch_size|\.ref\.",
      "the log-prob passes batch by actor.micro_batch_size (the reference is the starting policy)"),
     (r"use_dynamic_bsz$|ppo_max_token_len_per_gpu|forward_max_token_len_per_gpu",

@@ -19,7 +19,7 @@ from rlstage.infra.env import apply_defaults
 from rlstage.infra.home import mlflow_uri
 from rlstage.infra.store import ArtifactStore, store_identity
 from rlstage.schemas.artifacts import PROMPTS
-from rlstage.schemas.config import RunConfig, flat_loss_form, plain_entry_names
+from rlstage.schemas.config import RunConfig, flat_form, plain_entry_names
 from rlstage.schemas.manifest import Manifest
 
 # A new SQLite store announces its table creation at INFO on every first run: noise in the command's output.
@@ -80,10 +80,11 @@ def flatten(tree: Any, prefix: str = "") -> dict[str, str]:
 
 def config_params(cfg: RunConfig) -> dict[str, str]:
     """The run's MLflow params: its config flattened, in the layout 0.1 logged (a policy loss by its name with its flat
-    settings beside it, an estimator without settings by its name), the one its cache keys hash. MLflow's params are
-    immutable and a continued run never logs them again, so a run started by 0.1 keeps its params, and a run started
-    now has the same keys and values for the same settings: the two compare side by side."""
-    return flatten(plain_entry_names(flat_loss_form(cfg.model_dump(mode="json"))))
+    settings beside it, vLLM's settings as rollout.vllm_<name>, an estimator without settings by its name), the one
+    its cache keys hash. MLflow's params are immutable and a continued run never logs them again, so a run started by
+    0.1 keeps its params, and a run started now has the same keys and values for the same settings: the two compare
+    side by side."""
+    return flatten(plain_entry_names(flat_form(cfg.model_dump(mode="json"))))
 
 
 def source_tags(root: Path = REPO_ROOT) -> dict[str, str]:

@@ -159,13 +159,10 @@ class StageSpec:
 
 # What the policy worker reads for every stage it serves: the model's dtype, threads and source.
 _WORKER = ("model",)
-# The rollout engine the worker builds (batching and engine settings can change sampled tokens).
-_ENGINE = (
-    "rollout.engine", "rollout.batch_size", "rollout.share_prompts", "rollout.seed", "rollout.vllm_kv_cache_bytes",
-    "rollout.vllm_enforce_eager", "rollout.vllm_max_num_seqs", "rollout.vllm_block_size",
-    "rollout.vllm_cpu_threads_bind",
-    "rollout.vllm_quiet_waits",  # not the tokens: read by the rollout and eval stages when they start the engine
-)  # fmt: skip
+# The rollout engine the worker builds (batching and engine settings can change sampled tokens; vLLM's quiet_waits and
+# cpu_threads_bind do not, but the rollout and eval stages start the engine with them). rollout.vllm hashes by its
+# settings' flat names of before 0.2 (RunConfig.stage_hash), so that stored runs keep their keys.
+_ENGINE = ("rollout.engine", "rollout.batch_size", "rollout.share_prompts", "rollout.seed", "rollout.vllm")
 _SAMPLING = ("rollout.top_p", "rollout.top_k", "rollout.max_new_tokens", "rollout.seed")
 # The worker's optimizer schedule length (workers.group.total_update_steps), used by decaying schedules.
 _TOTAL_STEPS = (

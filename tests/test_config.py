@@ -99,6 +99,57 @@ def test_flat_loss_settings_are_read_with_a_deprecation_line_and_hash_as_before(
         load_config(None, ["actor.policy_loss={name: gspo, clip_ratio_high: 0.3}", "actor.clip_ratio_high=0.28"])
 
 
+_VLLM_SET = {
+    "kv_cache_bytes": 134217728, "block_size": 32, "max_num_seqs": 64, "cpu_threads_bind": "auto",
+    "quiet_waits": True, "enforce_eager": False,
+}  # fmt: skip
+
+
+def test_flat_vllm_settings_are_read_with_a_deprecation_line_and_both_set_is_one_line():
+    with pytest.warns(DeprecationWarning) as said:
+        flat = load_config(None, [f"rollout.vllm_{k}={v}" for k, v in _VLLM_SET.items()])
+    assert sorted(str(w.message) for w in said) == sorted(
+        f"rollout.vllm_{k} is deprecated: set rollout.vllm.{k} (the flat name is read until 0.3)"
+        for k in _VLLM_SET
+    )
+    nested = load_config(None, [f"rollout.vllm.{k}={v}" for k, v in _VLLM_SET.items()])
+    assert flat.rollout.vllm == nested.rollout.vllm and nested.rollout.vllm.model_dump() == _VLLM_SET
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["rollout.vllm.max_num_seqs=8", "rollout.vllm_max_num_seqs=16"])
+    assert str(err.value) == (
+        "config error: rollout: rollout.vllm_max_num_seqs (deprecated) and rollout.vllm.max_num_seqs are both "
+        "set: keep the second"
+    )
+
+
+def test_vllm_settings_keep_the_cache_keys_of_their_flat_names():
+    """A store written before rollout.vllm nested continues without re-executing a stage: the stage views hash its
+    settings by their flat names (the expected keys were computed by the commit before the move, with flat names)."""
+    import warnings
+
+    from rlstage.schemas.stages import view_hash
+
+    given = [f"rollout.vllm.{k}={v}" for k, v in _VLLM_SET.items()]
+    nested = load_config(None, ["rollout.engine=vllm", *given])
+    default = load_config(None, [])
+    shipped = load_config(Path(__file__).resolve().parent.parent / "configs" / "reasoning-smollm2.yaml")
+    keys = [view_hash(cfg, stage) for cfg in (default, nested, shipped) for stage in ("rollout", "eval")]
+    assert keys == [
+        "61aad12cac92a249", "9a020844e4582c57", "7edbdba6c191abfe", "92a4faec9c72ef21", "c326ddc5baa3bcbd",
+        "ac5943b54a497d53",
+    ]  # fmt: skip
+    assert nested.stage_hash("rollout") == "4648fec527682201"
+    flat = [f"rollout.vllm_{k}" for k in _VLLM_SET]
+    assert nested.stage_hash("rollout.vllm") == nested.stage_hash(*flat)  # the section: every flat name
+    assert nested.stage_hash("rollout.vllm.block_size") == nested.stage_hash("rollout.vllm_block_size")
+    assert not {"vllm", "vllm_block_size"} & set(default.hashed_dump()["rollout"])  # block_size unset
+    # a stored config of before (every flat setting, block_size unset) loads as the defaults, saying nothing
+    stored = {f"vllm_{k}": v for k, v in default.rollout.vllm.model_dump().items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert RunConfig.model_validate({"rollout": stored}).rollout == default.rollout
+
+
 def test_override_values_are_yaml_scalars():
     assert parse_overrides(["a.b=true", "a.c=3", "d=x"]) == {"a": {"b": True, "c": 3}, "d": "x"}
 

@@ -141,7 +141,7 @@ def test_vllm_rollouts_sigterm_stops_all_it_started_and_the_rerun_continues(pref
         "kit.hidden_size=64",
         "kit.num_heads=2",
         "rollout.engine=vllm",
-        "rollout.vllm_kv_cache_bytes=134217728",
+        "rollout.vllm.kv_cache_bytes=134217728",
         # large steps that move the weights even when every reward is 0 (an untrained tiny model):
         # rollouts from stale, unsynced weights would show a clear gap (measured: the run fails)
         "actor.optim.lr=1e-2",

@@ -54,13 +54,13 @@ def test_a_released_worker_serves_the_next_run_with_a_fresh_workers_artifacts(pr
     assert weights_moved(update_weights(store, "w", 2), update_weights(store, "w", 1))
     assert _checksums(warm, "w") == _checksums(fresh, "w")  # byte for byte a fresh worker's
     # a run of another engine build gets a fresh worker, and the idle one is stopped for its resources
-    other = _cfg(tmp_path / "other", "w", "rollout.vllm_max_num_seqs=8", "trainer.iterations=1")
+    other = _cfg(tmp_path / "other", "w", "rollout.vllm.max_num_seqs=8", "trainer.iterations=1")
     train(config=other)
     assert _trained_on(other, "w") != pid
     assert pool.idle_count() == 1
     # the same build from other code (an edited module on the cluster's nodes): a fresh worker again
     monkeypatch.setattr(pool, "code_version", lambda: "edited")
-    edited = _cfg(tmp_path / "edited", "w", "rollout.vllm_max_num_seqs=8", "trainer.iterations=1")
+    edited = _cfg(tmp_path / "edited", "w", "rollout.vllm.max_num_seqs=8", "trainer.iterations=1")
     train(config=edited)
     assert _trained_on(edited, "w") not in (pid, _trained_on(other, "w"))
 
@@ -69,7 +69,7 @@ def test_the_key_holds_the_model_the_engines_and_the_resources():
     base = load_config(None, ["run_name=k"])
     key = pool.worker_key(base, "trainer", {"num_cpus": 1})
     assert pool.worker_key(load_config(None, ["run_name=other", "store.root=/elsewhere"]), "trainer", {"num_cpus": 1}) == key
-    for change in ("model.path=/some/model", "model.dtype=bfloat16", "rollout.engine=vllm", "actor.engine=deepspeed", "rollout.vllm_max_num_seqs=8"):
+    for change in ("model.path=/some/model", "model.dtype=bfloat16", "rollout.engine=vllm", "actor.engine=deepspeed", "rollout.vllm.max_num_seqs=8"):
         assert pool.worker_key(load_config(None, ["run_name=k", change]), "trainer", {"num_cpus": 1}) != key, change
     # what each run gives the worker as it binds it (batches, seeds, LoRA, the loss) leaves the build alone
     for change in ("rollout.batch_size=32", "model.lora_rank=4", "trainer.seed=3", "actor.optim.lr=0.5"):

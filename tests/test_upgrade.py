@@ -54,8 +54,9 @@ def _source_of(commit: str, dest: Path) -> Path:
 
 def _late_setting(path: str) -> bool:
     """Whether the dotted config ``path`` is a setting added after runs were stored (HASHED_WHEN_SET)."""
-    from rlstage.schemas.config import HASHED_WHEN_SET, RunConfig
+    from rlstage.schemas.config import FLAT_PATHS, HASHED_WHEN_SET, RunConfig
 
+    path = {flat: nested for nested, flat in FLAT_PATHS.items()}.get(path, path)  # a flat name's param
     model, *parents, leaf = [RunConfig, *path.split(".")]
     for part in parents:
         model = model.model_fields[part].annotation

@@ -39,9 +39,8 @@ from rlstage.schemas.config import RunConfig
 # threads, the engines it imports and starts (vLLM's settings shape its engine process), the plugins it loaded and
 # the agent code it imports. Everything else (LoRA, batch sizes, seeds, losses) arrives with each run's bind.
 BUILD = (
-    "model.path", "model.dtype", "model.torch_threads", "rollout.engine", "rollout.vllm_kv_cache_bytes",
-    "rollout.vllm_enforce_eager", "rollout.vllm_max_num_seqs", "rollout.vllm_block_size", "rollout.vllm_cpu_threads_bind",
-    "rollout.vllm_quiet_waits", "actor.engine", "actor.zero_stage", "plugins", "agent.function", "agent.tools",
+    "model.path", "model.dtype", "model.torch_threads", "rollout.engine", "rollout.vllm", "actor.engine",
+    "actor.zero_stage", "plugins", "agent.function", "agent.tools",
 )  # fmt: skip
 _KV = "rlstage-warm"  # the key-value namespace of group names and bindings
 _PACKAGE = Path(__file__).resolve().parent.parent

@@ -89,12 +89,12 @@ def vllm_engine(cfg: Any, model: Any, tokenizer: Any, path: str, current: Rollou
             tokenizer,
             dtype=cfg.model.dtype,
             seed=r.seed,
-            kv_cache_bytes=r.vllm_kv_cache_bytes,
-            enforce_eager=r.vllm_enforce_eager,
-            max_num_seqs=r.vllm_max_num_seqs,
-            block_size=r.vllm_block_size,
-            cpu_threads_bind=r.vllm_cpu_threads_bind,
-            quiet_waits=r.vllm_quiet_waits,
+            kv_cache_bytes=r.vllm.kv_cache_bytes,
+            enforce_eager=r.vllm.enforce_eager,
+            max_num_seqs=r.vllm.max_num_seqs,
+            block_size=r.vllm.block_size,
+            cpu_threads_bind=r.vllm.cpu_threads_bind,
+            quiet_waits=r.vllm.quiet_waits,
             lora_rank=cfg.model.lora_rank if adapter else 0,
         )
     else:

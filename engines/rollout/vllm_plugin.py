@@ -2,7 +2,7 @@
 processes, the engine core and the model worker included, which rlstage's code does not otherwise reach (inside
 a Ray actor vLLM spawns them).
 
-What it changes, only in the processes of an engine started with ``rollout.vllm_quiet_waits`` (``QUIET_WAITS``
+What it changes, only in the processes of an engine started with ``rollout.vllm.quiet_waits`` (``QUIET_WAITS``
 in their environment): a process waiting on vLLM's shared-memory queue sleeps on the writer's notification
 instead of spinning for a second after each message. On a CPU the engine core's spin took ~0.7 of a core for
 the whole rollout, from the worker's OpenMP threads; measured on SmolLM2-135M with both cores bound, 32 samples

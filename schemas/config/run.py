@@ -21,7 +21,7 @@ from rlstage.schemas.config.inputs import (
     SFTConfig,
     StoreConfig,
 )
-from rlstage.schemas.config.migrations import flat_loss_form, legacy_callables, plain_entry_names
+from rlstage.schemas.config.migrations import flat_form, hashed_paths, legacy_callables, plain_entry_names
 from rlstage.schemas.config.training import (
     ActorConfig,
     AlgorithmConfig,
@@ -312,17 +312,19 @@ class RunConfig(_Section):
         return self.algorithm.use_kl_in_reward or self.actor.use_kl_loss
 
     def hashed_dump(self) -> dict:
-        """The config as cache keys and run identities see it: late settings at their default left out, the policy
-        loss in its flat 0.1 form (flat_loss_form), an estimator without settings by its plain name (plain_entry_names),
-        moved modules by their old names (legacy_callables)."""
+        """The config as cache keys and run identities see it: late settings at their default left out, the settings
+        that had flat names under those (flat_form: the policy loss in its 0.1 form, vLLM's as rollout.vllm_<name>), an
+        estimator without settings by its plain name (plain_entry_names), moved modules by their old names
+        (legacy_callables)."""
         dump = drop_unset_late_settings(type(self), self.model_dump(mode="json"))
-        return legacy_callables(plain_entry_names(flat_loss_form(dump)))
+        return legacy_callables(plain_entry_names(flat_form(dump)))
 
     def stage_hash(self, *sections: str) -> str:
-        """Hash of the named config sections (dotted paths): what a stage's output depends on."""
+        """Hash of the named config sections (dotted paths): what a stage's output depends on. A path of a setting
+        that had a flat name is hashed by that name (hashed_paths), as stored runs' keys were."""
         dump = self.hashed_dump()
         picked = {}
-        for path in sections:
+        for path in (p for given in sections for p in hashed_paths(given)):
             node: Any = dump
             for part in path.split("."):
                 if part not in node:  # a late setting at its default

@@ -3,18 +3,11 @@ estimator), the actor, the critic and the algorithm."""
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from rlstage.schemas.config.base import (
-    FLAT_LOSS_SETTINGS,
-    HASHED_WHEN_SET,
-    ConfigDeprecation,
-    _Section,
-    parse_is_threshold,
-)
+from rlstage.schemas.config.base import FLAT_LOSS, HASHED_WHEN_SET, _Section, parse_is_threshold
 
 
 class OptimConfig(_Section):
@@ -139,36 +132,9 @@ class ActorConfig(_Section):
     @classmethod
     def _nest_loss_settings(cls, data: Any) -> Any:
         # A plain name is a loss without settings; the flat names of 0.1 move under policy_loss (read for one release).
-        if not isinstance(data, dict):
-            return data
-        if not any(key in data for key in FLAT_LOSS_SETTINGS) and not isinstance(data.get("policy_loss"), str):
-            return data
-        data = dict(data)
-        loss = data.get("policy_loss", {})
-        if isinstance(loss, str | BaseModel):
-            loss = {"name": loss} if isinstance(loss, str) else loss.model_dump()
-        if not isinstance(loss, dict):
-            return data  # pydantic names the type it wanted
-        loss = dict(loss)
-        for key, default in FLAT_LOSS_SETTINGS.items():
-            if key not in data:
-                continue
-            value = data.pop(key)
-            # a stored 0.1 config lists every flat setting: at its default one says nothing
-            if value == default:
-                continue
-            if key in loss:
-                raise ValueError(
-                    f"actor.{key} (deprecated) and actor.policy_loss.{key} are both set: keep the second"
-                )
-            warnings.warn(
-                f"actor.{key} is deprecated: set actor.policy_loss.{key} (the flat name is read until 0.3)",
-                ConfigDeprecation,
-                stacklevel=2,
-            )
-            loss[key] = value
-        data["policy_loss"] = loss
-        return data
+        if isinstance(data, dict) and isinstance(data.get("policy_loss"), str):
+            data = {**data, "policy_loss": {"name": data["policy_loss"]}}
+        return FLAT_LOSS.nest(data)
 
     @model_validator(mode="after")
     def _layout(self) -> ActorConfig:
