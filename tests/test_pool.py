@@ -78,11 +78,42 @@ def test_the_key_holds_the_model_the_engines_and_the_resources():
     assert pool.worker_key(base, "rollout", {"num_cpus": 1}) != key
 
 
-def test_drills_and_data_parallel_groups_keep_cold_workers():
+def test_released_data_parallel_ranks_serve_the_next_group_with_a_fresh_groups_artifacts(prefect_api, tmp_path):
+    """Two ZeRO-2 ranks released by one run form the next run's group (a new process group, each rank's optimizer
+    partition its own) and commit a fresh group's bytes; one of them then trains a run of world size 1 alone."""
+    from rlstage.flows.training import train
+    from rlstage.tasks.runtime import store_for
+
+    world2 = ["ray.trainer_world_size=2", "ray.worker_num_cpus=0.5", "actor.engine=deepspeed", "actor.zero_stage=2"]
+    pool.make_room()
+    fresh = _cfg(tmp_path / "fresh", "dp", *world2)
+    train(config=fresh)
+    assert pool.idle_count() == 2
+
+    def ranks(cfg, it=1):
+        return sorted(r["pid"] for r in store_for(cfg).manifest("dp", it, "update").meta["trained_on"])
+
+    warm = _cfg(tmp_path / "warm", "dp", *world2)
+    train(config=warm)
+    assert ranks(warm) == ranks(fresh) and len(set(ranks(fresh))) == 2  # the same two processes
+    sums = _checksums(warm, "dp")
+    assert {f"{k}/update/trainer_state/rank-{r}/trainer_state.safetensors" for k in (1, 2) for r in (0, 1)} <= set(sums)
+    assert sums == _checksums(fresh, "dp")  # byte for byte a fresh group's
+    store = store_for(warm)
+    assert weights_moved(update_weights(store, "dp", 2), update_weights(store, "dp", 1))
+    alone = _cfg(tmp_path / "alone", "dp", *world2[1:], "trainer.iterations=1")  # world size 1, the same build
+    train(config=alone)
+    assert ranks(alone)[0] in ranks(fresh)
+    # ...as world size 2 trains (its process group left: no all-reduce waits for a rank that is gone)
+    one, two = update_weights(store_for(alone), "dp", 1), update_weights(store_for(fresh), "dp", 1)
+    assert max((one[k] - two[k]).abs().max().item() for k in two) < 1e-5
+
+
+def test_drills_keep_cold_workers():
     assert pool.poolable(load_config(None, ["run_name=k"]))
+    assert pool.poolable(load_config(None, ["run_name=k", "ray.trainer_world_size=2"]))
     assert not pool.poolable(load_config(None, ["run_name=k", "ray.warm_worker_idle_s=0"]))
     assert not pool.poolable(load_config(None, ["run_name=k", "drill.kill_worker_at=['update:1']"]))
-    assert not pool.poolable(load_config(None, ["run_name=k", "ray.trainer_world_size=2"]))
     assert not pool.poolable(load_config(None, ["run_name=k", "rollout.engine=vllm"]))
 
 

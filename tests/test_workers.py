@@ -44,6 +44,7 @@ def test_two_trainer_ranks_train_the_policy_one_rank_does(prefect_api, tmp_path,
         common += [f"actor.micro_batch_tokens={budget}", "data.max_prompt_length=16"]
     one = _cfg(tmp_path, "dp1", *common)
     train(config=one)
+    assert train(config=one)["history"][-1]["executed"] == []  # rerun: every stage committed, nothing executes
     store = store_for(one)
     w1 = update_weights(store, "dp1", 1)
     samples = store.read_table(store.manifest("dp1", 1, "rollout"), "rollouts.parquet").column("response_ids")
@@ -69,8 +70,49 @@ def test_two_trainer_ranks_train_the_policy_one_rank_does(prefect_api, tmp_path,
     assert last["actor/grad_norm"] > 0
     # the iteration's whole wall (what bench/vs_trl.py counts) holds its stages and the bookkeeping after them
     assert last["wall_s"] > last["timing_s/iteration"] >= last["timing_s/update"] > 0
-    h1 = train(config=one)["history"][-1]  # rerun: every stage committed, nothing executes
-    assert h1["executed"] == []
+
+
+def _checksums(store, run: str, iterations: int, extra: tuple[str, ...] = ()) -> dict[str, str]:
+    out = {}
+    for it in range(1, iterations + 1):
+        for stage in ("rollout", "reward", "advantage", "update", "eval", *extra):
+            m = store.manifest(run, it, stage)
+            assert m is not None, f"{stage} of iteration {it} not committed"
+            out.update({f"{it}/{stage}/{name}": e.sha256 for name, e in m.files.items()})
+    return out
+
+
+def test_killed_trainer_ranks_are_rebuilt_to_identical_artifacts(prefect_api, tmp_path):
+    """SIGKILL of rank 1 in update 1 and of rank 0 in update 2 (world size 2, ZeRO-2: each rank stores its optimizer
+    partition): the stage's retry re-forms the group, each rank loads its partition of update 1 from the store, and
+    every artifact equals an uninterrupted run's, with weights that really moved."""
+    from rlstage.flows.training import train
+    from rlstage.tasks.runtime import store_for
+
+    world2 = ["ray.trainer_world_size=2", "ray.worker_num_cpus=0.5", "actor.engine=deepspeed", "actor.zero_stage=2"]
+    reference = _cfg(tmp_path / "ref", "k", *world2)
+    train(config=reference)
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    drill = ["drill.kill_worker_at=['update@rank1:1','update:2']", f"drill.markers={markers}"]
+    killed = _cfg(tmp_path / "killed", "k", *world2, *drill)
+    result = train(config=killed)
+    assert sorted(p.name for p in markers.iterdir()) == ["kill_worker_at-update-2", "kill_worker_at-update@rank1-1"]
+    # A killed worker's temporary folder is removed by the next worker started on the node (this test process's
+    # workers keep theirs in a folder of their own: another process's are not this test's business).
+    assert not glob.glob(os.path.join(scratch_root(), "rlstage-worker-p*-k-*"))
+    assert [h["iteration"] for h in result["history"]] == [0, 1, 2]
+    ref_store, store = store_for(reference), store_for(killed)
+    sums = _checksums(store, "k", 2)
+    assert sums == _checksums(ref_store, "k", 2)
+    assert {f"{k}/update/trainer_state/rank-{r}/trainer_state.safetensors" for k in (1, 2) for r in (0, 1)} <= set(sums)
+    w1, w2 = update_weights(store, "k", 1), update_weights(store, "k", 2)
+    assert weights_moved(w1, w2)  # the drills ran where the weights change
+    # Resuming with one rank: refused before iteration 3 computes anything, naming the setting.
+    one = _cfg(tmp_path / "killed", "k", *world2[2:], "trainer.iterations=3")
+    with pytest.raises(ConfigError, match=r"^config error: ray.trainer_world_size: checkpoint k/iter-2/update holds the optimizer partitions of 2 ranks"):
+        train(config=one)
+    assert store.manifest("k", 3, "rollout") is None
 
 
 def test_a_checkpoint_larger_than_the_object_store_never_crosses_it(prefect_api, tmp_path):
@@ -121,49 +163,6 @@ def test_a_world_size_that_does_not_split_the_mini_batch_is_one_line():
     with pytest.raises(ConfigError, match="ray.ref_critic_placement=separate: with model.lora_rank > 0 the reference"):
         lora = ["ray.ref_critic_placement=separate", "actor.use_kl_loss=true", "model.lora_rank=4"]
         check_registered_names(load_config(None, [*tiny_overrides(), *lora]))
-
-
-def _checksums(store, run: str, iterations: int, extra: tuple[str, ...] = ()) -> dict[str, str]:
-    out = {}
-    for it in range(1, iterations + 1):
-        for stage in ("rollout", "reward", "advantage", "update", "eval", *extra):
-            m = store.manifest(run, it, stage)
-            assert m is not None, f"{stage} of iteration {it} not committed"
-            out.update({f"{it}/{stage}/{name}": e.sha256 for name, e in m.files.items()})
-    return out
-
-
-def test_killed_trainer_ranks_are_rebuilt_to_identical_artifacts(prefect_api, tmp_path):
-    """SIGKILL of rank 1 in update 1 and of rank 0 in update 2 (world size 2, ZeRO-2: each rank stores its optimizer
-    partition): the stage's retry re-forms the group, each rank loads its partition of update 1 from the store, and
-    every artifact equals an uninterrupted run's, with weights that really moved."""
-    from rlstage.flows.training import train
-    from rlstage.tasks.runtime import store_for
-
-    world2 = ["ray.trainer_world_size=2", "ray.worker_num_cpus=0.5", "actor.engine=deepspeed", "actor.zero_stage=2"]
-    reference = _cfg(tmp_path / "ref", "k", *world2)
-    train(config=reference)
-    markers = tmp_path / "markers"
-    markers.mkdir()
-    drill = ["drill.kill_worker_at=['update@rank1:1','update:2']", f"drill.markers={markers}"]
-    killed = _cfg(tmp_path / "killed", "k", *world2, *drill)
-    result = train(config=killed)
-    assert sorted(p.name for p in markers.iterdir()) == ["kill_worker_at-update-2", "kill_worker_at-update@rank1-1"]
-    # A killed worker's temporary folder is removed by the next worker started on the node (this test process's
-    # workers keep theirs in a folder of their own: another process's are not this test's business).
-    assert not glob.glob(os.path.join(scratch_root(), "rlstage-worker-p*-k-*"))
-    assert [h["iteration"] for h in result["history"]] == [0, 1, 2]
-    ref_store, store = store_for(reference), store_for(killed)
-    sums = _checksums(store, "k", 2)
-    assert sums == _checksums(ref_store, "k", 2)
-    assert {f"{k}/update/trainer_state/rank-{r}/trainer_state.safetensors" for k in (1, 2) for r in (0, 1)} <= set(sums)
-    w1, w2 = update_weights(store, "k", 1), update_weights(store, "k", 2)
-    assert weights_moved(w1, w2)  # the drills ran where the weights change
-    # Resuming with one rank: refused before iteration 3 computes anything, naming the setting.
-    one = _cfg(tmp_path / "killed", "k", *world2[2:], "trainer.iterations=3")
-    with pytest.raises(ConfigError, match=r"^config error: ray.trainer_world_size: checkpoint k/iter-2/update holds the optimizer partitions of 2 ranks"):
-        train(config=one)
-    assert store.manifest("k", 3, "rollout") is None
 
 
 def test_killed_role_workers_are_rebuilt_to_identical_artifacts(prefect_api, tmp_path):

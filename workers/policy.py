@@ -240,11 +240,13 @@ class PolicyWorker:
         preload_model_libraries(self.cfg)
 
     def reset(self) -> None:
-        """Drop everything the run gave this worker (weights, engines, optimizer, scratch): it waits for another."""
+        """Drop everything the run gave this worker (weights, engines, optimizer, scratch, a data-parallel rank's
+        process group): it waits for another."""
         actor = self.actor
         self.close()
         if actor is not None:
             actor.close()
+        self._leave_group()
         self.tokenizer = self.model = self.actor = self.rollout = self.ref_model = self.critic = self.base = None
         self.versions = dict.fromkeys(ROLES)
         self.staged, self.busy, self.pending = {}, [], False
@@ -277,19 +279,24 @@ class PolicyWorker:
 
     def join(self, addr: str, port: int) -> None:
         """Start over in a new process group (all ranks at once): the policy is loaded again after this."""
-        if torch.distributed.is_initialized():
-            if self.actor is not None:
-                self.actor.close()
-            if self.cfg.actor.engine == "deepspeed":
-                import deepspeed  # its group holds DeepSpeed's own state too
-
-                deepspeed.comm.destroy_process_group()
-            else:
-                torch.distributed.destroy_process_group()
+        if self.actor is not None:
+            self.actor.close()
+        self._leave_group()
         self.actor, self.versions["policy"], self.pending = None, None, False
         os.environ.update(
             RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK="0", MASTER_ADDR=addr, MASTER_PORT=str(port)
         )
+
+    def _leave_group(self) -> None:
+        """End this process's data-parallel process group, if it is in one (the next run or group joins a new one)."""
+        if not torch.distributed.is_initialized():
+            return
+        if self.cfg.actor.engine == "deepspeed":
+            import deepspeed  # its group holds DeepSpeed's own state too
+
+            deepspeed.comm.destroy_process_group()
+        else:
+            torch.distributed.destroy_process_group()
 
     def adopt(self, version: str) -> bool:
         """Name the weights this rank just trained with the version rank 0 committed (False: it holds none)."""

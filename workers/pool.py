@@ -61,9 +61,9 @@ def code_version() -> str:
 
 def poolable(cfg: RunConfig) -> bool:
     """Whether this run's workers may be warm ones: not under failure drills (kills and restarts keep cold
-    workers), not a data-parallel group (its ranks hold a process group), not placed on GPUs by groups, and
-    generating with an in-memory engine such as HF's (a vLLM engine, with its KV cache and parallel state, is started
-    anew)."""
+    workers), not placed on GPUs by groups, and generating with an in-memory engine such as HF's (a vLLM engine, with
+    its KV cache and parallel state, is started anew). Data-parallel ranks are: a released rank leaves its process
+    group, and the next group's ranks join a new one before they load the policy, as after a restart."""
     if not engine_traits(cfg.rollout.engine).in_memory:
         return False
     r = cfg.ray
@@ -71,7 +71,7 @@ def poolable(cfg: RunConfig) -> bool:
         r.ref_critic_num_gpus and r.ref_critic_placement == "separate"
     )  # fmt: skip
     drills = cfg.drill.kill_worker_at or cfg.drill.hold_worker_at or cfg.drill.kill_in_commit
-    return r.warm_worker_idle_s > 0 and r.trainer_world_size == 1 and not gpus and not drills
+    return r.warm_worker_idle_s > 0 and not gpus and not drills
 
 
 def worker_key(cfg: RunConfig, role: str, resources: dict) -> str:
