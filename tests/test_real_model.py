@@ -68,13 +68,15 @@ def test_one_iteration_of_smollm2_through_the_pipeline(prefect_api, smollm2_path
         ("How many? " * 80, "0"),  # over data.max_prompt_length: dropped at data prep (filter_overlong_prompts)
     ]
     # Your own data and a starting config in two commands (docs/data.md): a JSONL file with columns of its own,
-    # then `rlstage init`, whose file this run trains with (short settings on top).
+    # then `rlstage init`, whose file this run trains with (short settings on top). The run's sample sizes are init's
+    # own overrides: its estimate then times a generation of this run's 4 samples, not of its CPU starting sizes' 16.
     data, held_out = tmp_path / "mine.jsonl", tmp_path / "mine-test.jsonl"
     data.write_text("".join(json.dumps({"q": q, "a": a, "topic": "misc"}) + "\n" for q, a in rows))
     held_out.write_text("".join(json.dumps({"q": q, "a": a}) + "\n" for q, a in [("Is ice cold? One word.", "yes"), ("2 + 2?", "4")]))
     written = tmp_path / "mine.yaml"
     argv = ["init", "--model", str(smollm2_path), "--train", str(data), "--test", str(held_out), "--prompt-column", "q",
-            "--answer-column", "a", "--reward", "exact_match", "-o", str(written), "--run-name", "smollm2", "rollout.max_new_tokens=24"]  # fmt: skip
+            "--answer-column", "a", "--reward", "exact_match", "-o", str(written), "--run-name", "smollm2", "rollout.max_new_tokens=24",
+            "data.prompts_per_iteration=2", "rollout.n=2", "actor.ppo_mini_batch_size=4", "actor.micro_batch_size=2"]  # fmt: skip
     assert main(argv) == 0
     assert main(argv) == 2  # never overwrites a file
     text = written.read_text()
@@ -85,14 +87,10 @@ def test_one_iteration_of_smollm2_through_the_pipeline(prefect_api, smollm2_path
         written,
         [
             f"store.root={tmp_path / 'store'}",
-            "data.prompts_per_iteration=2",
             "data.eval_size=2",
             "data.max_prompt_length=128",
             "data.filter_overlong_prompts=true",  # verl's filter (without it the long row stops data prep: test_datasets)
-            "rollout.n=2",
             f"rollout.max_new_tokens={max_new}",
-            "actor.ppo_mini_batch_size=4",
-            "actor.micro_batch_size=2",
             "trainer.iterations=1",
             "trainer.eval_every=1",
             "tracking.rollout_sample_rows=2",
