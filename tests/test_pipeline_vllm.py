@@ -220,14 +220,17 @@ def test_vllm_rollouts_sigterm_stops_all_it_started_and_the_rerun_continues(pref
     from rlstage.schemas.config import load_config
 
     mlflow_db = tmp_path / ".rlstage" / "mlflow" / "mlflow.db"  # the command's (its home is under its cwd)
-    train(config=load_config(None, [*overrides, f"tracking.tracking_uri=sqlite:///{mlflow_db}"]))
+    # one iteration more than the command's: rollout 3 is the first that the rerun's fresh engine generates
+    train(config=load_config(None, [*overrides, "trainer.iterations=3", f"tracking.tracking_uri=sqlite:///{mlflow_db}"]))
     kept = {k: store.manifest("vllm", *((2, k[2:]) if k.startswith("2/") else (1, k))) for k in first}
     assert {k: m.artifact_id for k, m in kept.items()} == {k: m.artifact_id for k, m in first.items()}  # reused
     assert weights_moved(update_weights(store, "vllm", 1), update_weights(store, "vllm", 2))
-    # vLLM's log-probs equal the trainer's recompute on both iterations: the restarted engine got iteration 1's
-    # adapter (stored, loaded on its base by a fresh worker, pushed through vLLM's LoRA path)
+    # vLLM's log-probs equal the trainer's recompute on every iteration: the command's engine followed update 1, and
+    # the rerun's fresh engine got update 2's adapter (stored, loaded on its base by a fresh worker, pushed through
+    # vLLM's LoRA path) for rollout 3
     assert "model/adapter_model.safetensors" in store.manifest("vllm", 2, "update").files
-    gaps = [store.manifest("vllm", it, "advantage").meta["metrics"]["rollout/logprob_gap"] for it in (1, 2)]
+    assert store.manifest("vllm", 3, "rollout").inputs["policy"] == store.manifest("vllm", 2, "update").artifact_id
+    gaps = [store.manifest("vllm", it, "advantage").meta["metrics"]["rollout/logprob_gap"] for it in (1, 2, 3)]
     print("rollout/logprob_gap per iteration:", gaps)
     assert all(0 <= g < 1e-4 for g in gaps), gaps  # fp32: ~1e-6
     # the rerun released its worker: no vLLM engine process outlives it
