@@ -34,7 +34,7 @@ _PREFECT_DB = Path(os.environ["RLSTAGE_HOME"]) / "prefect-template.db"  # filled
 MODULE_SECONDS = {  # a fresh-clone run of c1e5250 (junit times), 2-core AMD EPYC, 2026-12-02
     "test_workers": 644, "test_prefect_lost": 252, "test_reward_model": 161, "test_pipeline_vllm": 133,
     "test_chaos": 122, "test_failures": 122, "test_schedule": 121, "test_real_model": 120, "test_deployments": 118,
-    "test_verifiers": 106, "test_upgrade": 103, "test_rollout_vllm": 100, "test_plugins": 72, "test_pool": 70,
+    "test_verifiers": 106, "test_upgrade": 103, "test_rollout_vllm": 100, "test_plugins": 72, "test_pool": 116,
     "test_actor_deepspeed": 66, "test_ui": 63, "test_chat": 63, "test_pipeline": 61, "test_verl_recipe": 60,
     "test_docs_commands": 55, "test_disk_full": 52, "test_estimator_runs": 48, "test_operations": 46,
     "test_agent_endpoint": 43, "test_wheel": 40, "test_hostile_agents": 39, "test_checkpoint": 38,
