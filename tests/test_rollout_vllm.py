@@ -267,7 +267,7 @@ def test_weights_travel_in_memory_in_buckets_and_a_push_cut_short_changes_nothin
 def test_vllm_processes_load_the_quiet_waits_plugin():
     """vLLM's own plugin loader (what its engine core and worker processes run) finds rlstage's entry point, which
     makes its shared-memory queue readers sleep on the writer's notification, only where the engine asked
-    (``rollout.vllm_quiet_waits``)."""
+    (``rollout.vllm.quiet_waits``), and on a CPU counts sampled tokens' ranks eagerly."""
     code = (
         "import os, zmq\n"
         "from vllm.distributed.device_communicators.shm_broadcast import SpinCondition\n"
@@ -286,11 +286,21 @@ def test_vllm_processes_load_the_quiet_waits_plugin():
         "print(busy())\n"
         "os.environ[vllm_plugin.QUIET_WAITS] = '0'\n"  # a process forked for an engine that did not ask
         "print(busy())\n"
+        # on a CPU the sampler's rank count is the plugin's eager one, the same integers as vLLM's compiled kernel, in
+        # one chunk of rows and in several
+        "import torch\n"
+        "from vllm.v1.sample import sampler\n"
+        "from vllm.v1.sample.ops.logprobs import batched_count_greater_than as compiled\n"
+        "print(sampler.batched_count_greater_than is vllm_plugin._count_at_least)\n"
+        "torch.manual_seed(0)\n"
+        "x = torch.randn(600, 1000)\n"
+        "v = x[torch.arange(600), torch.randint(0, 1000, (600,))].unsqueeze(-1)\n"
+        "print(all(torch.equal(compiled(x[:n], v[:n]), sampler.batched_count_greater_than(x[:n], v[:n])) for n in (5, 600)))\n"
     )
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {k: v for k, v in os.environ.items() if k != "RLSTAGE_VLLM_QUIET_WAITS"}
     out = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300)
-    assert out.stdout.split() == ["1", "0", "1"], out.stderr[-2000:]
+    assert out.stdout.split() == ["1", "0", "1", "True", "True"], out.stderr[-2000:]
 
 
 def test_vllm_engine_config_needs_vllm_installed():
