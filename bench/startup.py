@@ -6,10 +6,13 @@ CPU-seconds for a whole 2-iteration tiny-kit run, on a cold home and on a warm o
 - ``warm``: the same command on a home where ``rlstage ui`` runs (its Prefect and MLflow servers), after one run
   of it there (databases migrated, the kit's SFT committed in the same store, so the run trains anew under
   another run name).
+- ``stack``: as ``warm``, on a home where ``infra/stack.sh up`` runs (its Prefect and MLflow servers and its Ray
+  head): the command joins that Ray and takes the worker the run before released.
 
 CPU-seconds are the whole machine's (/proc/stat, user + nice + system) over the command: run it alone.
 
     .venv/bin/python bench/startup.py                 # 3 repeats of each, one JSON line per run, then medians
+    .venv/bin/python bench/startup.py --variants cold,warm,stack --repeats 2
     .venv/bin/python bench/startup.py --repeats 1 --variants cold
 """
 
@@ -76,6 +79,15 @@ def warm_home(work: Path) -> tuple[Path, subprocess.Popen]:
     return home, ui
 
 
+def stack_home(work: Path) -> Path:
+    """A home where ``infra/stack.sh up`` runs, with one run trained there already (its worker idle on the stack's Ray)."""
+    home = work / "stack-home"
+    env = {**os.environ, "RLSTAGE_HOME": str(home), "PREFECT_UI_ENABLED": "false"}
+    subprocess.run(["bash", str(REPO / "infra" / "stack.sh"), "up"], env=env, check=True, stdout=subprocess.DEVNULL)
+    one_run(home, work / "stack-store", "first")
+    return home
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=3)
@@ -89,16 +101,27 @@ def main() -> None:
                 row = {"variant": "cold", "repeat": i, **one_run(work / f"cold-home-{i}", work / f"cold-store-{i}", "s")}
                 rows.setdefault("cold", []).append(row)
                 print(json.dumps(row), flush=True)
+
+        def on(variant: str, home: Path) -> None:  # the repeats on a home whose services run already
+            for i in range(a.repeats):
+                row = {"variant": variant, "repeat": i, **one_run(home, work / f"{variant}-store", f"s{i}")}
+                rows.setdefault(variant, []).append(row)
+                print(json.dumps(row), flush=True)
+
         if "warm" in a.variants:
             home, ui = warm_home(work)
             try:
-                for i in range(a.repeats):
-                    row = {"variant": "warm", "repeat": i, **one_run(home, work / "warm-store", f"s{i}")}
-                    rows.setdefault("warm", []).append(row)
-                    print(json.dumps(row), flush=True)
+                on("warm", home)
             finally:
                 os.killpg(ui.pid, 15)
                 ui.wait(timeout=60)
+        if "stack" in a.variants:
+            home = stack_home(work)
+            try:
+                on("stack", home)
+            finally:
+                env = {**os.environ, "RLSTAGE_HOME": str(home)}
+                subprocess.run(["bash", str(REPO / "infra" / "stack.sh"), "down"], env=env, stdout=subprocess.DEVNULL)
     for variant, rs in rows.items():
         med = {k: statistics.median(r[k] for r in rs) for k in ("first_stage_s", "wall_s", "cpu_s")}
         print(json.dumps({"variant": variant, "median": med, "runs": len(rs)}))

@@ -167,8 +167,9 @@ def _while_the_server_boots(cfg) -> Callable[[str], None] | None:
 
     def start(url: str) -> None:
         from rlstage.infra.drill import hold_point
+        from rlstage.infra.ray_runtime import cluster_address
 
-        if not cfg.ray.address:
+        if not cluster_address(cfg):
             from rlstage.flows import terminal
             from rlstage.infra.ray_runtime import ensure_ray, mute_node_death_reports
 
@@ -286,8 +287,9 @@ def cmd_train(args) -> int:
     check_lease(store, cfg.run_name)  # a run already running: refused before a server starts or a flow run exists
     with prefect_api(cfg):
         from rlstage.flows.training import train
+        from rlstage.infra.ray_runtime import cluster_address
 
-        result = healing_ray(lambda: train(config=cfg), cfg.ray.address)
+        result = healing_ray(lambda: train(config=cfg), cluster_address(cfg))
     _summary(result)
     return 0
 
@@ -326,10 +328,11 @@ def cmd_nightly(args) -> int:
     _check_services()
     with prefect_api(cfg):
         from rlstage.flows.nightly import nightly
+        from rlstage.infra.ray_runtime import cluster_address
 
         result = healing_ray(
             lambda: nightly(run_name=args.run, iterations=args.iterations, store_root=args.store, trusted=sorted(trusted)),
-            cfg.ray.address,
+            cluster_address(cfg),
         )
     _summary(result)
     return 0

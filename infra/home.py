@@ -19,7 +19,7 @@ from rlstage.infra.env import pid_alive
 
 HOME_ENV = "RLSTAGE_HOME"
 # The names under which stack.sh (and rlstage ui) record a server: <home>/stack/<name>.pid and .port.
-PREFECT_SERVICE, MLFLOW_SERVICE = "prefect-server", "mlflow"
+PREFECT_SERVICE, MLFLOW_SERVICE, RAY_SERVICE = "prefect-server", "mlflow", "ray"
 
 
 def home() -> Path:
@@ -46,8 +46,8 @@ def service_url(name: str, port: int) -> str:
     return f"http://127.0.0.1:{port}" + ("/api" if name == PREFECT_SERVICE else "")
 
 
-def running_service(name: str) -> str | None:
-    """The URL of the server ``name`` that runs on this home (recorded pid alive and leading its session)."""
+def _running_port(name: str) -> int | None:
+    """The port of the service ``name`` that runs on this home (recorded pid alive and leading its session)."""
     try:
         pid = int((state_dir() / f"{name}.pid").read_text())
         port = int((state_dir() / f"{name}.port").read_text())
@@ -58,7 +58,23 @@ def running_service(name: str) -> str | None:
             return None
     except OSError:
         return None
-    return service_url(name, port)
+    return port
+
+
+def running_service(name: str) -> str | None:
+    """The URL of the server ``name`` that runs on this home."""
+    port = _running_port(name)
+    return None if port is None else service_url(name, port)
+
+
+def running_ray() -> tuple[str, str] | None:
+    """The address and token of the Ray head that runs on this home (``infra/stack.sh up``), or None."""
+    port = _running_port(RAY_SERVICE)
+    try:
+        token = (state_dir() / "ray.token").read_text().strip()
+    except OSError:
+        return None
+    return None if port is None else (f"127.0.0.1:{port}", token)
 
 
 def record_service(name: str, proc: subprocess.Popen, port: int) -> None:

@@ -119,8 +119,26 @@ def mute_node_death_reports() -> None:
     worker.print_to_stdstream = print_unless_node_death
 
 
+def cluster_address(cfg: RunConfig) -> str:
+    """The Ray cluster a run joins: ``ray.address``, else the Ray head of the local stack running on this home
+    (``infra/stack.sh up``, whose token it then presents), else "" (the command starts a local Ray of its own)."""
+    if cfg.ray.address:
+        return cfg.ray.address
+    from rlstage.infra.home import running_ray
+
+    if (stack := running_ray()) is None:
+        return ""
+    address, token = stack
+    if os.environ.get("RAY_AUTH_TOKEN") != token and not ray.is_initialized():
+        os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token)
+        # Ray read its settings and token when it was imported: read again, or the join is refused as unauthenticated
+        ray._raylet.Config.initialize("")
+        ray._raylet.AuthenticationTokenLoader.instance().reset_cache()
+    return address
+
+
 def ensure_ray(cfg: RunConfig) -> None:
-    """Join ``ray.address`` or start a local single-node Ray on 127.0.0.1.
+    """Join the run's cluster (``cluster_address``) or start a local single-node Ray on 127.0.0.1.
 
     Must run after ``PREFECT_API_URL`` is set: Ray workers inherit the environment, and without
     it each worker would start its own temporary Prefect server.
@@ -129,16 +147,16 @@ def ensure_ray(cfg: RunConfig) -> None:
         return
     apply_defaults()
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    if cfg.ray.address:
+    if address := cluster_address(cfg):
         try:
-            ray.init(address=cfg.ray.address, namespace=RAY_NAMESPACE, log_to_driver=False, logging_level=logging.ERROR)
+            ray.init(address=address, namespace=RAY_NAMESPACE, log_to_driver=False, logging_level=logging.ERROR)
         except ConnectionError as err:
             # Ray 2.60 joins an explicit address without the token that `ray start` now requires by default
             hint = "" if os.environ.get("RAY_AUTH_MODE") else (
                 "; a cluster with token authentication (the default of `ray start`) is joined with RAY_AUTH_MODE=token"
                 " and its token (~/.ray/auth_token or RAY_AUTH_TOKEN)"
             )  # fmt: skip
-            raise RayUnreachable(f"cannot join the Ray cluster at {cfg.ray.address}: {err}{hint}") from None
+            raise RayUnreachable(f"cannot join the Ray cluster at {address}: {err}{hint}") from None
         watch_joined_cluster()
     else:
         _start_local_ray(cfg)

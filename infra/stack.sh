@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# The local rlstage stack: a Prefect server, a process worker for the deployments' pool and an
-# MLflow tracking server, all on 127.0.0.1, each in its own process group (session).
+# The local rlstage stack: a Prefect server, a process worker for the deployments' pool, an
+# MLflow tracking server and a Ray head, all on 127.0.0.1, each in its own process group (session).
+# Commands and flow runs on this home join the stack's Ray, so the role workers one of them releases
+# stay warm for the next (ray.warm_worker_idle_s); `down` stops them with the cluster.
 #
 #   infra/stack.sh up        start what is not running; prints the exports to use
 #   infra/stack.sh status    what runs, on which port; the exports
@@ -12,8 +14,9 @@
 # The stack runs on the local home that the CLI and `rlstage ui` share (infra/home.py): Prefect home
 # <home>/prefect, MLflow store <home>/mlflow, pids, ports and logs <home>/stack.
 # Settings (environment): RLSTAGE_HOME (default <repo>/.rlstage), RLSTAGE_VENV (default <repo>/.venv), RLSTAGE_POOL
-# (rlstage-process), RLSTAGE_PREFECT_PORT / RLSTAGE_MLFLOW_PORT (default: 4200 / 5000 when free,
-# else any free port), RLSTAGE_STOP_TIMEOUT (15), PREFECT_UI_ENABLED (true).
+# (rlstage-process), RLSTAGE_PREFECT_PORT / RLSTAGE_MLFLOW_PORT / RLSTAGE_RAY_PORT (default: 4200 / 5000 / 6379
+# when free, else any free port), RLSTAGE_RAY_CPUS (the machine's), RLSTAGE_RAY_OBJECT_STORE_MB (512),
+# RLSTAGE_STOP_TIMEOUT (15), PREFECT_UI_ENABLED (true).
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -23,7 +26,7 @@ STATE=$RLSTAGE_HOME/stack
 POOL=${RLSTAGE_POOL:-rlstage-process}
 STOP_TIMEOUT=${RLSTAGE_STOP_TIMEOUT:-15}
 PY=$VENV/bin/python
-SERVICES=(prefect-server mlflow worker) # start order; stopped in reverse
+SERVICES=(prefect-server mlflow ray worker) # start order; stopped in reverse
 
 # Offline, loopback-only, no telemetry (the same values as infra/env.py); Ray reads
 # RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER at import time, so flow runs must get it from their parent.
@@ -123,6 +126,35 @@ cmd_up() {
       --artifacts-destination "$RLSTAGE_HOME/mlflow/artifacts"
     wait_http "$(mlflow_url)/health" 120 "$(cat "$(pidfile mlflow)")" mlflow
     echo "mlflow server:  $(mlflow_url) (pid $(cat "$(pidfile mlflow)"))"
+  fi
+
+  if running ray; then
+    echo "ray head: already running (pid $(cat "$(pidfile ray)"))"
+  else
+    port=$(choose_port ray "${RLSTAGE_RAY_PORT:-}" 6379)
+    echo "$port" >"$(portfile ray)"
+    # Ray's token authentication: commands on this home read the token (infra/home.py: running_ray)
+    [[ -s $STATE/ray.token ]] || (umask 077 && "$PY" -c "import secrets; print(secrets.token_hex(16))" >"$STATE/ray.token")
+    # --block keeps the head's processes in this service's session, so `down` stops them and the idle workers
+    # (no drain on `down`: its idle workers hold no work, and a drain waits 30 s)
+    start ray env RAY_AUTH_MODE=token RAY_AUTH_TOKEN="$(cat "$STATE/ray.token")" RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=0 \
+      "$VENV/bin/ray" start --head --block \
+      --port "$port" --node-ip-address 127.0.0.1 --include-dashboard=false --disable-usage-stats \
+      ${RLSTAGE_RAY_CPUS:+--num-cpus "$RLSTAGE_RAY_CPUS"} --object-store-memory $((${RLSTAGE_RAY_OBJECT_STORE_MB:-512} << 20))
+    if ! "$PY" -c "import socket, sys, time
+deadline = time.monotonic() + 120
+while time.monotonic() < deadline:
+    try:
+        socket.create_connection(('127.0.0.1', $port), timeout=1).close()
+        sys.exit(0)
+    except OSError:
+        time.sleep(0.3)
+sys.exit(1)"; then
+      tail -n 25 "$STATE/ray.log" >&2
+      stop_service ray >&2
+      die "the Ray head did not come up"
+    fi
+    echo "ray head:       127.0.0.1:$port (pid $(cat "$(pidfile ray)"))"
   fi
 
   if running worker; then

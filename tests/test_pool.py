@@ -117,10 +117,11 @@ def test_drills_keep_cold_workers():
     assert not pool.poolable(load_config(None, ["run_name=k", "rollout.engine=vllm"]))
 
 
-def test_a_worker_busy_in_a_run_is_never_taken_and_idle_ones_are_stopped(prefect_api, tmp_path):
+def test_a_worker_busy_in_a_run_is_never_taken_and_idle_ones_are_stopped(prefect_api, tmp_path, monkeypatch, capsys):
     from rlstage.infra.ray_runtime import ensure_ray
     from rlstage.workers.group import open_group
 
+    monkeypatch.setenv("RLSTAGE_VERBOSE", "1")  # --verbose: the pool says why a group starts a fresh worker
     a, b = _cfg(tmp_path, "busy-a", "ray.warm_worker_idle_s=1"), _cfg(tmp_path, "busy-b", "ray.warm_worker_idle_s=1")
     ensure_ray(a)
     pool.make_room()
@@ -128,6 +129,7 @@ def test_a_worker_busy_in_a_run_is_never_taken_and_idle_ones_are_stopped(prefect
     second = open_group(b)  # while the first is held: a worker of its own
     pids = {ray.get(first.ranks[0].pid.remote()), ray.get(second.ranks[0].pid.remote())}
     assert len(pids) == 2
+    assert "policy-busy-b-" in (said := capsys.readouterr().err) and "starts a fresh trainer worker: 1 worker(s) of its build are busy in other runs" in said, said
     first.release()
     second.release()
     assert pool.idle_count() == 2
@@ -135,3 +137,68 @@ def test_a_worker_busy_in_a_run_is_never_taken_and_idle_ones_are_stopped(prefect
     while pool.idle_count() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert pool.idle_count() == 0  # ray.warm_worker_idle_s after their release
+
+
+def test_the_stacks_cluster_keeps_a_released_worker_for_the_next_command(migrated_home, tmp_path):
+    """Commands on a home where ``infra/stack.sh up`` runs join its Ray head: a command's released worker waits
+    there, detached, and the next command of its build trains with it, to a fresh worker's bytes. A command SIGKILLed
+    while it holds that worker leaves it bound to a dead run; the next command stops it and trains on a fresh one,
+    again to the same bytes. ``infra/stack.sh down`` stops the idle worker with the cluster."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from rlstage.infra.env import free_port, pid_alive
+    from rlstage.infra.store import ArtifactStore
+    from tests_support import cli_env, start_cli_until
+
+    home = tmp_path / "home"
+    migrated_home(home)
+    ports = {f"RLSTAGE_{name}_PORT": str(free_port()) for name in ("PREFECT", "MLFLOW", "RAY")}
+    env = cli_env(RLSTAGE_HOME=str(home), PREFECT_UI_ENABLED="false", **ports)
+    stack = [str(Path(__file__).resolve().parent.parent / "infra" / "stack.sh")]
+
+    def command(store: str) -> list[str]:
+        overrides = [*tiny_overrides(), *moving_overrides(), "run_name=w", f"store.root={tmp_path / store}"]
+        return [sys.executable, "-m", "rlstage.flows.cli", "--verbose", "train", *overrides]
+
+    def run(store: str) -> str:
+        done = subprocess.run(command(store), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+        return done.stderr
+
+    def trained_on(store: str, iteration: int = 1) -> int:
+        return ArtifactStore(str(tmp_path / store)).manifest("w", iteration, "update").meta["trained_on"][0]["pid"]
+
+    def sums(store: str, iterations: tuple[int, ...] = (1, 2)) -> dict[str, str]:
+        st = ArtifactStore(str(tmp_path / store))
+        return {f"{it}/{s}/{n}": e.sha256 for it in iterations for s in ("rollout", "reward", "advantage", "update") for n, e in st.manifest("w", it, s).files.items()}
+
+    up = subprocess.run(["bash", *stack, "up"], env=env, capture_output=True, text=True, timeout=300)
+    try:
+        assert up.returncode == 0, (up.stdout + up.stderr)[-3000:]
+        assert f"ray head:       127.0.0.1:{ports['RLSTAGE_RAY_PORT']}" in up.stdout
+        said = run("first")
+        assert "starts a fresh trainer worker: no idle worker on the cluster" in said, said[-3000:]
+        pid = trained_on("first")
+        assert pid_alive(pid)  # detached: it outlived its command
+
+        proc = start_cli_until(command("killed"), tmp_path, env, "iteration   1:")
+        proc.kill()  # while it holds the worker, bound to its run
+        rest = proc.communicate(timeout=60)[0]
+        assert trained_on("killed") == pid, rest[-3000:]  # the next command took the released worker...
+        assert sums("killed", (1,)) == sums("first", (1,))  # ...and committed a fresh worker's bytes
+        assert pid_alive(pid)  # bound to a run nobody continues, holding its CPU
+
+        said = run("after")
+        assert "stopped 1 warm worker(s) of a command that ended without releasing them" in said, said[-3000:]
+        fresh = trained_on("after")
+        assert fresh != pid and not pid_alive(pid)
+        assert sums("after") == sums("first")
+        store = ArtifactStore(str(tmp_path / "after"))
+        assert weights_moved(update_weights(store, "w", 1), update_weights(store, "w", 2))
+        assert pid_alive(fresh)  # released, idle on the stack's cluster
+    finally:
+        down = subprocess.run(["bash", *stack, "down"], env=env, capture_output=True, text=True, timeout=300)
+    assert down.returncode == 0, down.stderr[-2000:]
+    assert not pid_alive(fresh)  # stopped with the cluster

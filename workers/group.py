@@ -15,7 +15,6 @@ their names), so it never relabels the weights of a run that is training, starte
 from __future__ import annotations
 
 import hashlib
-import logging
 import math
 import threading
 import time
@@ -44,7 +43,6 @@ from rlstage.workers.rollout import RolloutWorker
 if TYPE_CHECKING:
     from rlstage.engines.agents.loop import AgentCompletion
 
-log = logging.getLogger("rlstage")
 RESTART_WAIT_S = 120.0  # how long a call waits for Ray to restart a killed worker (7-19 s seen on 2 cores)
 
 
@@ -428,22 +426,26 @@ def _open_group(cfg: RunConfig, version: str, name: str) -> PolicyGroup:
     keys: dict[str, str] = {}
     keys_by_role = _warm_keys(cfg)
     taken = [(spec, pool.take(keys_by_role[spec[0]])) for spec in wanted]
-    if any(w is None for _, w in taken):
+    mine = {w.name for _, w in taken if w is not None}
+    why = {spec[0]: pool.why_fresh(keys_by_role[spec[0]], mine) for spec, w in taken if w is None}
+    if why:
         pool.make_room()  # idle workers of other builds hold resources the fresh ones need
+    # on a cluster that outlives the command its warm actors outlive it too, for the next command to take
+    lifetime = {"lifetime": "detached"} if pool.outlives_command(cfg) else {}
     try:
         for (role, i, cls, args, _), w in taken:
             if w is None:
-                log.debug("rlstage: %s starts a fresh %s worker: no idle one of its build (%s)", name, role, keys_by_role[role])
-                own = pool.fresh_name()
+                pool.say(f"{name} starts a fresh {role} worker: {why[role]}")
+                own = pool.fresh_name(keys_by_role[role])
                 pool.bind_record(own, args)
-                handle = ray.remote(cls).options(name=own, **options(role, i)).remote(*args)
+                handle = ray.remote(cls).options(name=own, **lifetime, **options(role, i)).remote(*args)
             else:
                 own, handle = w.name, w.handle
                 pool.bind_record(own, args)  # before the call: a restart while binding comes back bound to this run
                 actors[role].append(handle)  # stopped below if binding fails
                 _wait_restart(lambda h=handle, a=args: ray.get(h.bind.remote(*a)))
                 actors[role].pop()
-                log.debug("rlstage: %s reuses warm worker %s", name, own)
+                pool.say(f"{name} reuses warm {role} worker {own}")
             actors[role].append(handle)
             names[role].append(own)
             keys[own] = keys_by_role[role]

@@ -55,7 +55,7 @@ from rlstage.schemas.manifest import (
     state_shards,
     unsafe_checkpoint_file,
 )
-from rlstage.workers.pool import binding
+from rlstage.workers.pool import Parkable, binding
 
 if TYPE_CHECKING:
     from rlstage.engines.agents.loop import AgentCompletion
@@ -208,7 +208,7 @@ def stored_bytes(what: str) -> Iterator[None]:
         raise ArtifactCorrupt(f"{what}: its stored files match the manifest but do not load: {type(err).__name__}: {problem}") from None
 
 
-class PolicyWorker:
+class PolicyWorker(Parkable):
     """Rank 0 holds every colocated role; ranks 1..N-1 (``ray.trainer_world_size``) only train the policy."""
 
     def __init__(self, cfg_json: dict, total_steps: int, rank: int = 0, world_size: int = 1) -> None:

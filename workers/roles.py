@@ -35,6 +35,10 @@ class Worker(Protocol):
 
     def reset(self) -> None: ...  # drop the run's weights, engines and scratch: a warm worker waits for another run
 
+    def idle(self, key: str, seconds: float) -> None: ...  # parked (workers/pool.py): it stops itself after seconds
+
+    def expire(self, key: str, turn: int) -> None: ...  # its idle time ran out: stop unless a run took it
+
 
 class Generator(Worker, Protocol):
     """A role that samples completions with the policy version it holds (the rollout role, or rank 0). The

@@ -35,12 +35,13 @@ from rlstage.workers.policy import (
     scratch_dir,
     warm_binding,
 )
+from rlstage.workers.pool import Parkable
 
 if TYPE_CHECKING:
     from rlstage.engines.agents.loop import AgentCompletion
 
 
-class RolloutWorker:
+class RolloutWorker(Parkable):
     def __init__(self, cfg_json: dict) -> None:
         # a warm worker restarted by Ray comes back with its creation's arguments: it serves the run bound last
         self.bind(*(warm_binding() or (cfg_json,)))

@@ -87,8 +87,9 @@ class RayConfig(_Section):
     rollout_resources: dict[str, float] = Field(default_factory=dict)  # custom Ray resources the rollout actors require
     ref_critic_resources: dict[str, float] = Field(default_factory=dict)  # those the reference/critic actor requires
     stages: dict[str, StageResources] = Field(default_factory=dict)  # per stage (rollout, reward, ...): CPUs, GPUs, retries and retry delay of its Ray task
-    # Seconds a released role worker stays idle for the next run of the same model and engines in this process
-    # (the tests, a library user's loop), which then skips the worker's start; 0 stops workers with their run.
+    # Seconds a released role worker stays idle for the next run of the same model and engines on its Ray cluster
+    # (a library user's loop in one process; later commands on a stack's or ray.address cluster), which then skips
+    # the worker's start; 0 stops workers with their run.
     warm_worker_idle_s: float = Field(300.0, ge=0, json_schema_extra=HASHED_WHEN_SET)
 
     @field_validator("stages")
