@@ -31,17 +31,17 @@ _PREFECT_DB = Path(os.environ["RLSTAGE_HOME"]) / "prefect-template.db"  # filled
 
 # Seconds per module as measured on a 2-core machine (a whole run's junit times): modules are handed to
 # the workers longest first (LPT), so that no long module starts last and runs alone at the end.
-MODULE_SECONDS = {  # a fresh-clone run of c1e5250 (junit times), 2-core AMD EPYC, 2026-12-02
-    "test_workers": 644, "test_prefect_lost": 252, "test_reward_model": 161, "test_pipeline_vllm": 133,
-    "test_chaos": 122, "test_failures": 122, "test_schedule": 121, "test_real_model": 120, "test_deployments": 118,
-    "test_verifiers": 106, "test_upgrade": 103, "test_rollout_vllm": 100, "test_plugins": 72, "test_pool": 116,
-    "test_actor_deepspeed": 66, "test_ui": 63, "test_chat": 63, "test_pipeline": 61, "test_verl_recipe": 60,
-    "test_docs_commands": 55, "test_disk_full": 52, "test_estimator_runs": 48, "test_operations": 46,
-    "test_agent_endpoint": 43, "test_wheel": 40, "test_hostile_agents": 39, "test_checkpoint": 38,
-    "test_agent_loop": 37, "test_extending": 37, "test_tracking_server": 32, "test_agent_function_pipeline": 31,
-    "test_lora": 31, "test_store_s3": 30, "test_gpu_check": 26, "test_agent_pipeline": 24, "test_bad_input": 22,
-    "test_openenv": 20, "test_config": 19, "test_engines": 17, "test_dynamic_sampling": 16, "test_explore": 15,
-    "test_registry": 14, "test_lean_imports": 12, "test_cli": 6, "test_docs": 6, "test_modpath": 6,
+MODULE_SECONDS = {  # a run of 82a40dd (junit times; test_pool + its stack test alone), 2-core AMD EPYC, 2026-12-03
+    "test_workers": 490, "test_pool": 196, "test_prefect_lost": 187, "test_real_model": 117,
+    "test_actor_deepspeed": 115, "test_pipeline_vllm": 105, "test_rollout_vllm": 105, "test_deployments": 103,
+    "test_chaos": 101, "test_upgrade": 95, "test_failures": 95, "test_reward_model": 94, "test_verifiers": 92,
+    "test_schedule": 90, "test_plugins": 68, "test_chat": 59, "test_pipeline": 58, "test_docs_commands": 52,
+    "test_hostile_agents": 50, "test_operations": 49, "test_lora": 49, "test_disk_full": 48, "test_verl_recipe": 45,
+    "test_ui": 45, "test_wheel": 43, "test_checkpoint": 43, "test_agent_endpoint": 38, "test_tracking_server": 38,
+    "test_estimator_runs": 36, "test_agent_loop": 35, "test_agent_function_pipeline": 34, "test_extending": 34,
+    "test_registry": 29, "test_store_s3": 26, "test_gpu_check": 21, "test_agent_pipeline": 20, "test_bad_input": 19,
+    "test_openenv": 18, "test_config": 14, "test_dynamic_sampling": 12, "test_engines": 11, "test_lean_imports": 10,
+    "test_explore": 9, "test_modpath": 5, "test_rewards": 5, "test_cli": 5,
 }  # fmt: skip
 
 

@@ -159,7 +159,8 @@ def test_the_stacks_cluster_keeps_a_released_worker_for_the_next_command(migrate
     stack = [str(Path(__file__).resolve().parent.parent / "infra" / "stack.sh")]
 
     def command(store: str) -> list[str]:
-        overrides = [*tiny_overrides(), *moving_overrides(), "run_name=w", f"store.root={tmp_path / store}"]
+        # 3 iterations: the kill on iteration 1's line lands while two more hold the worker (its release comes last)
+        overrides = [*tiny_overrides(), *moving_overrides(), "trainer.iterations=3", "run_name=w", f"store.root={tmp_path / store}"]
         return [sys.executable, "-m", "rlstage.flows.cli", "--verbose", "train", *overrides]
 
     def run(store: str) -> str:
@@ -170,7 +171,7 @@ def test_the_stacks_cluster_keeps_a_released_worker_for_the_next_command(migrate
     def trained_on(store: str, iteration: int = 1) -> int:
         return ArtifactStore(str(tmp_path / store)).manifest("w", iteration, "update").meta["trained_on"][0]["pid"]
 
-    def sums(store: str, iterations: tuple[int, ...] = (1, 2)) -> dict[str, str]:
+    def sums(store: str, iterations: tuple[int, ...] = (1, 2, 3)) -> dict[str, str]:
         st = ArtifactStore(str(tmp_path / store))
         return {f"{it}/{s}/{n}": e.sha256 for it in iterations for s in ("rollout", "reward", "advantage", "update") for n, e in st.manifest("w", it, s).files.items()}
 
@@ -196,7 +197,7 @@ def test_the_stacks_cluster_keeps_a_released_worker_for_the_next_command(migrate
         assert fresh != pid and not pid_alive(pid)
         assert sums("after") == sums("first")
         store = ArtifactStore(str(tmp_path / "after"))
-        assert weights_moved(update_weights(store, "w", 1), update_weights(store, "w", 2))
+        assert weights_moved(update_weights(store, "w", 1), update_weights(store, "w", 3))
         assert pid_alive(fresh)  # released, idle on the stack's cluster
     finally:
         down = subprocess.run(["bash", *stack, "down"], env=env, capture_output=True, text=True, timeout=300)
