@@ -31,7 +31,7 @@ _PREFECT_DB = Path(os.environ["RLSTAGE_HOME"]) / "prefect-template.db"  # filled
 
 # Seconds per module as measured on a 2-core machine (a whole run's junit times): modules are handed to
 # the workers longest first (LPT), so that no long module starts last and runs alone at the end.
-MODULE_SECONDS = {  # a run of 82a40dd (junit times; test_pool + its stack test alone), 2-core AMD EPYC, 2026-12-03
+MODULE_SECONDS = {  # a run of 82a40dd (junit times; test_pool + its stack test alone), 2-core Intel Xeon, 2026-12-03
     "test_workers": 490, "test_pool": 196, "test_prefect_lost": 187, "test_real_model": 117,
     "test_actor_deepspeed": 115, "test_pipeline_vllm": 105, "test_rollout_vllm": 105, "test_deployments": 103,
     "test_chaos": 101, "test_upgrade": 95, "test_failures": 95, "test_reward_model": 94, "test_verifiers": 92,
