@@ -256,7 +256,7 @@ class PolicyGroup:
 
 
     def _park(self) -> bool:
-        """Reset each warm actor and leave it idle in this process's pool (False: one failed; all are stopped)."""
+        """Reset each warm actor and leave it idle in the cluster's pool (False: one failed; all are stopped)."""
         try:
             _wait_restart(lambda: ray.get([getattr(a, method_name(Worker.reset)).remote() for a in self.actors], timeout=60))
         except Exception:  # a dead or hung worker: the group is stopped as a cold one is
@@ -377,7 +377,7 @@ def open_group(cfg: RunConfig | ConfigView, version: str = "main") -> PolicyGrou
 
 def _open_group(cfg: RunConfig, version: str, name: str) -> PolicyGroup:
     """The actors of group ``name`` (``actor_name``: rank 0's): found when they run already (under the group's
-    own names, or as warm actors whose names the pool recorded), else warm ones taken from this process's pool,
+    own names, or as warm actors whose names the pool recorded), else warm ones taken from the cluster's pool,
     else started."""
     common = {"namespace": RAY_NAMESPACE, "max_restarts": -1, "max_task_retries": 0}
     cfg_json = cfg.model_dump(mode="json")
