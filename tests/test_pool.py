@@ -144,8 +144,10 @@ def test_the_stacks_cluster_keeps_a_released_worker_for_the_next_command(migrate
     there, detached, and the next command of its build trains with it, to a fresh worker's bytes. A command SIGKILLed
     while it holds that worker leaves it bound to a dead run; the next command stops it and trains on a fresh one,
     again to the same bytes. ``infra/stack.sh down`` stops the idle worker with the cluster."""
+    import shutil
     import subprocess
     import sys
+    import tempfile
     from pathlib import Path
 
     from rlstage.infra.env import free_port, pid_alive
@@ -155,7 +157,8 @@ def test_the_stacks_cluster_keeps_a_released_worker_for_the_next_command(migrate
     home = tmp_path / "home"
     migrated_home(home)
     ports = {f"RLSTAGE_{name}_PORT": str(free_port()) for name in ("PREFECT", "MLFLOW", "RAY")}
-    env = cli_env(RLSTAGE_HOME=str(home), PREFECT_UI_ENABLED="false", **ports)
+    ray_tmp = tempfile.mkdtemp(prefix="rs", dir="/tmp")  # the stack's Ray sessions apart from /tmp/ray (short: sockets)
+    env = cli_env(RLSTAGE_HOME=str(home), PREFECT_UI_ENABLED="false", RAY_TMPDIR=ray_tmp, **ports)
     stack = [str(Path(__file__).resolve().parent.parent / "infra" / "stack.sh")]
 
     def command(store: str) -> list[str]:
@@ -201,5 +204,6 @@ def test_the_stacks_cluster_keeps_a_released_worker_for_the_next_command(migrate
         assert pid_alive(fresh)  # released, idle on the stack's cluster
     finally:
         down = subprocess.run(["bash", *stack, "down"], env=env, capture_output=True, text=True, timeout=300)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
     assert down.returncode == 0, down.stderr[-2000:]
     assert not pid_alive(fresh)  # stopped with the cluster
