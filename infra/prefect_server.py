@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -21,7 +22,8 @@ class ServerFailedToStart(RuntimeError):
 
 
 def wait_http(url: str, timeout_s: float, proc: subprocess.Popen | int | None = None) -> None:
-    """Until ``url`` answers below 500; fails early when ``proc`` (a Popen or a pid) has exited."""
+    """Until ``url`` answers below 500 (a ``tcp://host:port`` URL: until the port accepts a connection, as a Ray head
+    does); fails early when ``proc`` (a Popen or a pid) has exited."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if isinstance(proc, subprocess.Popen) and proc.poll() is not None:
@@ -29,6 +31,10 @@ def wait_http(url: str, timeout_s: float, proc: subprocess.Popen | int | None = 
         if isinstance(proc, int) and not pid_alive(proc):
             raise RuntimeError(f"server for {url} exited before it answered")
         try:
+            if url.startswith("tcp://"):
+                host, _, port = url.removeprefix("tcp://").rpartition(":")
+                socket.create_connection((host, int(port)), timeout=2).close()
+                return
             with urllib.request.urlopen(url, timeout=2) as r:
                 if r.status < 500:
                     return

@@ -141,19 +141,7 @@ cmd_up() {
       "$VENV/bin/ray" start --head --block \
       --port "$port" --node-ip-address 127.0.0.1 --include-dashboard=false --disable-usage-stats \
       ${RLSTAGE_RAY_CPUS:+--num-cpus "$RLSTAGE_RAY_CPUS"} --object-store-memory $((${RLSTAGE_RAY_OBJECT_STORE_MB:-512} << 20))
-    if ! "$PY" -c "import socket, sys, time
-deadline = time.monotonic() + 120
-while time.monotonic() < deadline:
-    try:
-        socket.create_connection(('127.0.0.1', $port), timeout=1).close()
-        sys.exit(0)
-    except OSError:
-        time.sleep(0.3)
-sys.exit(1)"; then
-      tail -n 25 "$STATE/ray.log" >&2
-      stop_service ray >&2
-      die "the Ray head did not come up"
-    fi
+    wait_http "tcp://127.0.0.1:$port" 120 "$(cat "$(pidfile ray)")" ray
     echo "ray head:       127.0.0.1:$port (pid $(cat "$(pidfile ray)"))"
   fi
 

@@ -133,9 +133,14 @@ def _job() -> str:
     return ray.get_runtime_context().get_job_id()
 
 
-def _claim(name: str, key: str, job: str | None = None) -> bool:
+def _dead_jobs() -> set[str]:
+    """The Ray jobs of the cluster that have ended (a command's driver that exited, or was killed)."""
+    return {j["JobID"] for j in ray._private.state.jobs() if j.get("IsDead")}
+
+
+def _claim(name: str, key: str) -> bool:
     """Hold worker ``name`` for this job (False: another holds it)."""
-    return _put(_CLAIM + name, json.dumps({"job": job or _job(), "key": key}), overwrite=False)
+    return _put(_CLAIM + name, json.dumps({"job": _job(), "key": key}), overwrite=False)
 
 
 def say(line: str) -> None:
@@ -199,7 +204,7 @@ def reap_orphans() -> list[str]:
     claims = {entry[len(_CLAIM) :]: _get(entry) for entry in _keys(_CLAIM)}
     if not claims:
         return []
-    dead = {j["JobID"] for j in ray._private.state.jobs() if j.get("IsDead")}
+    dead = _dead_jobs()
     orphans = [name for name, raw in claims.items() if raw and json.loads(raw)["job"] in dead]
     for name in orphans:
         _stop(name)
@@ -291,7 +296,7 @@ def group_names(group: str) -> dict[str, list[str]] | None:
     if raw is None:
         return None
     record = json.loads(raw)
-    if record["job"] != _job() and record["job"] in {j["JobID"] for j in ray._private.state.jobs() if j.get("IsDead")}:
+    if record["job"] != _job() and record["job"] in _dead_jobs():
         reap_orphans()
         return None
     return record["roles"]
