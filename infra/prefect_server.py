@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from rlstage.infra.db_templates import seed_prefect_home
 from rlstage.infra.env import apply_defaults, free_port, pid_alive
 
 
@@ -244,6 +245,7 @@ def wait_up(
 def spawn_prefect_server(home: Path, port: int, ui: bool = False) -> subprocess.Popen:
     """``prefect server start`` on 127.0.0.1 with its state under ``home`` (and its UI when ``ui``); no wait."""
     home.mkdir(parents=True, exist_ok=True)
+    seed_prefect_home(home)  # a new home's database starts migrated (infra/db_templates.py)
     log = open(home / "server.log", "ab")  # noqa: SIM115 - the server process owns it
     return subprocess.Popen(
         [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],

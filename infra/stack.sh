@@ -51,6 +51,8 @@ running() {
 
 # The preferred port when it is free on 127.0.0.1, else one the kernel picks; with a second
 # argument "strict", only the given port will do (infra/prefect_server.py: free_port).
+# A new home's database starts migrated, from the schema rlstage ships for the installed version (infra/db_templates.py)
+seed_db() { PYTHONPATH=$REPO "$PY" -m rlstage.infra.db_templates seed "$1" "$2"; }
 pick_port() { PYTHONPATH=$REPO "$PY" -m rlstage.infra.prefect_server port "$@"; }
 
 # RLSTAGE_<NAME>_PORT when set (must be free), else the port of the last start, else the default.
@@ -107,6 +109,7 @@ cmd_up() {
   else
     port=$(choose_port prefect-server "${RLSTAGE_PREFECT_PORT:-}" 4200)
     echo "$port" >"$(portfile prefect-server)"
+    seed_db prefect "$PREFECT_HOME/prefect.db"
     # The UI calls the API at PREFECT_UI_API_URL (default port 4200), not where the server runs.
     start prefect-server env PREFECT_UI_ENABLED="${PREFECT_UI_ENABLED:-true}" PREFECT_UI_API_URL="$(prefect_url)" \
       "$VENV/bin/prefect" server start --host 127.0.0.1 --port "$(cat "$(portfile prefect-server)")"
@@ -121,6 +124,7 @@ cmd_up() {
   else
     port=$(choose_port mlflow "${RLSTAGE_MLFLOW_PORT:-}" 5000)
     echo "$port" >"$(portfile mlflow)"
+    seed_db mlflow "$RLSTAGE_HOME/mlflow/mlflow.db"
     start mlflow "$VENV/bin/mlflow" server --host 127.0.0.1 --port "$(cat "$(portfile mlflow)")" --workers 1 \
       --backend-store-uri "sqlite:///$RLSTAGE_HOME/mlflow/mlflow.db" \
       --artifacts-destination "$RLSTAGE_HOME/mlflow/artifacts"

@@ -15,6 +15,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from rlstage.infra.db_templates import seed_mlflow_uri
 from rlstage.infra.env import apply_defaults
 from rlstage.infra.home import mlflow_uri
 from rlstage.infra.store import ArtifactStore, store_identity
@@ -209,6 +210,7 @@ class Tracker:
         self.uri = tracking_uri_for(cfg)
         if self.uri.startswith("sqlite:///"):
             Path(self.uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+            seed_mlflow_uri(self.uri)  # a new store starts migrated (infra/db_templates.py)
         self.offline = False  # the server stopped answering mid-run
         self.unsent: dict[int, dict[str, float]] = {}  # step -> metrics not yet sent
         self.models: dict[int, str] = {}  # step -> the logged model its metrics describe

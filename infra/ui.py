@@ -14,6 +14,7 @@ from functools import partial
 from pathlib import Path
 
 from rlstage.infra import home
+from rlstage.infra.db_templates import seed
 from rlstage.infra.env import apply_defaults, free_port
 from rlstage.infra.prefect_server import die_with_parent, spawn_prefect_server, stop_process_group, wait_up
 
@@ -23,6 +24,7 @@ def start_mlflow_server(directory: Path, port: int, log_path: Path | None = None
     (default: the home's ``stack/mlflow.log``); returns without waiting for it."""
     apply_defaults()  # MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false: ~540 MiB instead of ~1.3 GiB
     (directory / "artifacts").mkdir(parents=True, exist_ok=True)
+    seed("mlflow", directory / "mlflow.db")  # a new home's store starts migrated (infra/db_templates.py)
     log = open(log_path or home.state_dir() / "mlflow.log", "ab")  # noqa: SIM115 - the server process owns it
     cmd = [
         str(Path(sys.executable).with_name("mlflow")), "server", "--host", "127.0.0.1", "--port", str(port),
