@@ -51,9 +51,9 @@ running() {
 
 # The preferred port when it is free on 127.0.0.1, else one the kernel picks; with a second
 # argument "strict", only the given port will do (infra/prefect_server.py: free_port).
+pick_port() { PYTHONPATH=$REPO "$PY" -m rlstage.infra.prefect_server port "$@"; }
 # A new home's database starts migrated, from the schema rlstage ships for the installed version (infra/db_templates.py)
 seed_db() { PYTHONPATH=$REPO "$PY" -m rlstage.infra.db_templates seed "$1" "$2"; }
-pick_port() { PYTHONPATH=$REPO "$PY" -m rlstage.infra.prefect_server port "$@"; }
 
 # RLSTAGE_<NAME>_PORT when set (must be free), else the port of the last start, else the default.
 choose_port() { # name env_value default
