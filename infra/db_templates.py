@@ -30,9 +30,10 @@ def template(kind: str) -> Path:
 
 def seed(kind: str, db: str | Path) -> bool:
     """Write the migrated, empty database of ``kind`` at ``db`` when nothing is there yet and a schema of the
-    installed version ships; True if it did. A database someone else created meanwhile is never replaced."""
+    installed version ships; True if it did. A database someone else created meanwhile is never replaced, and
+    Prefect's is left alone where another database is configured for its server."""
     db = Path(db)
-    if db.exists():
+    if db.exists() or (kind == "prefect" and any(os.environ.get(k) for k in _PREFECT_DB_SETTINGS)):
         return False
     schema = template(kind)
     if not schema.is_file():
@@ -55,9 +56,7 @@ def seed(kind: str, db: str | Path) -> bool:
 
 
 def seed_prefect_home(home: str | Path) -> bool:
-    """``seed`` for the database of a Prefect server whose home is ``home`` (unless another database is configured)."""
-    if any(os.environ.get(k) for k in _PREFECT_DB_SETTINGS):
-        return False
+    """``seed`` for the database of a Prefect server whose home is ``home``."""
     return seed("prefect", Path(home) / "prefect.db")
 
 

@@ -12,15 +12,20 @@ from rlstage.infra import db_templates
 from rlstage.infra.db_templates import KINDS, seed, seed_mlflow_uri, seed_prefect_home
 
 
-def test_the_shipped_schemas_are_what_the_installed_versions_migrate_to(tmp_path):
+@pytest.fixture(scope="module")
+def fresh(tmp_path_factory) -> dict:
+    """Each kind's database migrated from nothing by its installed version (once for the module's tests)."""
+    return {kind: db_templates.migrated(kind, tmp_path_factory.mktemp(kind)) for kind in KINDS}
+
+
+def test_the_shipped_schemas_are_what_the_installed_versions_migrate_to(tmp_path, fresh):
     for kind in KINDS:
         assert db_templates.template(kind).is_file(), (
             f"no schema ships for {kind} {importlib.metadata.version(kind)}: run python -m rlstage.infra.db_templates dump"
         )
     for kind in KINDS:
-        fresh = db_templates.migrated(kind, tmp_path / kind)
         assert seed(kind, tmp_path / f"shipped-{kind}.db")
-        assert _normalized(tmp_path / f"shipped-{kind}.db") == _normalized(fresh), (
+        assert _normalized(tmp_path / f"shipped-{kind}.db") == _normalized(fresh[kind]), (
             f"{db_templates.template(kind)} is stale: run python -m rlstage.infra.db_templates dump"
         )
 
@@ -46,13 +51,12 @@ def _version(db) -> str:
         con.close()
 
 
-def test_a_new_database_is_seeded_once_and_an_existing_one_is_kept(tmp_path, monkeypatch):
+def test_a_new_database_is_seeded_once_and_an_existing_one_is_kept(tmp_path, monkeypatch, fresh):
     for k in db_templates._PREFECT_DB_SETTINGS:
         monkeypatch.delenv(k, raising=False)
     assert seed_prefect_home(tmp_path / "prefect")
     db = tmp_path / "prefect" / "prefect.db"
-    fresh = db_templates.migrated("prefect", tmp_path / "fresh")
-    assert _version(db) == _version(fresh)
+    assert _version(db) == _version(fresh["prefect"])
     con = sqlite3.connect(db)
     with con:
         con.execute("UPDATE alembic_version SET version_num = 'mine'")
@@ -61,7 +65,8 @@ def test_a_new_database_is_seeded_once_and_an_existing_one_is_kept(tmp_path, mon
     assert [p.name for p in db.parent.iterdir()] == ["prefect.db"]  # no temporary file left
     # another database configured, another tracking backend, another version: nothing written
     monkeypatch.setenv("PREFECT_API_DATABASE_CONNECTION_URL", "postgresql+asyncpg://x")
-    assert not seed_prefect_home(tmp_path / "other") and not (tmp_path / "other").exists()
+    assert not seed_prefect_home(tmp_path / "other") and not seed("prefect", tmp_path / "other" / "prefect.db")
+    assert not (tmp_path / "other").exists()
     assert not seed_mlflow_uri("http://127.0.0.1:5000") and not seed_mlflow_uri(f"postgresql://{tmp_path}/m")
     monkeypatch.setattr(db_templates, "TEMPLATES", tmp_path / "none")
     assert not seed("mlflow", tmp_path / "m.db") and not (tmp_path / "m.db").exists()
