@@ -35,7 +35,10 @@ from rlstage.schemas.stages import EXECUTION, REPLAYABLE, STAGES, covers, kit_ru
 
 # Fields that may differ between invocations of one run: where and how it executes, and how long
 # (unless a stage's view holds the length: a decaying schedule derives its steps from it).
-RUN_MUTABLE = (*EXECUTION, "trainer.iterations", "trainer.max_actor_ckpt_to_keep", "trainer.keep_checkpoint_every")
+RUN_MUTABLE = (
+    *EXECUTION, "trainer.iterations", "trainer.max_actor_ckpt_to_keep", "trainer.keep_checkpoint_every",
+    "rollout.weight_sync", "rollout.weight_bucket_mib",  # how weights reach a rollout role, not which
+)  # fmt: skip
 FIXED = ("run_name", "store")  # a replay or an evaluation may not move the run
 
 

@@ -217,6 +217,8 @@ def test_settings_no_stage_reads_by_default_are_the_documented_ones():
         "trainer.eval_require_maj",  # a config check, and read by the eval once trainer.eval_n > 0
         "trainer.max_actor_ckpt_to_keep",  # the flow's checkpoint retention after each iteration
         "trainer.keep_checkpoint_every",
+        "rollout.weight_sync",  # how weights reach a rollout role placed apart (its workers), not which
+        "rollout.weight_bucket_mib",
     }
 
 

@@ -166,23 +166,28 @@ def test_a_world_size_that_does_not_split_the_mini_batch_is_one_line():
 
 
 def test_killed_role_workers_are_rebuilt_to_identical_artifacts(prefect_api, tmp_path):
-    """SIGKILL of the rollout actor (placed apart) while it generates rollout 1 and eval 2, and of rank 0 while
-    it serves the reference (advantage 1), the critic (advantage 2) and the old log-probs (advantage 2), and
-    inside the critic's commit (iteration 1, between its files and its manifest): each stage's retry rebuilds
-    the role from the store, and every artifact equals an uninterrupted run's."""
+    """SIGKILL of the rollout actor (placed apart) while it generates rollout 1 and eval 2 and while the trainer's
+    push of iteration 1's policy for eval 1 reaches it (a version between checkpoints: in no store, only in the trainer), and of
+    rank 0 while it serves the reference (advantage 1), the critic (advantage 2) and the old log-probs (advantage 2),
+    and inside the critic's commit (iteration 1, between its files and its manifest): each stage's retry rebuilds the
+    role (from the store, or pushed whole again from the trainer), and every artifact equals an uninterrupted run's."""
     from rlstage.flows.training import train
     from rlstage.tasks.runtime import store_for
 
     roles = [
         "ray.rollout_placement=separate", "ray.worker_num_cpus=0.5", "ray.rollout_num_cpus=0.5",
         "algorithm.adv_estimator=gae", "critic.enable=true", "critic.ppo_mini_batch_size=16", "critic.micro_batch_size=8",
-        "actor.use_kl_loss=true",
+        "actor.use_kl_loss=true", "trainer.checkpoint_every=2", "rollout.weight_sync=delta",
     ]  # fmt: skip
     reference = _cfg(tmp_path / "ref", "roles", *roles)
     train(config=reference)
+    assert not any(f.startswith("model/") for f in store_for(reference).manifest("roles", 1, "update").files)
     markers = tmp_path / "markers"
     markers.mkdir()
-    points = ["rollout@rollout:1", "advantage@ref:1", "advantage@critic:2", "advantage@actor:2", "eval@rollout:2"]
+    points = [
+        "rollout@rollout:1", "advantage@ref:1", "eval@weights:1", "advantage@critic:2", "advantage@actor:2",
+        "eval@rollout:2",
+    ]  # fmt: skip
     in_commit = "drill.kill_in_commit=['critic:1']"
     killed = _cfg(tmp_path / "killed", "roles", *roles, f"drill.kill_worker_at={points}", in_commit, f"drill.markers={markers}")
     result = train(config=killed)
@@ -199,11 +204,15 @@ def test_killed_role_workers_are_rebuilt_to_identical_artifacts(prefect_api, tmp
     for k in (1, 2):
         a, b = (s_.read_table(s_.manifest("roles", k, "rollout"), "rollouts.parquet") for s_ in (store, ref_store))
         assert a.drop(["rollout_log_probs"]).equals(b.drop(["rollout_log_probs"]))
-    w1, w2 = update_weights(store, "roles", 1), update_weights(store, "roles", 2)
-    assert weights_moved(w1, w2)  # the drills ran where the weights change
+    from safetensors.torch import load
+
+    # the drills ran where the weights change (iteration 1's lie between checkpoints: the start's against 2's)
+    start = store.manifest("roles", 1, "update").meta["policy_ref"]
+    w0 = load(store.read_bytes(store.manifest(start["run"], start["iteration"], start["stage"]), "model/model.safetensors"))
+    assert weights_moved(w0, update_weights(store, "roles", 2))
 
 
-def test_rollout_placed_apart_takes_weights_by_handoff_and_overlaps_the_trainer(prefect_api, tmp_path):
+def test_rollout_placed_apart_takes_weights_in_memory_and_overlaps_the_trainer(prefect_api, tmp_path):
     """The rollout role on two actors of its own, each generating a share of every batch, and the reference and
     critic (PPO with GAE and a KL loss) on an actor of theirs: same artifacts as with every role on rank 0,
     and a generating stage runs while an update of the trainer role trains (two stages of different roles
@@ -240,10 +249,10 @@ def test_rollout_placed_apart_takes_weights_by_handoff_and_overlaps_the_trainer(
         assert gap < 1e-5
     ro2 = store.manifest("p", 2, "rollout")
     assert ro2.meta["generated_by"]["placement"] == "separate"
-    assert ro2.meta["generated_by"]["weights"] == "handoff"  # same node: the trainer's folder, not the store
+    assert ro2.meta["generated_by"]["weights"] == "trainer"  # in memory from the trainer, not a folder or the store
     assert ro2.meta["generated_by"]["pid"] != store.manifest("p", 2, "update").meta["trained_on"][0]["pid"]
     workers = ro2.meta["generated_by"]["workers"]
-    assert len({w["pid"] for w in workers}) == 2 and {w["weights"] for w in workers} == {"handoff"}
+    assert len({w["pid"] for w in workers}) == 2 and {w["weights"] for w in workers} == {"trainer"}
     # the reference and the critic were served, and the critic trained, by another actor than the trainer's
     for k in (1, 2):
         served = store.manifest("p", k, "advantage").meta["served_on"]
@@ -318,8 +327,9 @@ if __name__ == "__main__":
     train(config=cfg)
     store = store_for(cfg)
     out = {
-        "rollout": [store.manifest(cfg.run_name, k, "rollout").meta["generated_by"] for k in (1, 2)],
-        "update": [store.manifest(cfg.run_name, k, "update").meta["trained_on"] for k in (1, 2)],
+        "rollout": [store.manifest(cfg.run_name, k, "rollout").meta["generated_by"] for k in (1, 2, 3)],
+        "update": [store.manifest(cfg.run_name, k, "update").meta["trained_on"] for k in (1, 2, 3)],
+        "stored": [any(f.startswith("model/") for f in store.manifest(cfg.run_name, k, "update").files) for k in (1, 2, 3)],
         "nodes": {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()},
         "listening": sorted({c.laddr.ip for p in psutil.Process().children(recursive=True) for c in _connections(p) if c.status == "LISTEN"}),
     }
@@ -331,14 +341,14 @@ if __name__ == "__main__":
 
 def test_two_node_cluster_trainer_on_one_node_rollout_on_the_other(prefect_api, tmp_path):
     """A two-raylet Ray cluster on this machine: the trainer on node_a, the rollout worker on node_b, new
-    weights crossing nodes through the store, every listener on 127.0.0.1."""
+    weights crossing nodes in memory (whole, then as deltas), every listener on 127.0.0.1."""
     import json
     import subprocess
     import sys
 
     args = [
         f"store.root={tmp_path / 'store'}", "run_name=mn", *tiny_overrides(), "actor.entropy_coeff=0.01",
-        "ray.rollout_placement=separate", "ray.worker_num_cpus=0.5", "ray.rollout_num_cpus=0.5",
+        "trainer.iterations=3", "trainer.checkpoint_every=2", "rollout.weight_sync=delta", "ray.rollout_placement=separate", "ray.worker_num_cpus=0.5", "ray.rollout_num_cpus=0.5",
         "ray.trainer_resources={node_a: 1}", "ray.rollout_resources={node_b: 1}",
         "ray.stages={rollout: {num_cpus: 0.25}, reward: {num_cpus: 0.25}, advantage: {num_cpus: 0.25}, update: {num_cpus: 0.25}, eval: {num_cpus: 0.25}, data_prep: {num_cpus: 0.25}}",
     ]  # fmt: skip
@@ -348,7 +358,11 @@ def test_two_node_cluster_trainer_on_one_node_rollout_on_the_other(prefect_api, 
     assert len(out["nodes"]) == 2 and set(out["nodes"].values()) == {"127.0.0.1"}
     for gen, trained in zip(out["rollout"], out["update"], strict=True):
         assert gen["placement"] == "separate" and gen["node"] != trained[0]["node"]
-    assert out["rollout"][1]["weights"] == "store"  # iteration 1's update reached node_b through the store
+    # iteration 1's policy reached node_b in memory (Ray's object store), whole; iteration 2's as a delta against it,
+    # and no update between checkpoints wrote weights anywhere
+    assert [g["weights"] for g in out["rollout"][1:]] == ["trainer", "trainer-delta"]
+    assert 0 < out["rollout"][2]["weight_bytes"] <= out["rollout"][1]["weight_bytes"]
+    assert out["stored"] == [False, True, False]
     loopback = {ip.removeprefix("::ffff:") for ip in out["listening"]}  # IPv4-mapped IPv6 is the same address
     assert loopback == {"127.0.0.1"}, out["listening"]
 

@@ -160,19 +160,31 @@ class PolicyGroup:
         return self.call_all(Trainer.acquire, *args)[0]
 
     def acquire_rollout(self, ref: PolicyRef, update_hash: str | None = None, ask_trainer: bool = True) -> None:
-        """Make the generating role hold ``ref``: rank 0 when colocated, else every rollout actor, which takes
-        the trainer's same-node handoff when the trainer holds ``ref`` and reads the store otherwise.
-        ``ask_trainer=False`` (a pipelined rollout, submitted while the trainer trains) reads the store at once:
-        a handoff call would queue behind the running update, and the overlap would be lost."""
+        """Make the generating role hold ``ref``: rank 0 when colocated, else every rollout actor, which the trainer
+        pushes ``ref`` to in memory when it holds it (or rebuilds it: a version between checkpoints) and which
+        reads the store or ``ref``'s path otherwise. ``ask_trainer=False`` (a pipelined rollout, submitted while the
+        trainer trains) reads the store at once: a call of the trainer's would queue behind the running update, and
+        the overlap would be lost. A rollout actor killed mid-push fails the stage, whose retry pushes again."""
         if not self.rollouts:
             self.acquire(ref, "policy", update_hash)
             return
         versions = _wait_restart(lambda: ray.get([a.version.remote() for a in self.rollouts]))
-        behind = [a for a, v in zip(self.rollouts, versions, strict=True) if v != ref.version]
+        behind = [(a, v) for a, v in zip(self.rollouts, versions, strict=True) if v != ref.version]
         if not behind:
             return
-        handoff = self.call(Trainer.handoff, ref.version) if ask_trainer else None
-        _wait_restart(lambda: ray.get([a.acquire.remote(ref.model_dump(mode="json"), handoff) for a in behind]))
+        ref_json = ref.model_dump(mode="json")
+        if not (ask_trainer and self.call(Trainer.serves_weights, ref_json)):
+            _wait_restart(lambda: ray.get([a.acquire.remote(ref_json) for a, _ in behind]))
+            return
+        self.acquire(ref, "policy", update_hash)  # held: nothing to do; between checkpoints: rebuilt
+        for have in dict.fromkeys(v for _, v in behind):  # a delta per version held (a restarted actor: whole)
+            actors = [a for a, v in behind if v == have]
+            plan, first, last = self.call(Trainer.push_start, ref.version, have), True, False
+            while not last:  # bucket by bucket: one in the object store at a time, whatever the model's size
+                bucket = self.ranks[0].push_bucket.remote()
+                last = ray.get([a.receive.remote(plan if first else None, bucket) for a in actors])[0]
+                first = False
+            ray.get([a.receive_commit.remote(ref_json) for a in actors])
 
     def generate_ids(self, version: str, prompt_ids: list[list[int]], params: SamplingParams) -> list[Completion]:
         """Completions of rendered prompts on the role that generates. Over several rollout actors, or over the

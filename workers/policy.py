@@ -38,6 +38,7 @@ from rlstage.engines.models.lora import (
 from rlstage.engines.plugins import load_plugins
 from rlstage.engines.rollout.base import Completion, RolloutEngine, SamplingParams
 from rlstage.engines.rollout.engines import build_rollout_engine, engine_traits
+from rlstage.engines.rollout.weight_sync import Bucket, PushPlan, WeightSender
 from rlstage.engines.training.actor import DataParallelTorchActor, TorchActor
 from rlstage.engines.training.checkpoint import load_trainer_state, save_trainer_state
 from rlstage.engines.training.critic import TorchCritic
@@ -232,6 +233,7 @@ class PolicyWorker(Parkable):
         self.ref_model = None
         self.base: PolicyRef | None = None  # a LoRA policy's base (its reference policy), else None
         self.critic: TorchCritic | None = None
+        self.sender: WeightSender | None = None  # the policy's pushes to a rollout role placed apart
         # Checkpoints fetched from the store and checkpoints waiting to be committed: removed on close.
         self.scratch = scratch_dir("worker", self.cfg.run_name)
         self.staged: dict[str, Path] = {}
@@ -248,6 +250,7 @@ class PolicyWorker(Parkable):
             actor.close()
         self._leave_group()
         self.tokenizer = self.model = self.actor = self.rollout = self.ref_model = self.critic = self.base = None
+        self.sender = None
         self.versions = dict.fromkeys(ROLES)
         self.staged, self.busy, self.pending = {}, [], False
 
@@ -612,9 +615,11 @@ class PolicyWorker(Parkable):
         self._sync_policy_weights()
         self.versions["policy"], self.pending = None, True
         # Rank 0 stages the weights and its optimizer state (whole under ZeRO-0, the same on every rank); under
-        # ZeRO 1-3 each other rank stages its own partition. A rollout role placed apart reads every policy's
-        # weights from the store (or a same-node handoff): always stored.
-        if self.rank == 0 and (checkpoint or cfg.ray.rollout_placement == "separate"):
+        # ZeRO 1-3 each other rank stages its own partition. A rollout role placed apart takes each policy from this
+        # worker in memory (push_start), except a pipelined one, which generates while this trains: it reads the
+        # store, so every policy's weights are stored then.
+        ahead = cfg.ray.rollout_placement == "separate" and cfg.trainer.async_staleness > 0
+        if self.rank == 0 and (checkpoint or ahead):
             # written out at once (live buffers, no copy of the optimizer state in memory)
             self._stage("policy", self.model, self.actor.state_dict(live=True) if checkpoint else None)
         elif self.rank > 0 and checkpoint and self._sharded_state():
@@ -626,16 +631,29 @@ class PolicyWorker(Parkable):
             self._push_rollout_weights()
         return metrics
 
-    def handoff(self, version: str) -> tuple[str, str] | None:
-        """The weights of ``version`` as a Hugging Face folder on this node, for a rollout worker placed apart
-        on the same node (the local-file handoff); None when this worker does not hold that version."""
-        if self.versions["policy"] != version:
-            return None
-        folder = self.scratch / "handoff" / version
-        if not folder.is_dir():
-            shutil.rmtree(folder.parent, ignore_errors=True)  # one version at a time
-            save_hf(self.model, self.tokenizer, folder)  # a LoRA policy's merged weights
-        return node_id(), str(folder)
+    def serves_weights(self, ref_json: dict) -> bool:
+        """Whether the rollout role placed apart takes ``ref`` from this worker in memory (``push_start``): it holds
+        it, or it lies between checkpoints, with no stored weights (only a trainer can rebuild it)."""
+        ref = PolicyRef.model_validate(ref_json)
+        if self.versions["policy"] == ref.version:
+            return True
+        if ref.path is not None:
+            return False
+        manifest = self.store.manifest(ref.run, ref.iteration, ref.stage)
+        return manifest is not None and not any(f.startswith(MODEL_DIR + "/") for f in manifest.files)
+
+    def push_start(self, version: str, have: str | None) -> PushPlan:
+        """Begin sending the policy ``version`` (held) to rollout workers that hold ``have``: a delta against it with
+        ``rollout.weight_sync: delta`` when it is what this worker sent last, else whole weights."""
+        self._require(version)
+        if self.sender is None:
+            r = self.cfg.rollout
+            self.sender = WeightSender(delta=r.weight_sync == "delta", bucket_bytes=r.weight_bucket_mib << 20)
+        return self.sender.start(self.model, version, have, self.tokenizer)
+
+    def push_bucket(self) -> Bucket:
+        """The next bucket of the push ``push_start`` began (its ``last`` ends it)."""
+        return self.sender.next_bucket()
 
     def critic_update(self, version: str, experience_json: dict, iteration: int, checkpoint: bool = True) -> dict:
         self._require(version, "critic")

@@ -16,6 +16,7 @@ import pyarrow as pa
 if TYPE_CHECKING:
     from rlstage.engines.agents.loop import AgentCompletion
     from rlstage.engines.rollout.base import Completion, SamplingParams
+    from rlstage.engines.rollout.weight_sync import Bucket, PushPlan
 
 
 class Worker(Protocol):
@@ -50,9 +51,14 @@ class Generator(Worker, Protocol):
 
 
 class Rollout(Generator, Protocol):
-    """The rollout role placed apart: loads each policy version from the trainer's handoff or the store."""
+    """The rollout role placed apart: takes each policy version from the trainer in memory (``receive``, then
+    ``receive_commit``), or loads it from the store or its path (``acquire``)."""
 
-    def acquire(self, ref_json: dict, handoff: tuple[str, str] | None = None) -> str: ...
+    def acquire(self, ref_json: dict) -> str: ...
+
+    def receive(self, plan: PushPlan | None, bucket: Bucket) -> bool: ...
+
+    def receive_commit(self, ref_json: dict) -> str: ...
 
 
 class Trainer(Generator, Protocol):
@@ -67,7 +73,11 @@ class Trainer(Generator, Protocol):
 
     def acquire(self, ref_json: dict, role: str = "policy", update_hash: str | None = None) -> str: ...
 
-    def handoff(self, version: str) -> tuple[str, str] | None: ...
+    def serves_weights(self, ref_json: dict) -> bool: ...
+
+    def push_start(self, version: str, have: str | None) -> PushPlan: ...
+
+    def push_bucket(self) -> Bucket: ...
 
     def log_probs(self, version: str, prompt_ids: list, response_ids: list, temperature: float) -> list: ...
 

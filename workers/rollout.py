@@ -1,9 +1,10 @@
 """The rollout role placed apart from the trainer (``ray.rollout_placement: separate``).
 
 Its own copy of the policy weights and its own rollout engine, so generation can run while the trainer
-trains. New weights arrive by the path that fits the placement: on the trainer's node, a Hugging Face
-folder the trainer writes for it (``PolicyWorker.handoff``); on another node, the committed checkpoint
-in the store (a separate rollout role makes every update store its weights).
+trains. New weights come from the trainer in memory, on its node or another (``receive``: buckets through
+Ray's object store, whole or as deltas, engines/rollout/weight_sync.py), written into this worker's model only
+once the last bucket arrived; a version the trainer does not hold comes from the store (a pipelined run's, which
+stores every update's weights) or its local path.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from rlstage.engines.models.lora import save_hf
 from rlstage.engines.plugins import load_plugins
 from rlstage.engines.rollout.base import Completion, RolloutEngine, SamplingParams
 from rlstage.engines.rollout.engines import build_rollout_engine, engine_traits
+from rlstage.engines.rollout.weight_sync import Bucket, PushPlan, WeightReceiver
 from rlstage.infra.drill import WorkerDrill
 from rlstage.infra.store import ArtifactStore
 from rlstage.schemas.config import RunConfig
@@ -29,10 +31,10 @@ from rlstage.workers.policy import (
     check_loadable,
     compute_device,
     load_policy_model,
-    node_id,
     placed_where,
     preload_model_libraries,
     scratch_dir,
+    torch_dtype,
     warm_binding,
 )
 from rlstage.workers.pool import Parkable
@@ -53,7 +55,10 @@ class RolloutWorker(Parkable):
         torch.set_num_threads(self.cfg.model.torch_threads)
         self.store = ArtifactStore(self.cfg.store.root, self.cfg.store.storage_options, retries=self.cfg.store.retries)
         self.held: str | None = None
-        self.source: str | None = None  # how the held weights arrived: "handoff", "store" or "path"
+        # how the held weights arrived: "trainer" (in memory), "trainer-delta" (only what changed), "store" or "path"
+        self.source: str | None = None
+        self.receiver = WeightReceiver()
+        self.received_bytes = 0
         self.tokenizer = None
         self.model = None
         self.rollout: RolloutEngine | None = None
@@ -66,7 +71,7 @@ class RolloutWorker(Parkable):
         """Drop everything the run gave this worker (weights, engine, scratch): it waits for another."""
         self.close()
         self.tokenizer = self.model = self.rollout = self.held = self.source = None
-        self.busy = []
+        self.busy, self.receiver, self.received_bytes = [], WeightReceiver(), 0
 
     def pid(self) -> int:
         return os.getpid()
@@ -77,14 +82,13 @@ class RolloutWorker(Parkable):
     def arm(self, stage: str, iteration: int) -> None:
         self.drill.arm(stage, iteration)
 
-    def acquire(self, ref_json: dict, handoff: tuple[str, str] | None = None) -> str:
-        """Hold ``ref``'s weights: the trainer's same-node handoff folder, else the store, else a local path."""
+    def acquire(self, ref_json: dict) -> str:
+        """Hold ``ref``'s weights from its local path or the store (the trainer's come by ``receive``)."""
         ref = PolicyRef.model_validate(ref_json)
         if self.held == ref.version:
             return ref.version
-        if handoff is not None and handoff[0] == node_id():
-            path, self.source = Path(handoff[1]), "handoff"
-        elif ref.path is not None:
+        self.received_bytes = 0
+        if ref.path is not None:
             path, self.source = Path(ref.path), "path"
         else:
             manifest = self.store.manifest(ref.run, ref.iteration, ref.stage)
@@ -118,6 +122,43 @@ class RolloutWorker(Parkable):
         self.held = ref.version
         return ref.version
 
+    def receive(self, plan: PushPlan | None, bucket: Bucket) -> bool:
+        """One bucket of a push from the trainer (``plan`` with the first); whether it was the last."""
+        if plan is not None:
+            self.receiver.begin(plan)
+        self.drill.point("weights")
+        return self.receiver.stage(bucket)
+
+    def receive_commit(self, ref_json: dict) -> str:
+        """Hold the version whose push just arrived whole: written into this worker's model (one built from the
+        push's config when it holds none), then into its engine."""
+        ref, plan = PolicyRef.model_validate(ref_json), self.receiver.plan
+        if plan is None or plan.version != ref.version:
+            raise RuntimeError(f"no push of policy {ref.version} arrived")
+        fresh = self.model is None
+        if fresh:
+            from transformers import AutoModelForCausalLM
+
+            self.tokenizer = plan.tokenizer
+            self.tokenizer.padding_side = "left"
+            model = AutoModelForCausalLM.from_config(plan.config, dtype=torch_dtype(self.cfg))
+            in_memory = engine_traits(self.cfg.rollout.engine).in_memory
+            self.model = model.eval().requires_grad_(False).to(compute_device() if in_memory else "cpu")
+        self.held = None  # weights being written are never served
+        self.received_bytes = self.receiver.apply(self.model)
+        if fresh or engine_traits(self.cfg.rollout.engine).in_memory:
+            path = ""
+            if fresh and not engine_traits(self.cfg.rollout.engine).in_memory:
+                # an engine that starts from a folder (vLLM): this worker's first weights, once (a restart's)
+                path = str(self.scratch / "start")
+                shutil.rmtree(path, ignore_errors=True)
+                save_hf(self.model, self.tokenizer, path)
+            self.rollout = build_rollout_engine(self.cfg, self.model, self.tokenizer, path, None if fresh else self.rollout)
+        else:
+            self.rollout.load_weights(self.model)  # vLLM: in memory again, shared-memory buckets to its core
+        self.held, self.source = ref.version, "trainer-delta" if plan.delta else "trainer"
+        return ref.version
+
     def _require(self, version: str) -> None:
         if self.held != version:
             raise RuntimeError(f"rollout worker holds policy version {self.held}, stage needs {version}")
@@ -143,7 +184,7 @@ class RolloutWorker(Parkable):
 
     def info(self) -> dict:
         """Where this worker runs and how its weights arrived (recorded in the rollout manifest)."""
-        return {**placed_where(), "weights": self.source}
+        return {**placed_where(), "weights": self.source, "weight_bytes": self.received_bytes}
 
     def close(self) -> None:
         if self.rollout is not None:

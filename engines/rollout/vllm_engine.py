@@ -31,6 +31,7 @@ from rlstage.engines.models.chat import stop_token_ids as template_stop_ids
 from rlstage.engines.models.lora import is_peft, save_hf
 from rlstage.engines.rollout.base import Completion, RolloutEngine, SamplingParams
 from rlstage.engines.rollout.vllm_plugin import QUIET_WAITS
+from rlstage.engines.rollout.weight_sync import named_weights
 from rlstage.infra.env import pid_running
 
 if TYPE_CHECKING:
@@ -203,21 +204,16 @@ def bucket_tensors(buf, layout: list) -> list[tuple[str, torch.Tensor]]:
 
 
 def weight_buckets(model: torch.nn.Module, bucket_bytes: int) -> list[dict[str, torch.Tensor]]:
-    """The model's weights as checkpoint-named CPU tensors in buckets of about ``bucket_bytes``: a tied copy (an
-    output layer sharing the embedding) once, as ``save_pretrained`` writes it."""
-    seen: set = set()
+    """The model's weights as checkpoint-named CPU tensors (``named_weights``: a tied copy once) in buckets of
+    about ``bucket_bytes``."""
     buckets: list[dict[str, torch.Tensor]] = [{}]
     size = 0
-    for name, tensor in model.state_dict().items():
-        key = (tensor.data_ptr(), tuple(tensor.shape)) if tensor.numel() else id(tensor)
-        if key in seen:  # tied (the same tensor under a second name): vLLM ties it back from the first name
-            continue
-        seen.add(key)
+    for name, tensor in named_weights(model).items():
         nbytes = tensor.numel() * tensor.element_size()
         if size and size + nbytes > bucket_bytes:
             buckets.append({})
             size = 0
-        buckets[-1][name] = tensor.detach().to("cpu").contiguous()
+        buckets[-1][name] = tensor.to("cpu").contiguous()
         size += nbytes
     return [b for b in buckets if b]
 

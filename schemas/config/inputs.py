@@ -153,6 +153,11 @@ class RolloutConfig(_Section):
     # The advantage stage fails when mean |rollout log-prob - trainer's recompute| exceeds this
     # (a stale or wrong weight sync); fp32 engines agree to ~1e-6. None: only logged.
     max_logprob_gap: float | None = Field(0.05, gt=0)
+    # How a rollout role placed apart gets each new policy from the trainer, in memory: "full" weights, or "delta":
+    # only the elements whose bits changed since the version it holds (indices and values).
+    weight_sync: Literal["full", "delta"] = Field("full", json_schema_extra=HASHED_WHEN_SET)
+    # the size of one bucket of such a push (each crosses Ray's object store on its own)
+    weight_bucket_mib: int = Field(128, ge=1, json_schema_extra=HASHED_WHEN_SET)
     # engine=vllm: the vLLM engine's own settings (rollout.vllm.kv_cache_bytes, ...; before 0.2 rollout.vllm_<name>)
     vllm: VLLMConfig = Field(default_factory=VLLMConfig)
 
