@@ -79,3 +79,22 @@ def test_a_fresh_receiver_is_sent_the_model_config_and_tokenizer():
     plan = WeightSender(delta=True, bucket_bytes=1 << 20).start(trained, "v1", None, tok)
     assert plan.config is trained.config and plan.tokenizer is tok and not plan.delta
     assert WeightSender(delta=True, bucket_bytes=1 << 20).start(trained, "v1", "v0", tok).tokenizer is None
+
+
+def test_a_lora_policy_reaches_a_plain_receiver_merged():
+    """A LoRA policy is pushed as its merged weights under its base's names (the rollout role holds a plain model)."""
+    from rlstage.engines.models.lora import merged_state_dict, with_adapters
+    from rlstage.schemas.config import ModelConfig
+
+    _, base, held = _models()
+    policy = with_adapters(base, ModelConfig(lora_rank=4))
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)  # adapters that move every targeted layer
+    whole = sum(t.numel() * t.element_size() for t in named_weights(held).values())
+    receiver = WeightReceiver()
+    _push(WeightSender(delta=True, bucket_bytes=whole // 3), policy, "v1", "v0", receiver, held)
+    merged = merged_state_dict(policy)
+    assert all(torch.allclose(t, merged[k]) for k, t in named_weights(held).items())
+    assert not torch.equal(named_weights(held)["model.layers.0.self_attn.q_proj.weight"], _models()[1].model.layers[0].self_attn.q_proj.weight)
