@@ -11,6 +11,9 @@ Sections, each written to the JSON as soon as it ends (a run cut short keeps wha
   (512 new tokens) and the torch actor's update, each against the raw loop on the same batch (HF ``generate``
   without the engine's bookkeeping; ``bench/update_throughput.raw_update``), tokens/s, MFU, peak memory against
   ``bench/memory_model.py``'s prediction.
+- ``update_paths``: the update on the whole vocabulary's logits against the chunked path, at the 0.5B and 1.5B
+  shapes, each at the largest micro-batch that fits: peak, tokens/s, MFU.
+- ``weight_push``: the 0.5B shape's weights pushed in memory to a second process (whole, then a delta), timed.
 - ``largest``: the most layers at Qwen2-0.5B's widths that one update fits on the card (from two measured
   depths, then tried).
 What the device lacks (bf16, memory statistics, room for a shape) is skipped with its reason in ``skipped``.
@@ -345,23 +348,67 @@ def update_speed(
         ("raw", lambda: raw_update(model, cfg, 0)),
         ("engine", lambda: TorchActor(model, cfg, 0, 1000).update),
     ):
-        free_memory()
-        peak_reset(device)
-        fn = make()
-        sec = timed(device, lambda fn=fn: fn(batch, 1.0, 0), repeats)
-        del fn
-        result[f"{name}_tokens_per_s"] = round(tokens / sec, 1)
-        result[f"{name}_peak_gib"] = (
-            None if peak_bytes(device) is None else round(peak_bytes(device) / 2**30, 2)
-        )
-        flops = tokens * update_flops_per_token(shape, prompt_len + response_len) / sec
-        result[f"{name}_mfu"] = round(flops / (tflops * 1e12), 4) if tflops else None
+        for key, value in measure_update(device, shape, make, batch, tokens, tflops, repeats).items():
+            result[f"{name}_{key}"] = value
     result["engine_over_raw"] = round(result["engine_tokens_per_s"] / result["raw_tokens_per_s"], 3)
     predicted = update_peak_bytes(
         shape, dtype_bytes, cfg.micro_batch_size, prompt_len + response_len, response_len
     )
     result["predicted_peak_gib"] = round(predicted / 2**30, 2)
     return result
+
+
+def measure_update(device: torch.device, shape: Shape, make, batch: dict, tokens: int, tflops: float | None, repeats: int) -> dict:
+    """Tokens/s, peak and MFU of the update ``make()`` returns, on ``batch`` (``tokens`` per call)."""
+    free_memory()
+    peak_reset(device)
+    fn = make()
+    sec = timed(device, lambda f=fn: f(batch, 1.0, 0), repeats)
+    del fn
+    seq = len(batch["prompt_ids"][0]) + len(batch["response_ids"][0])
+    flops = tokens * update_flops_per_token(shape, seq) / sec
+    return {
+        "tokens_per_s": round(tokens / sec, 1),
+        "peak_gib": None if peak_bytes(device) is None else round(peak_bytes(device) / 2**30, 2),
+        "mfu": round(flops / (tflops * 1e12), 4) if tflops else None,
+    }
+
+
+def update_paths(check: Check, device: torch.device, dtype: torch.dtype, tiny: bool) -> dict:
+    """The torch actor's update on the whole vocabulary's logits (``actor.logits_chunk_tokens: null``) against the
+    chunked path (512, the default), at the 0.5B and 1.5B shapes, each path at the largest micro-batch that fits
+    (doubling from 8 until the device is out of memory; --tiny: the tiny shape at micro-batch 2 only): peak, tokens/s
+    and MFU there, 64 + 512 tokens a sample, one optimizer step a call."""
+    tflops = check.report["sections"].get("peak", {}).get("matmul_tflops")
+    shapes = [TINY_SHAPE] if tiny else [SHAPES["qwen2-0.5b"], SHAPES["qwen2-1.5b"]]
+    prompt_len, new = (8, 16) if tiny else (64, 512)
+    out: dict = {}
+    for shape in shapes:
+        model = qwen2(shape, device, dtype)
+        rows: dict = {}
+        for path, chunk in (("plain", None), ("chunked", 8 if tiny else 512)):  # tiny: 32 response tokens, 4 chunks
+            micro, best = 2 if tiny else 8, None
+            while micro <= 512:
+                cfg = ActorConfig(ppo_mini_batch_size=micro, micro_batch_size=micro, logits_chunk_tokens=chunk)
+                batch = update_batch(shape, micro, prompt_len, new)
+                try:
+                    got = measure_update(device, shape, lambda cfg=cfg, m=model: TorchActor(m, cfg, 0, 1000).update, batch,
+                                         micro * (prompt_len + new), tflops, 1)  # fmt: skip
+                except torch.OutOfMemoryError:
+                    break
+                finally:
+                    free_memory()
+                best = {"micro_batch": micro, **got}
+                if tiny:
+                    break
+                micro *= 2
+            rows[path] = best
+        if rows["plain"] and rows["chunked"]:
+            rows["largest_micro_batch_ratio"] = rows["chunked"]["micro_batch"] / rows["plain"]["micro_batch"]
+        out[shape.name] = rows
+        model = None  # freed before the next shape's
+        free_memory()
+    return out
 
 
 def speed(check: Check, device: torch.device, dtype: torch.dtype, tiny: bool) -> dict:
@@ -446,6 +493,83 @@ def deepspeed(check: Check, device: torch.device, dtype: torch.dtype, tiny: bool
 
 
 # -- largest ------------------------------------------------------------------------------------------------------
+
+
+def weight_push(check: Check, device: torch.device, dtype: torch.dtype, tiny: bool) -> dict:
+    """The policy's weights (the 0.5B shape; --tiny: the tiny one) pushed in memory to a second process that holds a
+    model of the same shape on the same device, in the buckets a rollout role placed apart takes
+    (engines/rollout/weight_sync.py, 128 MiB each; here over a pipe: the GPU machine has no Ray): whole, then a delta
+    after an Adam-like step that moves every element by 1e-6 (in bf16 most of it is below the dtype's resolution).
+    Timed from the push's start to the receiver's model holding the weights."""
+    import multiprocessing as mp
+
+    from rlstage.engines.rollout.weight_sync import WeightSender
+
+    shape = TINY_SHAPE if tiny else SHAPES["qwen2-0.5b"]
+    model = qwen2(shape, device, dtype)
+    ctx = mp.get_context("spawn")
+    conn, child_conn = ctx.Pipe()
+    child = ctx.Process(target=_receiver, args=(child_conn, model.config, str(dtype).removeprefix("torch."), str(device)))
+    child.start()
+    try:
+        assert conn.recv() == "ready"
+        sender = WeightSender(delta=True, bucket_bytes=128 << 20)
+        out: dict = {"shape": shape.name, "dtype": str(dtype).removeprefix("torch."), "bucket_mib": 128}
+        for name, have in (("whole", None), ("delta", "v0")):
+            if have is not None:
+                g = torch.Generator(device=device).manual_seed(1)
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.add_(torch.sign(torch.randn(p.shape, generator=g, device=device)).to(p.dtype) * 1e-6)
+            sync(device)
+            t0 = time.perf_counter()
+            conn.send(("begin", sender.start(model, "v1" if have else "v0", have)))
+            last = False
+            while not last:
+                bucket = sender.next_bucket()
+                conn.send(("bucket", bucket))
+                last = bucket.last
+            conn.send(("commit", None))
+            conn.recv()
+            seconds = time.perf_counter() - t0
+            out[name] = {"seconds": seconds, "bytes": sender.bytes, "gb_per_s": sender.bytes / seconds / 1e9}
+        conn.send(("checksum", None))
+        out["receiver_equal"] = conn.recv() == _checksum(model)
+        return out
+    finally:
+        conn.send(("stop", None))
+        child.join(60)
+
+
+def _checksum(model: torch.nn.Module) -> float:
+    return float(sum(p.double().sum().item() for p in model.state_dict().values()))
+
+
+def _receiver(conn, config, dtype: str, device: str) -> None:
+    """The second process of ``weight_push``: a model of the same shape, taking pushes until told to stop."""
+    from transformers import AutoModelForCausalLM
+
+    from rlstage.engines.rollout.weight_sync import WeightReceiver
+
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config).to(getattr(torch, dtype))
+    receiver = WeightReceiver()
+    conn.send("ready")
+    while True:
+        what, arg = conn.recv()
+        if what == "begin":
+            receiver.begin(arg)
+        elif what == "bucket":
+            receiver.stage(arg)
+        elif what == "commit":
+            applied = receiver.apply(model)
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
+            conn.send(applied)
+        elif what == "checksum":
+            conn.send(_checksum(model))
+        else:
+            return
 
 
 def update_peak(device: torch.device, shape: Shape, dtype: torch.dtype, batch: dict, cfg: ActorConfig) -> int:
@@ -566,12 +690,14 @@ def main(argv: list[str] | None = None) -> int:
     )  # bf16 products on a CPU measure nothing useful
     if cuda and not bf16:
         check.skip("bf16", f"{meta['device']} lacks bf16: speed runs in fp32")
-    wanted = set(filter(None, args.only.split(","))) or {"peak", "correctness", "speed", "deepspeed", "largest"}
+    wanted = set(filter(None, args.only.split(","))) or {"peak", "correctness", "speed", "deepspeed", "update_paths", "weight_push", "largest"}
     for name, fn, *rest in (
         ("peak", peak, device, dtype, args.tiny),
         ("correctness", correctness, device, bf16),
         ("speed", speed, device, dtype, args.tiny),
         ("deepspeed", deepspeed, device, dtype, args.tiny),
+        ("update_paths", update_paths, device, dtype, args.tiny),
+        ("weight_push", weight_push, device, dtype, args.tiny),
     ):
         if name in wanted:
             check.section(name, fn, *rest)

@@ -33,7 +33,7 @@ def check(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict
 def test_cpu_smoke_runs_every_section_it_can(tmp_path):
     proc, report = check(tmp_path, "--device", "cpu", "--tiny")
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert set(report["sections"]) == {"peak", "correctness", "speed", "deepspeed"}, report["skipped"]
+    assert set(report["sections"]) == {"peak", "correctness", "speed", "deepspeed", "update_paths", "weight_push"}, report["skipped"]
     assert [s["what"] for s in report["skipped"]] == ["largest"]  # needs CUDA's memory statistics
     corr = report["sections"]["correctness"]
     assert corr["passed"] and corr["weights_moved_max_abs"] > 0
@@ -46,6 +46,11 @@ def test_cpu_smoke_runs_every_section_it_can(tmp_path):
     ds = report["sections"]["deepspeed"]  # ZeRO-2 takes the torch engine's step
     assert ds["tiny_fp32_vs_torch_engine"]["weights_max_abs_over_lr"] < 0.05
     assert ds["torch"]["tokens_per_s"] > 0 and ds["deepspeed_zero2"]["tokens_per_s"] > 0
+    paths = report["sections"]["update_paths"]["tiny-qwen2"]  # whole-vocabulary logits against chunks of them
+    assert {p: paths[p]["micro_batch"] for p in ("plain", "chunked")} == {"plain": 2, "chunked": 2}
+    assert all(paths[p]["tokens_per_s"] > 0 for p in ("plain", "chunked"))
+    push = report["sections"]["weight_push"]  # to a second process (a Ray actor), in memory
+    assert push["receiver_equal"] and push["whole"]["bytes"] > 0 and 0 < push["delta"]["bytes"] <= push["whole"]["bytes"]
     assert report["meta"]["torch"] == torch.__version__
 
 
