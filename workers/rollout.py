@@ -135,6 +135,7 @@ class RolloutWorker(Parkable):
         ref, plan = PolicyRef.model_validate(ref_json), self.receiver.plan
         if plan is None or plan.version != ref.version:
             raise RuntimeError(f"no push of policy {ref.version} arrived")
+        in_memory = engine_traits(self.cfg.rollout.engine).in_memory
         fresh = self.model is None
         if fresh:
             from transformers import AutoModelForCausalLM
@@ -142,20 +143,18 @@ class RolloutWorker(Parkable):
             self.tokenizer = plan.tokenizer
             self.tokenizer.padding_side = "left"
             model = AutoModelForCausalLM.from_config(plan.config, dtype=torch_dtype(self.cfg))
-            in_memory = engine_traits(self.cfg.rollout.engine).in_memory
             self.model = model.eval().requires_grad_(False).to(compute_device() if in_memory else "cpu")
         self.held = None  # weights being written are never served
         self.received_bytes = self.receiver.apply(self.model)
-        if fresh or engine_traits(self.cfg.rollout.engine).in_memory:
+        if not fresh:
+            self.rollout.load_weights(self.model)  # vLLM: shared-memory buckets to its core; HF shares the model
+        else:
             path = ""
-            if fresh and not engine_traits(self.cfg.rollout.engine).in_memory:
-                # an engine that starts from a folder (vLLM): this worker's first weights, once (a restart's)
+            if not in_memory:  # an engine that starts from a folder (vLLM): this worker's first weights, once
                 path = str(self.scratch / "start")
                 shutil.rmtree(path, ignore_errors=True)
                 save_hf(self.model, self.tokenizer, path)
-            self.rollout = build_rollout_engine(self.cfg, self.model, self.tokenizer, path, None if fresh else self.rollout)
-        else:
-            self.rollout.load_weights(self.model)  # vLLM: in memory again, shared-memory buckets to its core
+            self.rollout = build_rollout_engine(self.cfg, self.model, self.tokenizer, path, None)
         self.held, self.source = ref.version, "trainer-delta" if plan.delta else "trainer"
         return ref.version
 

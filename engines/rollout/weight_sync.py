@@ -1,8 +1,8 @@
 """A policy's weights from one process to another in memory: buckets of packed tensors, whole or as deltas.
 
 The trainer's ``WeightSender`` packs its model's checkpoint-named tensors into buckets of about ``bucket_bytes``
-(one flat byte array each, which Ray's object store moves without a copy per tensor); a rollout role's
-``WeightReceiver`` holds them aside and writes them into its own model only once the last one arrived, so a push
+(each tensor's bytes as a view, which Ray's object store copies once); a rollout role's ``WeightReceiver`` holds
+them aside and writes them into its own model only once the last one arrived, so a push
 that stops half-way (the receiver killed mid-bucket, the sender gone) never leaves a model with half-updated
 weights. With ``delta`` the sender remembers what it sent last, and a receiver that holds that version gets only
 the elements whose bits changed in the model's dtype (indices and values, where that is smaller than the tensor):
@@ -49,12 +49,11 @@ class Bucket:
 
 @dataclass(frozen=True)
 class PushPlan:
-    """What a push carries: ``delta`` against ``base`` (the version its receivers hold), or whole weights; a
-    receiver holding no model yet builds one from ``config`` and ``tokenizer`` (sent only then)."""
+    """What a push carries: a ``delta`` against the version its receivers hold, or whole weights; a receiver holding
+    no model yet builds one from ``config`` and ``tokenizer`` (sent only then)."""
 
     version: str
     delta: bool
-    base: str | None = None
     config: object | None = None
     tokenizer: object | None = None
 
@@ -88,6 +87,7 @@ class WeightSender:
         self.sent: dict[str, torch.Tensor] = {}  # delta: the weights as last sent (CPU), for the next diff
         self.sent_version: str | None = None
         self._items: Iterator[tuple[str, torch.Tensor]] | None = None
+        self._pending: tuple[str, torch.Tensor] | None = None  # the tensor that did not fit the last bucket
         self._plan: PushPlan | None = None
         self.bytes = 0  # what the current (or last) push carried
 
@@ -96,10 +96,9 @@ class WeightSender:
         delta = self.delta and have is not None and have == self.sent_version and bool(self.sent)
         fresh = have is None
         config = (model.get_base_model() if is_peft(model) else model).config
-        self._plan = PushPlan(version, delta, have if delta else None, config if fresh else None, tokenizer if fresh else None)
+        self._plan = PushPlan(version, delta, config if fresh else None, tokenizer if fresh else None)
         self.sent_version = None  # until this push's last bucket: what ``sent`` holds is mid-way
-        self._items = iter(named_weights(model).items())
-        self._pending: tuple[str, torch.Tensor] | None = None
+        self._items, self._pending = iter(named_weights(model).items()), None
         self.bytes = 0
         return self._plan
 
@@ -148,9 +147,9 @@ class WeightSender:
     def _remember(self, name: str, tensor: torch.Tensor) -> None:
         held = self.sent.get(name)
         if held is None or held.shape != tensor.shape or held.dtype != tensor.dtype:
-            self.sent[name] = tensor.detach().to("cpu", copy=True).contiguous()
+            self.sent[name] = tensor.to("cpu", copy=True).contiguous()
         else:
-            held.copy_(tensor.detach())
+            held.copy_(tensor)
 
 
 def _bytes(t: torch.Tensor) -> np.ndarray:
@@ -159,8 +158,7 @@ def _bytes(t: torch.Tensor) -> np.ndarray:
 
 @dataclass
 class WeightReceiver:
-    """The rollout role's side: ``stage`` each bucket (copied out of the object store), ``apply`` once the last one
-    arrived."""
+    """The rollout role's side: ``stage`` each bucket as it arrived, ``apply`` once the last one did."""
 
     staged: list[Bucket] = field(default_factory=list)
     plan: PushPlan | None = None
