@@ -1,4 +1,4 @@
-"""Chaos, longer: tests/test_chaos.py's run under many seeded schedules, one after another.
+"""Chaos, longer: tests/integration/test_chaos.py's run under many seeded schedules, one after another.
 
     .venv/bin/python bench/chaos.py --seeds 0 1 2 3 4 5 6 7 8 9
 
@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-TEST = "tests/test_chaos.py::test_a_run_killed_at_random_is_the_run_undisturbed"
+TEST = "tests/integration/test_chaos.py::test_a_run_killed_at_random_is_the_run_undisturbed"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,7 +1,7 @@
 """The prepared GPU check (issue #39): the engines' correctness, speed and memory on one device, one JSON file.
 
     python bench/gpu_check.py --device cuda --out gpu_check.json     # an H100 / H200: ~3-5 minutes
-    python bench/gpu_check.py --device cpu --tiny --out /tmp/g.json  # CI's smoke run (tests/test_gpu_check.py)
+    python bench/gpu_check.py --device cpu --tiny --out /tmp/g.json  # CI's smoke run (tests/integration/test_gpu_check.py)
 
 Sections, each written to the JSON as soon as it ends (a run cut short keeps what it measured):
 - ``peak``: a bf16 matrix product's TFLOP/s and a device-to-device copy's bytes/s, the ceilings below use.

@@ -3,7 +3,7 @@
 tracking store opens them (Prefect's ~6 CPU-s, most of a cold command's wait for its server here). Only for the
 exact version the schema was dumped from: with any other installed version the database migrates as before.
 
-Regenerate after a Prefect or MLflow upgrade: ``python -m rlstage.infra.db_templates dump`` (tests/test_db_templates.py
+Regenerate after a Prefect or MLflow upgrade: ``python -m rlstage.infra.db_templates dump`` (tests/infra/test_db_templates.py
 fails until then).
 """
 

@@ -177,7 +177,7 @@ def prefect_env(home: Path, ui_port: int | None = None) -> dict[str, str]:
 # Services of a long-lived server (schedules, workers, automations, pauses, cancellations, leases) that a server
 # living as long as one command never uses; each polls the database every few seconds: an idle server here took
 # 4.0-5.5 CPU-s a minute with them, 2.2-2.5 without. Kept: the event persister and task-run recorder (a flow's
-# task runs are recorded from its events). A setting in the environment wins (tests/test_schedule.py).
+# task runs are recorded from its events). A setting in the environment wins (tests/integration/test_schedule.py).
 UNUSED_SERVICES = (
     "SCHEDULER", "LATE_RUNS", "FOREMAN", "TRIGGERS", "PAUSE_EXPIRATIONS", "CANCELLATION_CLEANUP", "REPOSSESSOR",
     "CLEANUP_RECONCILER",

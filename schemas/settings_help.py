@@ -77,7 +77,7 @@ def setting_paths() -> frozenset[str]:
 
 
 def missing_help() -> list[str]:
-    """Settings with neither a description nor a comment in schemas/config/ (tests/test_docs.py fails on any)."""
+    """Settings with neither a description nor a comment in schemas/config/ (tests/docs/test_docs.py fails on any)."""
     return [f"{prefix}{name}" for prefix, _, name, _, text in rows() if not text]
 
 

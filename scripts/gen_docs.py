@@ -1,12 +1,14 @@
 """Derive docs/reference/config.md from the config models: every section and field, its type, default and
-help (the field's description, else the comment written beside or above it in schemas/config/).
+help (the field's description, else the comment written beside or above it in schemas/config/); the registries'
+page from the registries; the invariants' page from the tests' ``@pytest.mark.invariant(name, tolerance)`` marks.
 
     .venv/bin/python scripts/gen_docs.py           # rewrite the page
-    .venv/bin/python scripts/gen_docs.py --check   # exit 1 when the committed page is stale (tests/test_docs.py)
+    .venv/bin/python scripts/gen_docs.py --check   # exit 1 when the committed page is stale (tests/docs/test_docs.py)
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import inspect
 import sys
@@ -17,6 +19,8 @@ from rlstage.schemas.settings_help import is_execution, missing_help, read_by, r
 
 PAGE = Path(__file__).resolve().parent.parent / "docs" / "reference" / "config.md"
 REGISTRIES_PAGE = PAGE.parent / "registries.md"
+INVARIANTS_PAGE = PAGE.parent / "invariants.md"
+TESTS = PAGE.parent.parent.parent / "tests"
 # The modules whose import registers the built-in entries of every registry.
 BUILTINS = (
     "rlstage.engines.algorithms", "rlstage.engines.data.datasets", "rlstage.engines.rollout.engines",
@@ -111,8 +115,41 @@ def render_registries() -> str:
     return "\n".join(lines) + "\n"
 
 
+def invariants(tests: Path = TESTS) -> list[tuple[str, str, str]]:
+    """(invariant, tolerance, test id) of every test marked ``@pytest.mark.invariant("a == b", "tolerance")``, read
+    from the test files' source (nothing is imported)."""
+    out = []
+    for path in sorted(tests.rglob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.FunctionDef):
+                continue
+            for d in node.decorator_list:
+                if isinstance(d, ast.Call) and ast.unparse(d.func) == "pytest.mark.invariant":
+                    name, tolerance = (ast.literal_eval(a) for a in d.args)
+                    out.append((name, tolerance, f"{path.relative_to(tests.parent)}::{node.name}"))
+    return sorted(out)
+
+
+def render_invariants() -> str:
+    lines = [
+        "# Invariants",
+        "",
+        "Generated from the tests' `@pytest.mark.invariant` marks by `scripts/gen_docs.py`; do not edit by hand.",
+        "The equalities rlstage guarantees: two ways to compute the same thing (a new path and the old one, one",
+        "process and two, a run and its replay) that must agree, each asserted on the tiny kit within the tolerance",
+        "given. `bash scripts/test.sh -m invariant` runs exactly these; those under `tests/integration/` start Ray,",
+        "Prefect or an engine.",
+        "",
+        "| invariant | within | test |",
+        "| --- | --- | --- |",
+    ]
+    for name, tolerance, test in invariants():
+        lines.append(f"| {_cell(name)} | {_cell(tolerance)} | `{test}` |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str]) -> int:
-    pages = {PAGE: render(), REGISTRIES_PAGE: render_registries()}
+    pages = {PAGE: render(), REGISTRIES_PAGE: render_registries(), INVARIANTS_PAGE: render_invariants()}
     if "--check" in argv:
         stale = [page for page, text in pages.items() if not page.is_file() or page.read_text() != text]
         for page in stale:

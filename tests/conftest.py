@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import shutil
 import sqlite3
+import sys
 import tempfile
 from pathlib import Path
 
@@ -24,44 +26,59 @@ atexit.register(shutil.rmtree, os.environ["RLSTAGE_HOME"], ignore_errors=True)  
 # other process's: a test checks what its own workers left, never the whole machine's /tmp.
 os.environ["RLSTAGE_SCRATCH_DIR"] = tempfile.mkdtemp(prefix="rlstage-scratch-")
 atexit.register(shutil.rmtree, os.environ["RLSTAGE_SCRATCH_DIR"], ignore_errors=True)
-REPO = Path(__file__).resolve().parent.parent
-GSM8K = REPO.parent / "shared" / "data" / "gsm8k"
 _PREFECT_DB = Path(os.environ["RLSTAGE_HOME"]) / "prefect-template.db"  # filled by the session's server
 
 
-# Seconds per module as measured on a 2-core machine (a whole run's junit times): modules are handed to
-# the workers longest first (LPT), so that no long module starts last and runs alone at the end.
-MODULE_SECONDS = {  # a run of 82a40dd (junit times; test_pool + its stack test alone), 2-core Intel Xeon, 2026-12-03
-    "test_workers": 490, "test_pool": 196, "test_prefect_lost": 187, "test_real_model": 117,
-    "test_actor_deepspeed": 115, "test_pipeline_vllm": 105, "test_rollout_vllm": 105, "test_deployments": 103,
-    "test_chaos": 101, "test_upgrade": 95, "test_failures": 95, "test_reward_model": 94, "test_verifiers": 92,
-    "test_schedule": 90, "test_plugins": 68, "test_chat": 59, "test_pipeline": 58, "test_docs_commands": 52,
-    "test_hostile_agents": 50, "test_operations": 49, "test_lora": 49, "test_disk_full": 48, "test_verl_recipe": 45,
-    "test_ui": 45, "test_wheel": 43, "test_checkpoint": 43, "test_agent_endpoint": 38, "test_tracking_server": 38,
-    "test_estimator_runs": 36, "test_agent_loop": 35, "test_agent_function_pipeline": 34, "test_extending": 34,
-    "test_registry": 29, "test_store_s3": 26, "test_gpu_check": 21, "test_agent_pipeline": 20, "test_bad_input": 19,
-    "test_openenv": 18, "test_config": 14, "test_dynamic_sampling": 12, "test_engines": 11, "test_lean_imports": 10,
-    "test_explore": 9, "test_modpath": 5, "test_rewards": 5, "test_cli": 5,
-}  # fmt: skip
-
-
-# Modules that start a vLLM engine, a model of the real-model extra or the pages' commands without a server fixture:
-# integration tests as well (the developer tier, `-m "not integration"`, starts no server, Ray nor engine).
-INTEGRATION_MODULES = {"test_docs_commands", "test_rollout_vllm", "test_real_model", "test_gpu_check"}
-# Fixtures that start the session's Prefect server and Ray, or seed a command's home for a server of its own.
+# Seconds per module of a whole run (`bash scripts/test.sh --record-module-seconds tests/module_seconds.json`
+# writes them): modules are handed to the workers longest first (LPT), so that no long module starts last and runs
+# alone at the end. A module it does not name yet starts after those it names.
+MODULE_SECONDS_FILE = Path(__file__).with_name("module_seconds.json")
+MODULE_SECONDS: dict[str, float] = json.loads(MODULE_SECONDS_FILE.read_text()) if MODULE_SECONDS_FILE.exists() else {}
+# Everything under tests/integration/ is an integration test (it starts a Prefect, MLflow or S3 server, Ray, a vLLM
+# engine, a model of the real-model extra or an rlstage command); the developer tier (`-m "not integration"`) is the
+# rest. A test elsewhere that asks for one of these fixtures (a server, Ray, a seeded home, the real model) is
+# refused at collection: it belongs under tests/integration/.
+INTEGRATION_DIR = Path(__file__).with_name("integration")
 INTEGRATION_FIXTURES = {"prefect_api", "migrated_home", "migrated_prefect_home", "migrated_mlflow_db", "smollm2_path"}
+
+
+def pytest_addoption(parser):
+    parser.addoption("--record-module-seconds", metavar="PATH", help="write each module's summed seconds (JSON) at the end")
+
+
+def _module(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Marks the integration tests (``integration``: those that start a server, Ray or an engine), then, under
-    `pytest -n N --dist loadfile --no-loadscope-reorder` (scripts/test.sh), where a module runs on one worker (its
-    module fixtures start once), hands modules out longest first."""
+    """Marks the tests under tests/integration/ ``integration`` and refuses a server's fixture anywhere else; then,
+    under `pytest -n N --dist loadfile --no-loadscope-reorder` (scripts/test.sh), where a module runs on one worker
+    (its module fixtures start once), hands modules out longest first."""
+    misplaced = []
     for item in items:
-        module = item.module.__name__.rsplit(".", 1)[-1]
-        if module in INTEGRATION_MODULES or INTEGRATION_FIXTURES & set(getattr(item, "fixturenames", ())):
+        if item.path.is_relative_to(INTEGRATION_DIR):
             item.add_marker(pytest.mark.integration)
-    items.sort(key=lambda i: -MODULE_SECONDS.get(i.module.__name__.rsplit(".", 1)[-1], 0))
+        elif INTEGRATION_FIXTURES & set(getattr(item, "fixturenames", ())):
+            misplaced.append(item.nodeid)
+    if misplaced:
+        raise pytest.UsageError(f"{misplaced[0]} starts a server or reads the real model: move it under tests/integration/"
+                                + (f" (and {len(misplaced) - 1} more)" if len(misplaced) > 1 else ""))
+    items.sort(key=lambda i: -MODULE_SECONDS.get(_module(i.nodeid), 0))
+
+
+_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    """Sums each module's setup, call and teardown seconds (under xdist the controller sees every worker's reports)."""
+    _SECONDS[_module(report.nodeid)] = _SECONDS.get(_module(report.nodeid), 0.0) + report.duration
+
+
+def pytest_sessionfinish(session):
+    path = session.config.getoption("--record-module-seconds")
+    if path and not hasattr(session.config, "workerinput"):  # the controller, or a run without workers
+        Path(path).write_text(json.dumps({k: round(v) for k, v in sorted(_SECONDS.items(), key=lambda kv: -kv[1])}, indent=0) + "\n")
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -193,3 +210,26 @@ def tiny_engine():
     tok = build_char_tokenizer()
     model = build_tiny_llama(KitConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64), tok).eval()
     return HFRolloutEngine(model, tok, batch_size=64)
+
+
+@pytest.fixture(scope="module")
+def examples(tmp_path_factory):
+    """The examples folder on the path, as the page's PYTHONPATH puts it; what they register is forgotten after the
+    module (a plugin is imported once a process: engines/plugins.py)."""
+    from rlstage.engines import plugins
+    from rlstage.engines.registry import REGISTRIES
+    from rlstage.schemas.config import ALLOWED_CALLABLES_ENV
+    from tests_support import EXAMPLES, PLUGINS
+
+    before = {kind: set(registry) for kind, registry in REGISTRIES.items()}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.syspath_prepend(str(EXAMPLES))
+        mp.delenv(ALLOWED_CALLABLES_ENV, raising=False)  # nothing is allow-listed: the refusal below is the rule's
+        mp.setenv("XDG_CONFIG_HOME", str(tmp_path_factory.mktemp("xdg")))
+        yield
+    for kind, registry in REGISTRIES.items():
+        for name in set(registry) - before.get(kind, set(registry)):
+            registry.remove(name)
+    for module in PLUGINS:
+        sys.modules.pop(module, None)
+        plugins._IMPORTED.discard(module)

@@ -2,7 +2,7 @@
 
 ``PolicyGroup`` reaches its actors only through these methods (``group.call(Trainer.log_probs, ...)``), so
 a misspelt method fails where the stage names it (an AttributeError before any Ray call, and for a type
-checker), not inside a Ray actor. ``tests/test_roles.py`` checks that each worker class implements its
+checker), not inside a Ray actor. ``tests/workers/test_roles.py`` checks that each worker class implements its
 role with the same signatures. As verl declares its actor (``verl/workers/actor/base.py``).
 """
 

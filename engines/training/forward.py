@@ -7,13 +7,13 @@ Two input layouts, chosen by ``packing`` in the actor / critic config:
   at 0 for each sequence and ``attention_mask=None``. Hugging Face models (transformers >= 4.53) read the
   position-id restarts as sequence boundaries and build a block-diagonal causal mask (sdpa, eager, flex),
   or run varlen flash-attention, so no token attends across sequences. Checked here for sdpa and eager
-  on CPU: the log-probs equal the padded ones within 1e-6 (``tests/test_batching.py``). ``use_cache=False``
+  on CPU: the log-probs equal the padded ones within 1e-6 (``tests/engines/training/test_batching.py``). ``use_cache=False``
   is required: with a cache object the model skips the packed-sequence detection.
 
 - shared prompts (``actor.share_prompts``, padded): the samples of one prompt in a micro-batch share one forward
   of that prompt; its key/value cache is indexed out to every sample and the responses run on it (GRPO's n
   samples per prompt otherwise repeat the prompt's forward and backward n times). The backward reaches the
-  prompt through the cache, so the gradient is the padded layout's up to float rounding (``tests/test_batching.py``).
+  prompt through the cache, so the gradient is the padded layout's up to float rounding (``tests/engines/training/test_batching.py``).
 """
 
 from __future__ import annotations
