@@ -135,6 +135,7 @@ class SampleRecord:
     closed: bool = False  # the agent returned (or failed): requests are refused
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one request of a sample at a time
     replied_at: float = 0.0  # when the last completion was answered: the agent's own turn runs from there
+    clock: _OwnClock | None = None  # its agent's bound: the time inside its requests is the policy's, not the agent's
 
 
 def _assistant_message(text: str, call_id: str) -> tuple[dict, dict[str, str]]:
@@ -196,10 +197,16 @@ class ChatEndpoint:
             and all(isinstance(t, dict) and isinstance(t.get("function"), dict) and isinstance(t["function"].get("name"), str) for t in tools)
         ):
             raise RequestError(400, "invalid_tools", 'tools must be a list of {"type": "function", "function": {"name": ..., "parameters": ...}}')
-        async with rec.lock:
-            if rec.closed:
-                raise RequestError(409, "sample_closed", f"sample {sample_id!r} has ended (its agent returned or failed)")
-            return await self._turn(sample_id, rec, messages, tools)
+        if rec.clock is not None:
+            rec.clock.enter()
+        try:
+            async with rec.lock:
+                if rec.closed:
+                    raise RequestError(409, "sample_closed", f"sample {sample_id!r} has ended (its agent returned or failed)")
+                return await self._turn(sample_id, rec, messages, tools)
+        finally:
+            if rec.clock is not None:
+                rec.clock.leave()
 
     def _empty(self, reason: str) -> dict:
         """The answer to a request past a limit: nothing generated, nothing recorded."""
@@ -553,18 +560,53 @@ class _LoopTime:
         self.total = 0.0
 
 
-class _Timed:
-    """An agent's coroutine driven one step at a time, each step timed: the time a step held the event loop (a
-    blocking call inside ``async def``, long or in many short steps) is charged to that agent (``busy``), and is
-    not the other agents' time."""
+class _OwnClock:
+    """One agent's own time, what its bound counts: the wall time since it started, less the other agents' steps
+    on the event loop (a blocking call among them) and less the time its requests spent in the endpoint (the
+    policy's batching and generation, and the other work on the loop meanwhile): a busy engine or a loaded machine
+    times out no agent, its own steps and awaits do."""
 
-    def __init__(self, coro: Any, held: _LoopTime) -> None:
-        self.coro, self.held, self.busy = coro, held, 0.0
+    def __init__(self, held: _LoopTime) -> None:
+        self.held, self.start, self.held_at_start = held, time.perf_counter(), held.total
+        self.busy = 0.0  # its own steps on the loop
+        self.requests = 0  # its requests inside the endpoint now
+        self.in_endpoint = 0.0  # closed spells inside the endpoint, less every agent's steps meanwhile
+        self._spell = (0.0, 0.0)  # the open spell's start and the loop time held by then
 
-    def _charge(self, t0: float) -> None:
-        step = time.perf_counter() - t0
+    def charge(self, step: float) -> None:
         self.busy += step
         self.held.total += step
+
+    def enter(self) -> None:
+        if self.requests == 0:
+            self._spell = (time.perf_counter(), self.held.total)
+        self.requests += 1
+
+    def leave(self) -> None:
+        self.requests -= 1
+        if self.requests == 0:
+            self.in_endpoint += self._open_spell()
+
+    def _open_spell(self) -> float:  # steps meanwhile are counted once: as the others' (below) or as its own
+        since, held_then = self._spell
+        return time.perf_counter() - since - (self.held.total - held_then)
+
+    def own(self) -> float:
+        others = self.held.total - self.held_at_start - self.busy
+        in_endpoint = self.in_endpoint + (self._open_spell() if self.requests else 0.0)
+        return time.perf_counter() - self.start - others - in_endpoint
+
+
+class _Timed:
+    """An agent's coroutine driven one step at a time, each step timed: the time a step held the event loop (a
+    blocking call inside ``async def``, long or in many short steps) is charged to that agent, and is not the other
+    agents' time."""
+
+    def __init__(self, coro: Any, clock: _OwnClock) -> None:
+        self.coro, self.clock = coro, clock
+
+    def _charge(self, t0: float) -> None:
+        self.clock.charge(time.perf_counter() - t0)
 
     def __await__(self):
         it = self.coro.__await__()
@@ -593,22 +635,17 @@ class _Timed:
                 send, thrown = None, err
 
 
-async def _bounded(coro: Any, sid: str, timeout_s: float, held: _LoopTime) -> tuple[float | None, str]:
+async def _bounded(coro: Any, sid: str, timeout_s: float, clock: _OwnClock) -> tuple[float | None, str]:
     """Run one agent within its own ``timeout_s``, whatever it does with cancellation: past the bound its task is
     cancelled and left behind (its later requests are refused), never waited for. The bound counts the agent's own
-    time: other agents' steps meanwhile (a blocking call among them) do not count against it, its own do."""
-    timed = _Timed(coro, held)
+    time (``_OwnClock``): other agents' steps and its requests' time in the endpoint do not count against it."""
+    timed = _Timed(coro, clock)
     task = asyncio.ensure_future(timed)
-    start, held_before = time.perf_counter(), held.total
-
-    def own() -> float:  # wall time since the start, less what the other agents held of the loop meanwhile
-        return time.perf_counter() - start - (held.total - held_before - timed.busy)
-
-    while not task.done() and (left := timeout_s - own()) > 0:
+    while not task.done() and (left := timeout_s - clock.own()) > 0:
         await asyncio.wait({task}, timeout=left)
-    if not task.done() or own() > timeout_s:
+    if not task.done() or clock.own() > timeout_s:
         task.cancel()  # left behind: the batch's end never waits for it (_run_leaving_abandoned)
-        blocked = f" (it blocked the event loop for {timed.busy:.1f}s)" if timed.busy > timeout_s / 2 else ""
+        blocked = f" (it blocked the event loop for {clock.busy:.1f}s)" if clock.busy > timeout_s / 2 else ""
         log.warning("agent function: sample %s timed out after %gs%s", sid, timeout_s, blocked)
         return 0.0, TIMEOUT
     try:
@@ -725,8 +762,9 @@ def run_function_batch(
         )  # fmt: skip
         async with gate:
             policy.open_request()
+            records[sid].clock = clock = _OwnClock(held)
             try:
-                reward, status = await _bounded(function(client, sample), sid, timeout_s, held)
+                reward, status = await _bounded(function(client, sample), sid, timeout_s, clock)
             finally:
                 records[sid].closed = True
                 policy.close_request()
@@ -740,7 +778,10 @@ def run_function_batch(
         # so one client shared by 64 agents spent most of the batch's time in that scan.
         sids = list(samples)
         tls = ssl.create_default_context()  # loaded once: each client would load the CA bundle (~20 ms) for plain HTTP
-        https = [httpx.AsyncClient(timeout=None, verify=tls) for _ in range(0, len(sids), _SAMPLES_PER_CLIENT)]
+        https = [
+            httpx.AsyncClient(timeout=None, transport=_policy_time_transport()(httpx.AsyncHTTPTransport(verify=tls), records))
+            for _ in range(0, len(sids), _SAMPLES_PER_CLIENT)
+        ]
         try:
             runs = [asyncio.ensure_future(one(sid, server.base_url, https[j // _SAMPLES_PER_CLIENT], gate)) for j, sid in enumerate(sids)]
             _, late = await asyncio.wait(runs, timeout=stage_timeout_s)
@@ -790,6 +831,36 @@ def run_function_batch(
         "log": lines.lines,  # not a metric: the lines the stage logs (tasks/stages.py)
     }
     return out, stats
+
+
+@functools.cache
+def _policy_time_transport() -> type:
+    """An httpx transport that marks each request's whole round trip as the policy's time on its sample's clock
+    (the endpoint marks its own part too, for a harness that brings its own client): the hops between the
+    client and the endpoint's thread are not the agent's either."""
+    import httpx
+
+    class PolicyTime(httpx.AsyncBaseTransport):
+        def __init__(self, inner: httpx.AsyncBaseTransport, records: dict[str, SampleRecord]) -> None:
+            self.inner, self.records = inner, records
+
+        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+            rec = self.records.get(request.headers.get(SAMPLE_HEADER, ""))
+            clock = rec.clock if rec is not None else None
+            if clock is None:
+                return await self.inner.handle_async_request(request)
+            clock.enter()
+            try:
+                response = await self.inner.handle_async_request(request)
+                await response.aread()  # the body too: it is the endpoint's answer arriving
+                return response
+            finally:
+                clock.leave()
+
+        async def aclose(self) -> None:
+            await self.inner.aclose()
+
+    return PolicyTime
 
 
 @functools.cache

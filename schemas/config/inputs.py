@@ -309,7 +309,7 @@ class AgentConfig(_Section):
     tools_in_prompt: bool = True  # pass the tool schemas to the chat template (its system prompt)
     chat_template: str | None = None  # a Jinja template or a path to one; None: the tokenizer's own
     function: str | None = Field(None, json_schema_extra=HASHED_WHEN_SET)  # your own agent, "package.module:function" (async, called with an OpenAI client and the sample); None: the built-in loop
-    function_timeout_s: float = Field(300.0, gt=0, json_schema_extra=HASHED_WHEN_SET)  # an agent function running longer is a failed sample (kind "timeout")
+    function_timeout_s: float = Field(300.0, gt=0, json_schema_extra=HASHED_WHEN_SET)  # an agent function running longer, its own time (not its requests' in the endpoint), is a failed sample (kind "timeout")
     # a round of agent functions still running after this many seconds ends: what has not finished is a timeout
     stage_timeout_s: float | None = Field(None, gt=0, json_schema_extra=HASHED_WHEN_SET)
 

@@ -1,5 +1,5 @@
 """Open registries and plugins: names checked against the registries at load, entries that declare what they need
-and their own settings, third-party entries from plugins, and a stored run that records which plugins it used."""
+and their own settings, third-party entries from plugins (an installed package trains: tests/integration/test_plugin_package.py)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The examples of docs/extending.md: each plugin registers its entry and computes what its docstring says on a
-tiny input, the page includes every example file, and the page's config trains one iteration with all four."""
+tiny input, and the page includes every example file (its config trains: tests/integration/test_extending_run.py)."""
 
 from __future__ import annotations
 

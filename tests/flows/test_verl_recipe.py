@@ -1,4 +1,5 @@
-"""verl recipes run with their own keys (flows/verl_recipe.py): `rlstage train --verl` on verl's GSM8K GRPO recipe."""
+"""verl recipes with their own keys (flows/verl_recipe.py): verl's GSM8K GRPO recipe translated, its dropped keys and
+refusals (`rlstage train --verl` trains it: tests/integration/test_verl_recipe_run.py)."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ from rlstage.schemas.config import ConfigError
 from tests_support import EXAMPLES, PLUGINS, REPO, source_path, tiny_overrides
 
 
-def test_the_pages_config_trains_an_iteration_with_all_five_plugins(prefect_api, migrated_home, tmp_path):
+def test_the_pages_config_trains_an_iteration_with_all_five_plugins(prefect_api, migrated_home, tmp_path, examples):
     """The page's command, as written but for the tiny kit's short settings: one iteration trained with the
     plugins' estimator, loss, reward and data, recorded in run.json; the stored config names code to import, so
     a later command that does not name the plugins again is refused."""

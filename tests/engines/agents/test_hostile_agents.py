@@ -24,7 +24,7 @@ import httpx
 import openai
 import pytest
 
-from agents_support import ROWS, TOK, ik, run_fn
+from agents_support import ROWS, TOK, ScriptedEngine, ik, run_fn
 from rlstage.engines.agents.endpoint import SAMPLE_HEADER
 from rlstage.engines.agents.examples import CALCULATOR_TOOL, calculator_agent
 from rlstage.engines.agents.loop import AgentLimits, agent_metrics
@@ -106,6 +106,27 @@ def test_an_agent_that_swallows_its_cancellation_is_a_timeout_at_its_own_bound()
     for o in out[2:4]:
         assert o.agent_reward == 0.0 and set(o.response_mask) == {0}
     assert "answered" not in tried_after
+
+
+def test_the_policys_time_is_not_the_agents_a_slow_engine_times_out_no_sample():
+    """The bound counts the agent's own time: its requests' time in the endpoint (the engine's generation, however
+    slow or however loaded the machine) is the policy's. Each generate call here takes 0.6 s, so every sample waits
+    1.2 s for its two turns, past its 1 s bound: none is a timeout, and one that sleeps 1.5 s of its own is."""
+    import time as _time
+
+    class SlowEngine(ScriptedEngine):
+        def generate_ids(self, encoded, params):
+            _time.sleep(0.6)  # on the policy's worker thread: the event loop runs on meanwhile
+            return super().generate_ids(encoded, params)
+
+    async def agent(client, sample):
+        if ik(sample) == (2, 1):
+            await asyncio.sleep(1.5)
+        return await calculator_agent(client, sample)
+
+    out, stats = run_fn(agent, engine=SlowEngine(), timeout_s=1.0)
+    assert [o.agent_status for o in out] == ["ok", "ok", "ok", "ok", "ok", "timeout"]
+    assert stats["model_s"] >= 1.2  # the generate calls did take that long
 
 
 @pytest.mark.parametrize("steps", [1, 50], ids=["one-call", "many-short-steps"])

@@ -1,5 +1,5 @@
 """DAPO's dynamic sampling (algorithm.filter_groups): the filter on hand-made rounds, the extra rounds'
-prompts, the bad settings, and one short run that drops groups, generates again and replays exactly."""
+prompts and the bad settings (a run that drops groups: tests/integration/test_dynamic_sampling_run.py)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Prompts in the policy's own tokens: chat templates, stop tokens, truncation and left padding,
-on the tiny kit's character tokenizer and on SmolLM2-135M-Instruct's real BPE tokenizer and model."""
+"""Prompts in the policy's own tokens on the tiny kit's character tokenizer (SmolLM2-135M-Instruct's real BPE
+tokenizer and model: tests/integration/test_chat_smollm2.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The reward-model role: scoring on the last token, the HTTP backend, combining with rules, bad input."""
+"""The reward model: scoring on the last token, the HTTP backend, combining with rules, bad input (its role in a run:
+tests/integration/test_reward_model_runs.py)."""
 
 from __future__ import annotations
 
