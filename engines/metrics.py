@@ -38,6 +38,7 @@ __all__ = [
     "bootstrap_metric",
     "extract_answers",
     "flatten_validation_metrics",
+    "held_out_metrics",
     "majority_value",
     "pass_at_k",
     "pass_at_k_metrics",
@@ -237,6 +238,44 @@ def extract_answers(rows: Sequence[dict], reward_fns: Sequence[str]) -> list[Has
     if any(a is None for a in answers):
         return None
     return [a(r["response_text"], _extra(r["extra_info"])) for r, a in zip(rows, answers, strict=True)]
+
+
+def held_out_metrics(
+    rows: Sequence[dict],
+    scores: Sequence[float],
+    correct: Sequence[bool],
+    greedy_n: int,
+    uids: Sequence[Hashable] = (),
+    reward_fns: Sequence[str] = (),
+    require_maj: bool = False,
+) -> dict[str, float]:
+    """The eval stage's metrics over its scored answers (``rows`` as ``score_batch`` takes them): the first
+    ``greedy_n`` greedy, one per prompt, then the sampled ones (``uids``: each one's prompt; ``reward_fns``: the
+    rule that scored it, whose answer maj@n votes on). ``require_maj``: a sampled rule that extracts no answer fails
+    the stage instead of leaving maj@n out."""
+    sources = [r["data_source"] for r in rows]
+    out = gsm8k_answer_metrics(rows[:greedy_n])  # the format a real model learns first
+    for ds in sorted(set(sources)):
+        g = [s for s, src in zip(scores[:greedy_n], sources[:greedy_n], strict=True) if src == ds]
+        out[f"val-core/{ds}/reward/mean@1"] = float(np.mean(g))
+    if len(rows) > greedy_n:  # the sampled answers, as verl reports them
+        sampled = sources[greedy_n:]
+        infos: dict[str, list] = {"reward": list(scores[greedy_n:])}
+        preds = extract_answers(rows[greedy_n:], reward_fns)
+        if preds is not None:
+            infos["pred"] = preds
+        elif require_maj:  # a verl parquet's sources, known only now
+            missing = sorted({f for f in reward_fns if answer_extractor(f) is None})
+            raise ValueError(
+                f"trainer.eval_require_maj: reward function(s) {', '.join(missing)} of the held-out data extract no "
+                "answer for maj@N to vote on; set reward.function to one that does, or trainer.eval_require_maj=false"
+            )
+        out.update(flatten_validation_metrics(validation_metrics(sampled, uids, infos)))
+        out.update(pass_at_k_metrics(sampled, uids, correct[greedy_n:]))
+    # the share of greedy answers scored correct; with a partial-credit rule the mean score differs
+    out["val/accuracy"] = float(np.mean(correct[:greedy_n]))
+    out["val/reward_mean"] = float(np.mean(scores[:greedy_n]))
+    return out
 
 
 def _extra(value: str | dict | None) -> dict:

@@ -475,7 +475,7 @@ def _summary(result: dict) -> None:
     if len(hist) >= 2:
         gain = hist[-1]["val/accuracy"] - hist[0]["val/accuracy"]
         print(f"learning: {hist[0]['val/accuracy']:.3f} -> {hist[-1]['val/accuracy']:.3f} ({gain * 100:+.1f} points)")
-    from rlstage.flows.training import flat_rewards
+    from rlstage.flows.records import flat_rewards
 
     trained = [h for h in result["history"] if "critic/score/max" in h]
     if trained and all(flat_rewards(h) for h in trained):

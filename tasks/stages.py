@@ -22,7 +22,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-import numpy as np
 import pyarrow as pa
 import ray
 from prefect import Task, get_run_logger, task
@@ -31,8 +30,7 @@ from prefect.client.schemas.objects import StateDetails
 from prefect.exceptions import MissingContextError
 from prefect.states import Completed, State
 
-from rlstage.engines import algorithms as algos
-from rlstage.engines import experience
+from rlstage.engines import experience, tables
 from rlstage.engines import metrics as eval_metrics
 from rlstage.engines.agents.loop import AgentCompletion, agent_metrics
 from rlstage.engines.agents.tools import agent_tokenizer
@@ -340,24 +338,11 @@ def generate_round(
         # ReMax's baseline: one greedy answer per prompt, scored like the samples (sample_index -1).
         greedy, _ = _complete(cfg, group, policy.version, batch, _sampling(cfg, iteration, n=1, greedy=True, round_=round_))
         comps += [replace(c, sample_index=-1) for c in greedy]
-    table = _rollouts_table(batch, comps, iteration, round_, prompts_per_round(cfg))
-    lengths = np.array(table.column("response_length").to_pylist())
-    clipped = np.array([f == "length" for f in table.column("finish_reason").to_pylist()])
+    out = tables.rollouts(batch, comps, iteration, round_, prompts_per_round(cfg))
     # Multi-turn: turns, tool calls and their failures, model vs tool time (the stage's own lengths win).
     agent = agent_metrics([c for c in comps if c.sample_index >= 0], stats) if cfg.agent.enable else {}
-    return StageOutput(
-        tables={"rollouts.parquet": table},
-        meta={"generated_by": group.generator_info(), **({LOG_META: log} if log else {})},
-        metrics={
-            **agent,
-            "response_length/mean": float(lengths.mean()),
-            "response_length/max": float(lengths.max()),
-            "response_length/min": float(lengths.min()),
-            "response_length/clip_ratio": float(clipped.mean()),
-            "prompt_length/mean": float(np.mean(table.column("prompt_length").to_pylist())),
-            "rollout/tokens": float(lengths.sum() + np.sum(table.column("prompt_length").to_pylist())),
-        },
-    )
+    meta = {"generated_by": group.generator_info(), **({LOG_META: log} if log else {})}
+    return StageOutput(tables=out.tables, meta=meta, metrics={**agent, **out.metrics})
 
 
 def _complete(cfg: ConfigView, group: PolicyGroup, version: str, batch: list[dict], params: SamplingParams) -> tuple[list[Completion], dict]:
@@ -367,39 +352,6 @@ def _complete(cfg: ConfigView, group: PolicyGroup, version: str, batch: list[dic
     # Chat messages through the policy's chat template (verl's way); plain-text rows as they stand.
     prompt_ids = chat.render_batch(agent_tokenizer(cfg), batch)
     return group.generate_ids(version, prompt_ids, params), {}
-
-
-_AGENT_COLUMNS = ("turn_bounds", "truncated", "num_turns", "tool_calls", "tool_errors", "tool_timeouts", "agent_reward", "turn_seconds")
-
-
-def _rollouts_table(batch: list[dict], comps: list[Completion], iteration: int, round_: int, per_round: int) -> pa.Table:
-    # an extra round's samples and groups are told apart from the first round's (which may share a prompt)
-    tag = f"{iteration}" if round_ == 0 else f"{iteration}.{round_}"
-    cols: dict[str, list] = {name: [] for name in A.ROLLOUTS.names}
-    for c in comps:
-        agent = c if isinstance(c, AgentCompletion) else None  # a multi-turn rollout's columns; null otherwise
-        p = batch[c.prompt_index]
-        k = c.sample_index
-        cols["sample_id"].append(f"{p['prompt_id']}/{tag}/{'greedy' if k < 0 else k}")
-        cols["prompt_id"].append(p["prompt_id"])
-        cols["group_id"].append(round_ * per_round + c.prompt_index)
-        cols["sample_index"].append(c.sample_index)
-        for k in ("prompt", "data_source", "ground_truth", "extra_info"):
-            cols[k].append(p[k])
-        cols["prompt_ids"].append(c.prompt_ids)
-        cols["response_ids"].append(c.response_ids)
-        cols["response_mask"].append((agent.response_mask if agent else None) or [1] * len(c.response_ids))
-        cols["messages_json"].append(agent.messages_json if agent else None)
-        for k in _AGENT_COLUMNS:
-            cols[k].append(getattr(agent, k) if agent else None)
-        status = agent.agent_status if agent else None
-        cols["failure"].append(status if status not in (None, "ok") else None)
-        cols["response_text"].append(c.text)
-        cols["rollout_log_probs"].append(c.log_probs)
-        cols["finish_reason"].append(c.finish_reason)
-        cols["prompt_length"].append(len(c.prompt_ids))
-        cols["response_length"].append(len(c.response_ids))
-    return pa.table(cols, schema=A.ROLLOUTS)
 
 
 # ---------------------------------------------------------------- reward
@@ -450,107 +402,19 @@ def rm_scores(cfg: ConfigView, prompts: list[str], responses: list[str]) -> list
 def score_round(cfg: ConfigView, table: pa.Table) -> StageOutput:
     """The rewards of one generation round's rollouts: the reward stage's, or one of dynamic sampling's."""
     rows = table.select(["response_text", "ground_truth", "data_source", "extra_info"]).to_pylist()
-    rule: list[float | None] = [None] * len(rows)
-    rm_on = cfg.reward_model.enable
-    # An agent function's own reward (agent.function) replaces the rule's, so its rows need none (an OpenEnv episode
-    # has none); rollouts stored before it have no column.
+    r, rm_on = cfg.reward, cfg.reward_model.enable
+    # A row whose agent function gave its own reward needs no rule (an OpenEnv episode has none); with a reward model,
+    # neither does a row whose source has no rule.
     given = table.column("agent_reward").to_pylist() if "agent_reward" in table.column_names else [None] * len(rows)
-    wanted = [
-        g is None and (not rm_on or rewards.has_rule(r["data_source"], cfg.reward.function, cfg.reward.by_data_source)) for g, r in zip(given, rows, strict=True)
-    ]
-    fn_names: list[str | None] = [None] * len(rows)
-    errors: list[str | None] = [None] * len(rows)
-    extras: list[dict | None] = [None] * len(rows)
-    for i, r in rule_results(cfg, rows, wanted).items():
-        rule[i], fn_names[i], errors[i], extras[i] = r.score, r.reward_fn, r.error, r.metrics
-    for i, g in enumerate(given):
-        if g is not None:
-            rule[i], fn_names[i], errors[i] = g, "agent.function", None
-    rm: list[float | None] = [None] * len(rows)
-    if rm_on:
-        got = rm_scores(cfg, table.column("prompt").to_pylist(), [r["response_text"] for r in rows])
-        rm = [g.score for g in got]
-        for i, g in enumerate(got):
-            errors[i] = errors[i] or g.error
-            fn_names[i] = g.reward_fn if fn_names[i] is None or cfg.reward_model.combine == "replace" else f"{fn_names[i]}+{g.reward_fn}"
-        combined = rewards.combine_scores(cfg.reward_model.combine, rule, rm)
-    else:
-        combined = rule
-    all_scores = np.array(combined, dtype=np.float64)
-    shaping: dict[str, float] = {}
-    ob = cfg.reward.overlong_buffer
-    if ob.enable:  # DAPO: soft punishment of responses that run into the length limit
-        lengths = [len(r) for r in table.column("response_ids").to_pylist()]
-        penalty = np.array(algos.overlong_penalty(lengths, cfg.agent.max_response_tokens if cfg.agent.enable else cfg.rollout.max_new_tokens, ob.len, ob.penalty_factor))
-        all_scores = all_scores + penalty
-        shaping = {"reward/overlong_penalty/mean": float(penalty.mean()), "reward/overlong_ratio": float((penalty < 0).mean())}
-    real = np.array(table.column("sample_index").to_pylist()) >= 0  # not ReMax baselines
-    scores = all_scores[real]
-    sources: dict[str, float] = {}
-    for key, vals in (("reward/rule/mean", rule), ("reward/rm/mean", rm)):
-        got_vals = [v for v, keep in zip(vals, real, strict=True) if keep and v is not None]
-        if got_vals and rm_on:
-            sources[key] = float(np.mean(got_vals))
-    out = pa.table(
-        {
-            "sample_id": table.column("sample_id"),
-            "score": pa.array(all_scores, pa.float32()),
-            "reward_fn": fn_names,
-            "error": errors,
-            "failure": table.column("failure") if "failure" in table.column_names else pa.nulls(len(rows), pa.string()),
-            # also under overlong shaping: the rule score before it (dynamic sampling's acc metric)
-            "score_rule": pa.array(rule if rm_on or ob.enable else [None] * len(rows), pa.float32()),
-            "score_rm": pa.array(rm, pa.float32()),
-        },
-        schema=A.REWARDS,
-    )
-    extra_table, extra_metrics = _reward_extra(table.column("sample_id"), extras, real)
-    return StageOutput(
-        tables={"rewards.parquet": out, **({REWARD_EXTRA: extra_table} if extra_table is not None else {})},
-        metrics={
-            **extra_metrics,
-            "critic/score/mean": float(scores.mean()),
-            "critic/score/max": float(scores.max()),
-            "critic/score/min": float(scores.min()),
-            "reward/flat_group_share": _flat_group_share(table.column("group_id").to_numpy()[real], scores),
-            "reward/errors": float(sum(e is not None for e in errors)),
-            "reward/timeouts": float(sum(e is not None and e.startswith("timeout") for e in errors)),
-            **sources,
-            **shaping,
-        },
-    )
-
-
-def _flat_group_share(groups: np.ndarray, scores: np.ndarray) -> float:
-    """The share of prompt groups whose samples all scored the same: a group-relative advantage is 0 in each."""
-    ids, inverse = np.unique(groups, return_inverse=True)
-    lo, hi = np.full(len(ids), np.inf), np.full(len(ids), -np.inf)
-    np.minimum.at(lo, inverse, scores)
-    np.maximum.at(hi, inverse, scores)
-    return float((lo == hi).mean()) if len(ids) else 0.0
-
-
-REWARD_EXTRA = "reward_extra.parquet"  # a dict-returning reward's other keys, one column each (absent without any)
-
-
-def _reward_extra(sample_ids: pa.ChunkedArray, extras: list[dict | None], real: np.ndarray) -> tuple[pa.Table | None, dict]:
-    """verl's ``reward_extra_info``: each key a dict return carried beside its score, a column per key (null where a
-    sample's return lacked it), and the mean of each numeric one over the real samples as ``reward/extra/<key>``."""
-    keys = sorted({k for e in extras if e for k in e} - {"sample_id"})
-    if not keys:
-        return None, {}
-    cols: dict[str, pa.Array] = {"sample_id": sample_ids}
-    metrics: dict[str, float] = {}
-    for k in keys:
-        vals = [e.get(k) if e else None for e in extras]
-        if all(v is None or isinstance(v, float) for v in vals):
-            cols[k] = pa.array(vals, pa.float64())
-            got = [v for v, keep in zip(vals, real, strict=True) if keep and v is not None]
-            if got:
-                metrics[f"reward/extra/{k}/mean"] = float(np.mean(got))
-        else:
-            cols[k] = pa.array([None if v is None else str(v) for v in vals], pa.string())
-    return pa.table(cols), metrics
+    wanted = [g is None and (not rm_on or rewards.has_rule(row["data_source"], r.function, r.by_data_source)) for g, row in zip(given, rows, strict=True)]
+    ruled = rule_results(cfg, rows, wanted)
+    rm = rm_scores(cfg, table.column("prompt").to_pylist(), [row["response_text"] for row in rows]) if rm_on else None
+    ob, overlong = r.overlong_buffer, None
+    if ob.enable:  # DAPO's, measured against the longest response a rollout can produce
+        longest = cfg.agent.max_response_tokens if cfg.agent.enable else cfg.rollout.max_new_tokens
+        overlong = tables.Overlong(ob.len, ob.penalty_factor, longest)
+    out = tables.rewards(table, ruled, rm, cfg.reward_model.combine if rm_on else None, overlong)
+    return StageOutput(tables=out.tables, metrics=out.metrics)
 
 
 @stage_task("reward")
@@ -737,40 +601,11 @@ def evaluate(cfg: ConfigView, iteration: int, x: EvalInputs, version: str) -> St
         scores[i], correct_at[i] = r.score, rewards.correct_at(r.reward_fn)
     correct = [eval_metrics.is_correct(s, c) for s, c in zip(scores, correct_at, strict=True)]
     greedy_n = len(batch)
-    table = pa.table(
-        {
-            "prompt_id": [batch[c.prompt_index]["prompt_id"] for c in comps],
-            "sample_index": [-1] * greedy_n + [c.sample_index for c in comps[greedy_n:]],
-            "response_text": [c.text for c in comps],
-            "score": pa.array(scores, pa.float32()),
-        },
-        schema=A.EVAL,
-    )
-    metrics: dict[str, float] = dict(agent)
-    sources = [r["data_source"] for r in rows]
-    metrics.update(eval_metrics.gsm8k_answer_metrics(rows[:greedy_n]))  # the format a real model learns first
-    for ds in sorted(set(sources)):
-        g = [s for s, src in zip(scores[:greedy_n], sources[:greedy_n], strict=True) if src == ds]
-        metrics[f"val-core/{ds}/reward/mean@1"] = float(np.mean(g))
-    if cfg.trainer.eval_n > 0:  # the sampled answers, as verl reports them (engines/metrics.py)
-        uids = [c.prompt_index for c in comps[greedy_n:]]
-        infos: dict[str, list] = {"reward": scores[greedy_n:]}
-        fns = [cfg.reward.function or rewards.default_reward_fn(src, cfg.reward.by_data_source) for src in sources[greedy_n:]]
-        preds = eval_metrics.extract_answers(rows[greedy_n:], fns)
-        if preds is not None:
-            infos["pred"] = preds
-        elif cfg.trainer.eval_require_maj:  # a verl parquet's sources, known only now
-            missing = sorted({f for f in fns if rewards.answer_extractor(f) is None})
-            raise ValueError(
-                f"trainer.eval_require_maj: reward function(s) {', '.join(missing)} of the held-out data extract no "
-                "answer for maj@N to vote on; set reward.function to one that does, or trainer.eval_require_maj=false"
-            )
-        nested = eval_metrics.validation_metrics(sources[greedy_n:], uids, infos)
-        metrics.update(eval_metrics.flatten_validation_metrics(nested))
-        metrics.update(eval_metrics.pass_at_k_metrics(sources[greedy_n:], uids, correct[greedy_n:]))
-    # the share of greedy answers scored correct; with a partial-credit rule the mean score differs
-    metrics["val/accuracy"] = float(np.mean(correct[:greedy_n]))
-    metrics["val/reward_mean"] = float(np.mean(scores[:greedy_n]))
+    fns = [cfg.reward.function or rewards.default_reward_fn(row["data_source"], cfg.reward.by_data_source) for row in rows[greedy_n:]]
+    uids = [c.prompt_index for c in comps[greedy_n:]]
+    maj = cfg.trainer.eval_n > 0 and cfg.trainer.eval_require_maj
+    metrics = {**agent, **eval_metrics.held_out_metrics(rows, scores, correct, greedy_n, uids, fns, require_maj=maj)}
+    table = tables.eval_table(batch, comps, scores, greedy_n)
     return StageOutput(tables={"eval.parquet": table}, metrics=metrics, meta={LOG_META: log} if log else {})
 
 

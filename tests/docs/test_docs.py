@@ -91,3 +91,20 @@ def test_help_and_errors_link_the_documentation_site_the_package_names() -> None
     declared = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["urls"]["Documentation"]
     assert site() == declared and yaml.safe_load((REPO / "mkdocs.yml").read_text())["site_url"] == declared
     assert page_url("docs/index.md") == declared and page_url("reference/config.md", "rollout.n") == f"{declared}reference/config/#rollout.n"
+
+
+def test_the_reading_path_of_concepts_is_the_one_counted():
+    """docs/concepts.md's reading list names the files bench/reading_path.py counts, in its order, and says how many
+    lines they are within a tenth."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("reading_path", REPO / "bench" / "reading_path.py")
+    reading_path = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(reading_path)
+    page = (REPO / "docs" / "concepts.md").read_text()
+    listed = page[page.index("To follow one iteration in the code") :].split("\n\n")[1]
+    files = re.findall(r"^\d+\. `([^`]+)`", listed, flags=re.M)
+    assert files == [rel for rel, _ in reading_path.PATH]
+    claimed = int(re.search(r"read these \w+ files in order \(about ([\d,]+) lines", page).group(1).replace(",", ""))
+    counted = sum(n for _, n in reading_path.measure())
+    assert abs(counted - claimed) <= claimed / 10, (counted, claimed)

@@ -129,7 +129,7 @@ def test_the_learning_summary_says_what_it_measures(capsys):
 def test_a_run_whose_every_sample_scored_the_same_says_it_had_nothing_to_learn(capsys):
     """Every reward 0 (a reward function that never matches): the iteration line and the run's end say so."""
     from rlstage.flows.cli import _summary
-    from rlstage.flows.training import flat_rewards
+    from rlstage.flows.records import flat_rewards
 
     flat = {"critic/score/mean": 0.0, "critic/score/max": 0.0, "critic/score/min": 0.0}
     assert flat_rewards(flat) and not flat_rewards({**flat, "critic/score/max": 1.0}) and not flat_rewards({})
@@ -145,13 +145,13 @@ def test_a_run_whose_every_group_scored_the_same_within_itself_says_so(capsys):
     """One prompt always right, the other always wrong: the batch's scores differ, yet no group has an advantage."""
     import numpy as np
 
+    from rlstage.engines.tables import flat_group_share
     from rlstage.flows.cli import _summary
-    from rlstage.flows.training import flat_rewards
-    from rlstage.tasks.stages import _flat_group_share
+    from rlstage.flows.records import flat_rewards
 
     groups = np.array([0, 0, 1, 1, 2, 2])
-    assert _flat_group_share(groups, np.array([1.0, 1.0, 0.0, 0.0, 1.0, 1.0])) == 1.0
-    assert _flat_group_share(groups, np.array([1.0, 0.0, 0.0, 0.0, 1.0, 1.0])) == 2 / 3
+    assert flat_group_share(groups, np.array([1.0, 1.0, 0.0, 0.0, 1.0, 1.0])) == 1.0
+    assert flat_group_share(groups, np.array([1.0, 0.0, 0.0, 0.0, 1.0, 1.0])) == 2 / 3
     within = {"critic/score/mean": 0.5, "critic/score/max": 1.0, "critic/score/min": 0.0, "reward/flat_group_share": 1.0}
     assert flat_rewards(within) and not flat_rewards({**within, "reward/flat_group_share": 0.5})
     _summary({"history": [{"iteration": 0, "val/accuracy": 0.5}, {"iteration": 1, "val/accuracy": 0.5, **within}], "store": "s", "run": "r", "mlflow": "m"})

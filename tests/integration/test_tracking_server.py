@@ -36,7 +36,8 @@ def test_a_tracking_server_lost_mid_run_is_caught_up_from_the_store(prefect_api,
     from mlflow.tracking import MlflowClient
 
     from rlstage.flows.nightly import nightly
-    from rlstage.flows.training import PROGRESS, train
+    from rlstage.flows.records import PROGRESS
+    from rlstage.flows.training import train
     from rlstage.infra.env import free_port
     from rlstage.tasks.kit import kit_run_name
     from rlstage.tasks.runtime import store_for

@@ -375,8 +375,9 @@ def test_the_reward_stage_keeps_a_dict_returns_keys_as_per_sample_columns_and_me
     sample's return lacked it) and, when numeric, a mean metric; a reward without extra keys writes no such file."""
     import pyarrow as pa
 
+    from rlstage.engines.tables import REWARD_EXTRA
     from rlstage.schemas.config import load_config
-    from rlstage.tasks.stages import REWARD_EXTRA, score_round
+    from rlstage.tasks.stages import score_round
 
     path = tmp_path / "verl_gsm8k.py"
     path.write_text(VERL_SCORER)
