@@ -85,17 +85,16 @@ class Overlong:
 
 def rewards(
     rollouts: pa.Table,
+    given: list[float | None],
     ruled: dict[int, RewardResult],
     rm: list[RewardResult] | None = None,
     combine: str | None = None,
     overlong: Overlong | None = None,
 ) -> Tables:
     """The rewards table of a round's ``rollouts``: each row's rule result (``ruled``, by row), an agent function's own
-    reward in its place where the rollout carries one, the reward model's score (``rm``) combined by ``combine``,
+    reward (``given``, None where it gave none) in its place, the reward model's score (``rm``) combined by ``combine``,
     then the overlong shaping; the score metrics count the sampled rows only (not ReMax's greedy baselines)."""
     n = rollouts.num_rows
-    # An agent function's own reward (agent.function) replaces the rule's; rollouts stored before it have no column.
-    given = rollouts.column("agent_reward").to_pylist() if "agent_reward" in rollouts.column_names else [None] * n
     rule: list[float | None] = [None] * n
     fn_names: list[str | None] = [None] * n
     errors: list[str | None] = [None] * n

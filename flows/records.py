@@ -117,8 +117,8 @@ class RunRecords:
     """A training run's records: MLflow's run (``tracker``), the iterations so far (``history``) and the stages this
     invocation executed. An iteration walked again with nothing executed is not logged twice."""
 
-    def __init__(self, cfg: RunConfig, store: ArtifactStore, first: int, tags: dict[str, str]) -> None:
-        self.cfg, self.store = cfg, store
+    def __init__(self, cfg: RunConfig, store: ArtifactStore, first: int, last: int, tags: dict[str, str]) -> None:
+        self.cfg, self.store, self.last = cfg, store, last
         self.tracker = Tracker(cfg, tags=tags)
         # Points the MLflow run already holds (runs logged before PROGRESS existed have timing_s/iteration).
         self.logged = self.tracker.logged_steps(PROGRESS, "timing_s/iteration")
@@ -141,16 +141,19 @@ class RunRecords:
             self.tracker.log_metrics(0, result.metrics)
         if result.executed:
             self.executed.append(stage)
-        if stage == "data_prep":
-            self.tracker.log_prompts(self.store, result.manifest)
-            m = result.metrics
-            if dropped := m.get("data/train_dropped_overlong", 0) + m.get("data/test_dropped_overlong", 0):
-                emit(f"  data prep: {dropped:.0f} prompt(s) over data.max_prompt_length={self.cfg.data.max_prompt_length} tokens dropped")
+
+    def data_prepared(self, prep: StageResult) -> None:
+        """Data prep's metrics (prompt counts, those dropped as over data.max_prompt_length) and its prompts."""
+        self.prepared("data_prep", prep)
+        self.tracker.log_prompts(self.store, prep.manifest)
+        m = prep.metrics
+        if dropped := m.get("data/train_dropped_overlong", 0) + m.get("data/test_dropped_overlong", 0):
+            emit(f"  data prep: {dropped:.0f} prompt(s) over data.max_prompt_length={self.cfg.data.max_prompt_length} tokens dropped")
 
     def iterations_start(self) -> None:
         self._mark = time.perf_counter()
 
-    def finished(self, run: IterationThread, last: int) -> None:
+    def finished(self, run: IterationThread) -> None:
         """An iteration ended: its records (in the flow's thread, while the next one computes) and its line."""
         cfg, it, outcome = self.cfg, run.iteration, run.result()
         metrics = {**outcome.metrics(), PROGRESS: float(it)}
@@ -168,7 +171,7 @@ class RunRecords:
         self.history[-1] |= {**wall, "wall_s": wall["timing_s/iteration_wall"]}
         history = [dict(h) for h in self.history]
         self.publish.defer(partial(_publish_iteration, cfg, self.store, self.tracker, outcome, dict(metrics), history))
-        self.books.submit(partial(_track_iteration, cfg, self.store, self.tracker, outcome, metrics, pruned, it == last, it in self.logged))
+        self.books.submit(partial(_track_iteration, cfg, self.store, self.tracker, outcome, metrics, pruned, it == self.last, it in self.logged))
         self.executed.extend(f"iter-{it}/{s}" for s in outcome.executed)
         TERMINAL.status(None)
         acc, val_reward = metrics.get("val/accuracy"), metrics.get("val/reward_mean")

@@ -209,7 +209,7 @@ def run_training(cfg: RunConfig, first: int = 1, last: int | None = None) -> dic
 
 
 def _run_iterations(cfg: RunConfig, store: ArtifactStore, first: int, last: int, renew) -> dict:
-    records = RunRecords(cfg, store, first, tags={"rlstage.artifact_root": store.root, "prefect.flow_run_id": _flow_run_id()})
+    records = RunRecords(cfg, store, first, last, tags={"rlstage.artifact_root": store.root, "prefect.flow_run_id": _flow_run_id()})
     one_iteration = iteration_flow.with_options(flow_run_name=f"{cfg.run_name}-iter-{{iteration}}")
     # The driver owns the policy worker: a non-detached actor dies with its last handle, so this
     # one keeps it alive for the run while stage tasks look it up by name.
@@ -221,7 +221,7 @@ def _run_iterations(cfg: RunConfig, store: ArtifactStore, first: int, last: int,
         prep_task = stages.submit_stage(cfg, "data_prep", on_ray=False)
         prep = wait_result(prep_task)
         after: list = [prep_task]  # the flow graph: iteration 0 after data prep and SFT, each iteration after the last
-        records.prepared("data_prep", prep)  # prompt counts, and those dropped as over data.max_prompt_length
+        records.data_prepared(prep)
         record_run_config(store, cfg)  # after a failed first attempt, a corrected command is not "another config"
         sft = None
         if cfg.model.path is None:
@@ -244,7 +244,7 @@ def _run_iterations(cfg: RunConfig, store: ArtifactStore, first: int, last: int,
 
             def finish(run: IterationThread) -> None:
                 open_.remove(run)
-                records.finished(run, last)
+                records.finished(run)
 
             try:
                 evaluating: IterationThread | None = None  # an iteration whose eval may still run

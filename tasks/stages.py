@@ -404,7 +404,7 @@ def score_round(cfg: ConfigView, table: pa.Table) -> StageOutput:
     rows = table.select(["response_text", "ground_truth", "data_source", "extra_info"]).to_pylist()
     r, rm_on = cfg.reward, cfg.reward_model.enable
     # A row whose agent function gave its own reward needs no rule (an OpenEnv episode has none); with a reward model,
-    # neither does a row whose source has no rule.
+    # neither does a row whose source has no rule. Rollouts stored before agent rewards have no column.
     given = table.column("agent_reward").to_pylist() if "agent_reward" in table.column_names else [None] * len(rows)
     wanted = [g is None and (not rm_on or rewards.has_rule(row["data_source"], r.function, r.by_data_source)) for g, row in zip(given, rows, strict=True)]
     ruled = rule_results(cfg, rows, wanted)
@@ -413,7 +413,7 @@ def score_round(cfg: ConfigView, table: pa.Table) -> StageOutput:
     if ob.enable:  # DAPO's, measured against the longest response a rollout can produce
         longest = cfg.agent.max_response_tokens if cfg.agent.enable else cfg.rollout.max_new_tokens
         overlong = tables.Overlong(ob.len, ob.penalty_factor, longest)
-    out = tables.rewards(table, ruled, rm, cfg.reward_model.combine if rm_on else None, overlong)
+    out = tables.rewards(table, given, ruled, rm, cfg.reward_model.combine if rm_on else None, overlong)
     return StageOutput(tables=out.tables, metrics=out.metrics)
 
 
